@@ -1,0 +1,40 @@
+# Tandem: `make run` starts the platform, `make test` runs the whole suite. Both install first.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+export TANDEM_DATA_DIR ?= $(CURDIR)/data
+export BENTOML_HOME ?= $(CURDIR)/data/bentoml
+export DAGSTER_HOME ?= $(CURDIR)/data/dagster
+
+.PHONY: install run demo test lint unit format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+run: install
+	$(BIN)/tandem demo
+
+demo: run
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/pytest
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Dagster software-defined assets: thin adapters over `inference/` (the batch path)."""

@@ -1,0 +1,156 @@
+"""The Predictor interface both paths use: a frame in, one result or one rejection per row out.
+
+Validation, history, features, the forward pass and per-item isolation live here once. The batch
+path calls it with a whole chunk and in-memory history; the service with an adaptive batch and
+history fetched from the store. What differs between the paths is only how they call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import polars as pl
+
+from inference.features import FeatureBatch, build_features
+from inference.model import RiskModel, score_batch
+from inference.records import RejectReason, hash_inputs, validate
+
+# One row per input row, in input order.
+RESULT_SCHEMA: dict[str, pl.DataType] = {
+    "transaction_id": pl.String(),
+    "score": pl.Float64(),
+    "reject_reason": pl.String(),
+    "reject_detail": pl.String(),
+    "input_hash": pl.String(),
+}
+
+
+class HistorySource(Protocol):
+    """Where an account's earlier transactions come from: a frame in memory, or the store."""
+
+    def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
+        """Valid rows (RAW columns + event_ts) holding at least each target's last
+        `history_length` earlier rows of its account."""
+        ...
+
+
+class FrameHistory:
+    """History from a frame already in memory (a partition, or a test's fixture), validated once."""
+
+    def __init__(self, frame: pl.DataFrame) -> None:
+        checked = frame if "reject_reason" in frame.columns else validate(frame)
+        self.valid_rows = checked.filter(pl.col("reject_reason").is_null())
+
+    def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
+        return self.valid_rows
+
+
+class Predictor(Protocol):
+    model_version: str
+
+    def predict(self, frame: pl.DataFrame, history: HistorySource) -> pl.DataFrame:
+        """Score a RAW_SCHEMA frame; returns RESULT_SCHEMA, one row per input row."""
+        ...
+
+
+ForwardFn = Callable[[FeatureBatch], np.ndarray]
+
+
+@dataclass
+class TorchPredictor:
+    """The one Predictor implementation, over a RiskModel.
+
+    `forward_batch_size` bounds the tensor size of one forward call; the batch path uses large
+    values (throughput), the service scores whatever its adaptive batch holds.
+    """
+
+    model: RiskModel
+    model_version: str
+    history_length: int
+    forward_batch_size: int = 4096
+    forward: ForwardFn | None = None
+
+    def _forward(self, features: FeatureBatch) -> np.ndarray:
+        if self.forward is not None:
+            return self.forward(features)
+        return score_batch(self.model, features)
+
+    def predict(self, frame: pl.DataFrame, history: HistorySource) -> pl.DataFrame:
+        checked = validate(frame)
+        checked = checked.with_columns(hash_inputs(checked))
+        scores = np.full(checked.height, np.nan)
+        reasons: list[str | None] = checked["reject_reason"].to_list()
+        details: list[str | None] = [
+            None if reason is None else describe_rejection(reason, row)
+            for reason, row in zip(reasons, checked.iter_rows(named=True), strict=True)
+        ]
+        valid_positions = np.flatnonzero(checked["reject_reason"].is_null().to_numpy())
+        if valid_positions.size:
+            valid = checked[valid_positions]
+            features = build_features(valid, history.history_for(valid, self.history_length), self.history_length)
+            for start in range(0, len(features), self.forward_batch_size):
+                part = features.slice(start, start + self.forward_batch_size)
+                part_scores, failures = self.score_isolated(part)
+                for offset, failure in failures.items():
+                    position = int(valid_positions[start + offset])
+                    reasons[position] = failure[0].value
+                    details[position] = failure[1]
+                scores[valid_positions[start : start + len(part)]] = part_scores
+        return pl.DataFrame(
+            {
+                "transaction_id": checked["transaction_id"],
+                "score": pl.Series(scores).fill_nan(None),
+                "reject_reason": pl.Series(reasons, dtype=pl.String),
+                "reject_detail": pl.Series(details, dtype=pl.String),
+                "input_hash": checked["input_hash"],
+            },
+            schema=RESULT_SCHEMA,
+        ).with_columns(score=pl.when(pl.col("reject_reason").is_null()).then(pl.col("score")))
+
+    def score_isolated(self, features: FeatureBatch) -> tuple[np.ndarray, dict[int, tuple[RejectReason, str]]]:
+        """Scores for a batch where one bad item fails only itself.
+
+        A failed forward is bisected until the failing items are alone, so k poison items cost
+        O(k log n) extra forwards and every other item still gets its score. A non-finite score
+        fails only its own item.
+        """
+        scores = np.full(len(features), np.nan)
+        failures: dict[int, tuple[RejectReason, str]] = {}
+        pending = [(0, len(features))]
+        while pending:
+            start, stop = pending.pop()
+            try:
+                scores[start:stop] = self._forward(features.slice(start, stop))
+            except Exception as error:  # noqa: BLE001 - any model failure is isolated, then reported
+                if stop - start == 1:
+                    failures[start] = (RejectReason.MODEL_ERROR, f"{type(error).__name__}: {error}"[:500])
+                else:
+                    middle = (start + stop) // 2
+                    pending += [(start, middle), (middle, stop)]
+        for position in np.flatnonzero(~np.isfinite(scores) | (scores < 0) | (scores > 1)):
+            if int(position) not in failures:
+                failures[int(position)] = (RejectReason.NONFINITE_SCORE, f"model returned {scores[position]!r}")
+        scores[list(failures)] = np.nan
+        return scores, failures
+
+
+def describe_rejection(reason: str, row: dict[str, object]) -> str:
+    """A human sentence for a validation reason, naming the offending value."""
+    field = {
+        RejectReason.MISSING_FIELD: "transaction_id/account_id",
+        RejectReason.DUPLICATE_ID: "transaction_id",
+        RejectReason.BAD_CURRENCY: "currency",
+        RejectReason.AMOUNT_NOT_FINITE: "amount",
+        RejectReason.AMOUNT_NEGATIVE: "amount",
+        RejectReason.AMOUNT_ABSURD: "amount",
+        RejectReason.UNKNOWN_CATEGORY: "merchant_category",
+        RejectReason.UNKNOWN_COUNTRY: "country",
+        RejectReason.TIMESTAMP_MISSING: "event_time",
+        RejectReason.TIMESTAMP_UNPARSABLE: "event_time",
+    }.get(RejectReason(reason), "record")
+    if field == "transaction_id/account_id":
+        return f"{reason}: transaction_id={row.get('transaction_id')!r} account_id={row.get('account_id')!r}"
+    return f"{reason}: {field}={row.get(field)!r}"

@@ -1,0 +1,197 @@
+"""Deterministic demo data: accounts with histories, a learnable fraud signal, realistic poison.
+
+Each day is generated from its own seed (seed, day), so one day can be regenerated alone and comes
+out identical to the same day inside a long range; that is what makes partition reruns comparable.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+
+import numpy as np
+import polars as pl
+
+from inference.records import (
+    COUNTRIES,
+    CURRENCIES,
+    MERCHANT_CATEGORIES,
+    RAW_COLUMNS,
+    RejectReason,
+)
+
+RISKY_CATEGORIES = ("electronics", "jewelry", "gift_cards", "crypto_exchange", "money_transfer", "gambling")
+HOME_CURRENCY = {
+    "US": "USD",
+    "CA": "CAD",
+    "GB": "GBP",
+    "JP": "JPY",
+    "CH": "CHF",
+    "AU": "AUD",
+    "SE": "SEK",
+}
+BASE_FRAUD_RATE = 0.02
+
+
+class PoisonKind(enum.StrEnum):
+    BAD_CURRENCY = "bad_currency"
+    NAN_AMOUNT = "nan_amount"
+    NEGATIVE_AMOUNT = "negative_amount"
+    ABSURD_AMOUNT = "absurd_amount"
+    UNKNOWN_CATEGORY = "unknown_category"
+    MISSING_TIMESTAMP = "missing_timestamp"
+    UNPARSABLE_TIMESTAMP = "unparsable_timestamp"
+    DUPLICATE_ID = "duplicate_id"
+
+
+EXPECTED_REASON: dict[PoisonKind, RejectReason] = {
+    PoisonKind.BAD_CURRENCY: RejectReason.BAD_CURRENCY,
+    PoisonKind.NAN_AMOUNT: RejectReason.AMOUNT_NOT_FINITE,
+    PoisonKind.NEGATIVE_AMOUNT: RejectReason.AMOUNT_NEGATIVE,
+    PoisonKind.ABSURD_AMOUNT: RejectReason.AMOUNT_ABSURD,
+    PoisonKind.UNKNOWN_CATEGORY: RejectReason.UNKNOWN_CATEGORY,
+    PoisonKind.MISSING_TIMESTAMP: RejectReason.TIMESTAMP_MISSING,
+    PoisonKind.UNPARSABLE_TIMESTAMP: RejectReason.TIMESTAMP_UNPARSABLE,
+    PoisonKind.DUPLICATE_ID: RejectReason.DUPLICATE_ID,
+}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    seed: int = 7
+    rows_per_day: int = 20_000
+    poison_rate: float = 0.01
+    accounts: int | None = None  # None: one account per ten daily rows
+
+    @property
+    def account_count(self) -> int:
+        return self.accounts if self.accounts is not None else max(50, self.rows_per_day // 10)
+
+
+@dataclass(frozen=True)
+class _Accounts:
+    home_country: np.ndarray
+    home_currency: np.ndarray
+    log_amount_mean: np.ndarray
+    favourite_categories: np.ndarray  # (n, 3) indices into MERCHANT_CATEGORIES
+    activity: np.ndarray  # sampling weights
+
+
+def _accounts(config: DemoConfig) -> _Accounts:
+    rng = np.random.default_rng([config.seed, 0])
+    n = config.account_count
+    home = rng.choice(len(COUNTRIES), size=n, p=_country_weights())
+    currency = np.array([CURRENCIES.index(HOME_CURRENCY.get(COUNTRIES[c], "EUR")) for c in home], dtype=np.int64)
+    activity = rng.pareto(2.0, size=n) + 0.2
+    return _Accounts(
+        home_country=home,
+        home_currency=currency,
+        log_amount_mean=rng.normal(3.3, 0.8, size=n),
+        favourite_categories=rng.choice(len(MERCHANT_CATEGORIES), size=(n, 3)),
+        activity=activity / activity.sum(),
+    )
+
+
+def _country_weights() -> np.ndarray:
+    weights = np.ones(len(COUNTRIES))
+    for common in ("US", "GB", "DE", "FR", "CA"):
+        weights[COUNTRIES.index(common)] = 6.0
+    return weights / weights.sum()
+
+
+def generate_day(day: date, config: DemoConfig) -> pl.DataFrame:
+    """One day's source records in RAW_SCHEMA order, plus `label_fraud` and `poison_kind`."""
+    accounts = _accounts(config)
+    rng = np.random.default_rng([config.seed, day.toordinal()])
+    n = config.rows_per_day
+    account = rng.choice(config.account_count, size=n, p=accounts.activity)
+    is_fraud = rng.random(n) < BASE_FRAUD_RATE
+
+    seconds = np.sort(rng.uniform(0, 86_400, size=n))
+    night = rng.uniform(0, 5 * 3600, size=n)
+    seconds = np.where(is_fraud & (rng.random(n) < 0.5), night, seconds)
+
+    favourite = accounts.favourite_categories[account, rng.integers(0, 3, size=n)]
+    habitual = np.where(rng.random(n) < 0.8, favourite, rng.integers(0, len(MERCHANT_CATEGORIES), n))
+    risky = np.array([MERCHANT_CATEGORIES.index(c) for c in RISKY_CATEGORIES])[
+        rng.integers(0, len(RISKY_CATEGORIES), size=n)
+    ]
+    category = np.where(is_fraud & (rng.random(n) < 0.7), risky, habitual)
+
+    home = accounts.home_country[account]
+    abroad = rng.integers(0, len(COUNTRIES), size=n)
+    travelling = rng.random(n) < np.where(is_fraud, 0.7, 0.05)
+    country = np.where(travelling, abroad, home)
+
+    currency = np.where(rng.random(n) < 0.97, accounts.home_currency[account], rng.integers(0, len(CURRENCIES), n))
+    amount = np.exp(rng.normal(accounts.log_amount_mean[account], 0.5))
+    amount = np.where(is_fraud, amount * rng.uniform(4.0, 20.0, size=n), amount)
+    amount = np.round(amount, 2)
+
+    midnight = datetime(day.year, day.month, day.day, tzinfo=UTC)
+    event_us = (midnight.timestamp() * 1e6 + seconds * 1e6).astype(np.int64)
+    frame = pl.DataFrame(
+        {
+            "transaction_id": pl.Series(np.arange(n)).cast(pl.String).str.zfill(7),
+            "account_id": pl.Series(account).cast(pl.String).str.zfill(6),
+            "amount": amount,
+            "currency": pl.Series(CURRENCIES).gather(currency),
+            "merchant_category": pl.Series(MERCHANT_CATEGORIES).gather(category),
+            "country": pl.Series(COUNTRIES).gather(country),
+            "event_time": pl.Series(event_us).cast(pl.Datetime("us", "UTC")).dt.strftime("%Y-%m-%dT%H:%M:%S.%6fZ"),
+            "label_fraud": is_fraud.astype(np.int8),
+        }
+    ).with_columns(
+        transaction_id=pl.lit(f"tx-{day:%Y%m%d}-") + pl.col("transaction_id"),
+        account_id=pl.lit("acct-") + pl.col("account_id"),
+    )
+    return _poison(frame, rng, config.poison_rate)
+
+
+def _poison(frame: pl.DataFrame, rng: np.random.Generator, rate: float) -> pl.DataFrame:
+    n = frame.height
+    count = min(round(n * rate), n - 1)
+    if count <= 0:
+        return frame.with_columns(poison_kind=pl.lit(None, dtype=pl.String))
+    # Index 0 never gets poisoned so a duplicated id always has an earlier original to copy.
+    rows = np.sort(rng.choice(np.arange(1, n), size=count, replace=False))
+    kinds = np.array([kind.value for kind in PoisonKind])[np.arange(count) % len(PoisonKind)]
+    columns = {name: frame[name].clone() for name in RAW_COLUMNS}
+
+    def rows_of(kind: PoisonKind) -> np.ndarray:
+        return rows[kinds == kind.value]
+
+    def put(column: str, kind: PoisonKind, values: list[object] | np.ndarray) -> None:
+        where = rows_of(kind)
+        if where.size:
+            columns[column] = columns[column].scatter(where, pl.Series(values, dtype=columns[column].dtype))
+
+    def cycle(options: tuple[object, ...], size: int) -> list[object]:
+        return [options[i % len(options)] for i in range(size)]
+
+    put("currency", PoisonKind.BAD_CURRENCY, cycle(("XXX", "usd", "US$", ""), rows_of(PoisonKind.BAD_CURRENCY).size))
+    put("amount", PoisonKind.NAN_AMOUNT, np.full(rows_of(PoisonKind.NAN_AMOUNT).size, np.nan))
+    put("amount", PoisonKind.NEGATIVE_AMOUNT, -frame["amount"].to_numpy()[rows_of(PoisonKind.NEGATIVE_AMOUNT)] - 0.01)
+    put("amount", PoisonKind.ABSURD_AMOUNT, np.full(rows_of(PoisonKind.ABSURD_AMOUNT).size, 3.7e9))
+    put("merchant_category", PoisonKind.UNKNOWN_CATEGORY, ["teleportation"] * rows_of(PoisonKind.UNKNOWN_CATEGORY).size)
+    put("event_time", PoisonKind.MISSING_TIMESTAMP, [None] * rows_of(PoisonKind.MISSING_TIMESTAMP).size)
+    put(
+        "event_time",
+        PoisonKind.UNPARSABLE_TIMESTAMP,
+        cycle(("31/11/2026 25:61", "yesterday", "2026-13-45T99:00:00Z"), rows_of(PoisonKind.UNPARSABLE_TIMESTAMP).size),
+    )
+    duplicates = rows_of(PoisonKind.DUPLICATE_ID)
+    originals = (rng.random(duplicates.size) * duplicates).astype(np.int64)
+    put("transaction_id", PoisonKind.DUPLICATE_ID, frame["transaction_id"].gather(originals).to_list())
+
+    poison_kind = pl.Series("poison_kind", [None] * n, dtype=pl.String).scatter(rows, pl.Series(kinds))
+    return pl.DataFrame(columns).with_columns(label_fraud=frame["label_fraud"], poison_kind=poison_kind)
+
+
+def day_range(start: date, days: int) -> list[date]:
+    return [start + timedelta(days=offset) for offset in range(days)]
+
+
+def generate_days(start: date, days: int, config: DemoConfig) -> pl.DataFrame:
+    return pl.concat([generate_day(day, config) for day in day_range(start, days)])

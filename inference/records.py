@@ -1,0 +1,287 @@
+"""The transaction record: one schema for frames, one model for a single record, one validator.
+
+Validation never raises for the whole frame: every row gets either no reason (valid) or exactly one
+reason code, the first rule it breaks in `REASON_ORDER`, so a quarantine row says why precisely.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CURRENCIES: tuple[str, ...] = ("USD", "EUR", "GBP", "JPY", "CHF", "CAD", "AUD", "SEK")
+# Converting to one unit makes amounts comparable across an account's history.
+USD_PER_UNIT: dict[str, float] = {
+    "USD": 1.0,
+    "EUR": 1.08,
+    "GBP": 1.27,
+    "JPY": 0.0067,
+    "CHF": 1.13,
+    "CAD": 0.73,
+    "AUD": 0.66,
+    "SEK": 0.095,
+}
+MERCHANT_CATEGORIES: tuple[str, ...] = (
+    "grocery",
+    "restaurant",
+    "fuel",
+    "pharmacy",
+    "clothing",
+    "travel",
+    "hotel",
+    "airline",
+    "entertainment",
+    "utilities",
+    "telecom",
+    "insurance",
+    "education",
+    "health",
+    "home_improvement",
+    "sporting_goods",
+    "electronics",
+    "jewelry",
+    "gift_cards",
+    "crypto_exchange",
+    "money_transfer",
+    "gambling",
+    "subscription",
+    "marketplace",
+)
+COUNTRIES: tuple[str, ...] = (
+    "US",
+    "CA",
+    "MX",
+    "GB",
+    "IE",
+    "FR",
+    "DE",
+    "NL",
+    "BE",
+    "ES",
+    "IT",
+    "PT",
+    "CH",
+    "AT",
+    "SE",
+    "NO",
+    "DK",
+    "FI",
+    "PL",
+    "JP",
+    "AU",
+    "NZ",
+    "SG",
+    "BR",
+    "NG",
+    "RU",
+)
+# An amount above this is a unit or parsing error upstream, not a purchase.
+MAX_PLAUSIBLE_AMOUNT = 1_000_000.0
+ID_MAX_LENGTH = 64
+
+
+class RejectReason(enum.StrEnum):
+    """Why a record was quarantined (validation) or failed scoring (model stage)."""
+
+    MISSING_FIELD = "missing_field"
+    DUPLICATE_ID = "duplicate_id"
+    BAD_CURRENCY = "bad_currency"
+    AMOUNT_NOT_FINITE = "amount_not_finite"
+    AMOUNT_NEGATIVE = "amount_negative"
+    AMOUNT_ABSURD = "amount_absurd"
+    UNKNOWN_CATEGORY = "unknown_category"
+    UNKNOWN_COUNTRY = "unknown_country"
+    TIMESTAMP_MISSING = "timestamp_missing"
+    TIMESTAMP_UNPARSABLE = "timestamp_unparsable"
+    MODEL_ERROR = "model_error"
+    NONFINITE_SCORE = "nonfinite_score"
+
+
+# The order rules are checked in, so a row breaking several rules always gets the same reason.
+REASON_ORDER: tuple[RejectReason, ...] = (
+    RejectReason.MISSING_FIELD,
+    RejectReason.DUPLICATE_ID,
+    RejectReason.BAD_CURRENCY,
+    RejectReason.AMOUNT_NOT_FINITE,
+    RejectReason.AMOUNT_NEGATIVE,
+    RejectReason.AMOUNT_ABSURD,
+    RejectReason.UNKNOWN_CATEGORY,
+    RejectReason.UNKNOWN_COUNTRY,
+    RejectReason.TIMESTAMP_MISSING,
+    RejectReason.TIMESTAMP_UNPARSABLE,
+)
+
+# Source records as they arrive: event_time stays text because a source may send anything.
+RAW_SCHEMA: dict[str, pl.DataType] = {
+    "transaction_id": pl.String(),
+    "account_id": pl.String(),
+    "amount": pl.Float64(),
+    "currency": pl.String(),
+    "merchant_category": pl.String(),
+    "country": pl.String(),
+    "event_time": pl.String(),
+}
+RAW_COLUMNS: tuple[str, ...] = tuple(RAW_SCHEMA)
+EVENT_TS_DTYPE = pl.Datetime("us", "UTC")
+
+
+class Transaction(BaseModel):
+    """One record, for the online path: the same field names as the `transactions` table."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+
+    transaction_id: str = Field(min_length=1, max_length=ID_MAX_LENGTH)
+    account_id: str = Field(min_length=1, max_length=ID_MAX_LENGTH)
+    amount: float = Field(ge=0.0, le=MAX_PLAUSIBLE_AMOUNT, allow_inf_nan=False)
+    currency: str = Field(min_length=3, max_length=3, pattern=r"^[A-Z]{3}$")
+    merchant_category: str = Field(min_length=1, max_length=64)
+    country: str = Field(min_length=2, max_length=2, pattern=r"^[A-Z]{2}$")
+    event_time: datetime
+
+    @field_validator("currency")
+    @classmethod
+    def _known_currency(cls, value: str) -> str:
+        if value not in USD_PER_UNIT:
+            raise ValueError(f"unsupported currency {value!r}; expected one of {sorted(CURRENCIES)}")
+        return value
+
+    @field_validator("merchant_category")
+    @classmethod
+    def _known_category(cls, value: str) -> str:
+        if value not in MERCHANT_CATEGORIES:
+            raise ValueError(f"unknown merchant_category {value!r}")
+        return value
+
+    @field_validator("country")
+    @classmethod
+    def _known_country(cls, value: str) -> str:
+        if value not in COUNTRIES:
+            raise ValueError(f"unknown country {value!r}")
+        return value
+
+    @field_validator("event_time")
+    @classmethod
+    def _aware_utc(cls, value: datetime) -> datetime:
+        if value.tzinfo is None:
+            raise ValueError("event_time must carry a timezone offset (e.g. 2026-11-01T12:00:00Z)")
+        return value.astimezone(UTC)
+
+    def to_raw(self) -> dict[str, Any]:
+        raw = self.model_dump()
+        raw["event_time"] = format_event_time(self.event_time)
+        return raw
+
+
+def format_event_time(moment: datetime) -> str:
+    """Canonical text form, so the same instant always hashes and sorts the same."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def empty_raw_frame() -> pl.DataFrame:
+    return pl.DataFrame(schema=RAW_SCHEMA)
+
+
+def raw_frame(records: list[dict[str, Any]]) -> pl.DataFrame:
+    """Build a frame in RAW_SCHEMA from dicts without letting one odd value fail the frame."""
+    columns: dict[str, list[Any]] = {name: [] for name in RAW_COLUMNS}
+    for record in records:
+        for name in RAW_COLUMNS:
+            columns[name].append(record.get(name))
+    columns["amount"] = [_as_float(value) for value in columns["amount"]]
+    for name in RAW_COLUMNS:
+        if name != "amount":
+            columns[name] = [None if value is None else str(value) for value in columns[name]]
+    return pl.DataFrame(columns, schema=RAW_SCHEMA)
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def parse_event_time(column: pl.Expr) -> pl.Expr:
+    """ISO-8601 text with an offset to UTC datetime; anything else becomes null."""
+    return column.str.to_datetime(format="%Y-%m-%dT%H:%M:%S%.f%#z", strict=False, time_unit="us", time_zone="UTC")
+
+
+def validate(frame: pl.DataFrame) -> pl.DataFrame:
+    """Return `frame` plus `event_ts` (parsed) and `reject_reason` (null if valid).
+
+    `frame` needs the RAW_SCHEMA columns; any others (labels, partition keys) are carried along.
+
+    Duplicated ids: the first occurrence is kept, every later one is rejected, so a frame's valid
+    rows always have unique ids.
+    """
+    checked = frame.with_columns(event_ts=parse_event_time(pl.col("event_time")))
+    amount = pl.col("amount")
+    rules: dict[RejectReason, pl.Expr] = {
+        RejectReason.MISSING_FIELD: pl.col("transaction_id").is_null()
+        | pl.col("account_id").is_null()
+        | (pl.col("transaction_id").str.len_chars() == 0)
+        | (pl.col("account_id").str.len_chars() == 0)
+        | (pl.col("transaction_id").str.len_chars() > ID_MAX_LENGTH)
+        | (pl.col("account_id").str.len_chars() > ID_MAX_LENGTH),
+        RejectReason.DUPLICATE_ID: pl.col("transaction_id").is_not_null()
+        & (pl.int_range(pl.len()).over("transaction_id") > 0),
+        RejectReason.BAD_CURRENCY: ~pl.col("currency").is_in(list(CURRENCIES)).fill_null(False),
+        RejectReason.AMOUNT_NOT_FINITE: amount.is_null() | ~amount.is_finite().fill_null(False),
+        RejectReason.AMOUNT_NEGATIVE: amount < 0,
+        RejectReason.AMOUNT_ABSURD: amount > MAX_PLAUSIBLE_AMOUNT,
+        RejectReason.UNKNOWN_CATEGORY: ~pl.col("merchant_category").is_in(list(MERCHANT_CATEGORIES)).fill_null(False),
+        RejectReason.UNKNOWN_COUNTRY: ~pl.col("country").is_in(list(COUNTRIES)).fill_null(False),
+        RejectReason.TIMESTAMP_MISSING: pl.col("event_time").is_null() | (pl.col("event_time").str.strip_chars() == ""),
+        RejectReason.TIMESTAMP_UNPARSABLE: pl.col("event_ts").is_null(),
+    }
+    reason: pl.Expr = pl.lit(None, dtype=pl.String)
+    for code in reversed(REASON_ORDER):
+        reason = pl.when(rules[code].fill_null(False)).then(pl.lit(code.value)).otherwise(reason)
+    return checked.with_columns(reject_reason=reason)
+
+
+def split_valid(frame: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(valid rows with event_ts, rejected rows with reject_reason) from a RAW_SCHEMA frame."""
+    checked = validate(frame)
+    valid = checked.filter(pl.col("reject_reason").is_null()).drop("reject_reason")
+    rejected = checked.filter(pl.col("reject_reason").is_not_null())
+    return valid, rejected
+
+
+def input_hash_expr() -> pl.Expr:
+    """The canonical text of a record's contents, hashed by `hash_inputs`."""
+    event = (
+        pl.when(pl.col("event_ts").is_not_null())
+        .then(pl.col("event_ts").dt.strftime("%Y-%m-%dT%H:%M:%S.%6fZ"))
+        .otherwise(pl.col("event_time"))
+    )
+    return pl.concat_str(
+        [
+            pl.col("transaction_id").fill_null("\\N"),
+            pl.col("account_id").fill_null("\\N"),
+            pl.col("amount").cast(pl.String).fill_null("\\N"),
+            pl.col("currency").fill_null("\\N"),
+            pl.col("merchant_category").fill_null("\\N"),
+            pl.col("country").fill_null("\\N"),
+            event.fill_null("\\N"),
+        ],
+        separator="\x1f",
+    )
+
+
+def hash_inputs(frame: pl.DataFrame) -> pl.Series:
+    """sha256 of each row's canonical contents; polars' own hash is not stable across versions."""
+    canonical = frame.select(input_hash_expr().alias("canonical"))["canonical"]
+    return pl.Series(
+        "input_hash",
+        [hashlib.sha256(text.encode()).hexdigest()[:32] for text in canonical.to_list()],
+        dtype=pl.String,
+    )

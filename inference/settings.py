@@ -1,0 +1,37 @@
+"""Runtime configuration, resolved from the environment when asked for, never at import time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TandemSettings(BaseSettings):
+    """One place for every knob; `DATABASE_URL` alone switches SQLite to PostgreSQL."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore", populate_by_name=True)
+
+    data_dir: Path = Field(default=Path("data"), description="Local state: SQLite file, outbox.")
+    database_url: str | None = Field(
+        default=None,
+        validation_alias="DATABASE_URL",
+        description="SQLAlchemy URL; unset means a SQLite file under data_dir.",
+    )
+    model_name: str = "risk_model"
+    history_length: int = Field(default=16, ge=1, le=256)
+    demo_seed: int = 7
+    demo_start_date: str = "2026-11-01"
+    demo_days: int = Field(default=7, ge=1)
+    demo_rows_per_day: int = Field(default=20_000, ge=1)
+    demo_poison_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'tandem.db').resolve()}"
+
+
+def get_settings() -> TandemSettings:
+    return TandemSettings()

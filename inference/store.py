@@ -1,0 +1,477 @@
+"""SQLAlchemy Core tables and every write the platform makes; the only module that speaks SQL.
+
+All statements are built with SQLAlchemy (parameterised). Writes are idempotent upserts keyed by
+the data contract's keys, never blind appends, so a retried or replayed write changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import io
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import UTC, date, datetime
+from typing import Any
+
+import polars as pl
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, hash_inputs
+
+metadata = sa.MetaData()
+
+
+class ResultPath(enum.StrEnum):
+    BATCH = "batch"
+    ONLINE = "online"
+
+
+class RejectStage(enum.StrEnum):
+    INGEST = "ingest"  # could not even be stored as a source record (no id, repeated id)
+    SCORE = "score"  # stored, then refused by validation or the model
+
+
+transactions = sa.Table(
+    "transactions",
+    metadata,
+    sa.Column("transaction_id", sa.Text, primary_key=True),
+    sa.Column("account_id", sa.Text, nullable=True),
+    sa.Column("amount", sa.Float(precision=53), nullable=True),
+    sa.Column("currency", sa.Text, nullable=True),
+    sa.Column("merchant_category", sa.Text, nullable=True),
+    sa.Column("country", sa.Text, nullable=True),
+    sa.Column("event_time", sa.Text, nullable=True, comment="as received from the source"),
+    sa.Column("event_ts", sa.DateTime(timezone=True), nullable=True, comment="event_time parsed, UTC"),
+    sa.Column("partition_date", sa.Date, nullable=False, comment="the source day; the Dagster partition"),
+    sa.Column("reject_reason", sa.Text, nullable=True, comment="validation result at ingest; null = valid"),
+    sa.Column("label_fraud", sa.SmallInteger, nullable=True, comment="ground truth where known (demo data)"),
+    sa.Column("input_hash", sa.Text, nullable=False),
+    sa.Column("ingested_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("ix_transactions_partition_date", "partition_date"),
+    sa.Index("ix_transactions_account_event", "account_id", "event_ts", "transaction_id"),
+)
+
+predictions = sa.Table(
+    "predictions",
+    metadata,
+    sa.Column("transaction_id", sa.Text, primary_key=True),
+    sa.Column("model_version", sa.Text, primary_key=True),
+    sa.Column("score", sa.Float(precision=53), nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("run_id", sa.Text, nullable=True, comment="Dagster run (batch)"),
+    sa.Column("partition_key", sa.Text, nullable=True, comment="Dagster partition (batch)"),
+    sa.Column("request_id", sa.Text, nullable=True, comment="HTTP request (online)"),
+    sa.Column("batch_id", sa.Text, nullable=True, comment="adaptive batch (online)"),
+    sa.Column("code_version", sa.Text, nullable=False),
+    sa.Column("input_hash", sa.Text, nullable=False),
+    sa.Column("idempotency_key", sa.Text, nullable=True),
+    sa.Column("produced_at", sa.DateTime(timezone=True), nullable=False),
+    sa.CheckConstraint("path IN ('batch', 'online')", name="ck_predictions_path"),
+    sa.Index("ix_predictions_partition_key", "partition_key"),
+    sa.Index("ix_predictions_idempotency_key", "idempotency_key"),
+)
+
+rejected_records = sa.Table(
+    "rejected_records",
+    metadata,
+    sa.Column("rejection_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("rejection_key", sa.Text, nullable=False, unique=True),
+    sa.Column("transaction_id", sa.Text, nullable=True),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("stage", sa.Text, nullable=False),
+    sa.Column("partition_key", sa.Text, nullable=True),
+    sa.Column("run_id", sa.Text, nullable=True),
+    sa.Column("request_id", sa.Text, nullable=True),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Column("payload", sa.Text, nullable=False, comment="the record as received, JSON"),
+    sa.Column("input_hash", sa.Text, nullable=False),
+    sa.Column("first_seen", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("last_seen", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("seen_count", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("resolved", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("resolved_at", sa.DateTime(timezone=True), nullable=True),
+    sa.CheckConstraint("path IN ('batch', 'online')", name="ck_rejected_records_path"),
+    sa.Index("ix_rejected_records_partition", "partition_key", "stage"),
+)
+
+PREDICTION_COLUMNS: tuple[str, ...] = tuple(c.name for c in predictions.columns)
+# SQLite's default host-parameter limit is 32766; stay well below it per statement.
+_SQLITE_ROWS_PER_STATEMENT = 500
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine with the settings each backend needs for concurrent writers."""
+    if url.startswith("sqlite"):
+        engine = sa.create_engine(url, connect_args={"timeout": 30}, **kwargs)
+
+        @sa.event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            # WAL lets readers see the previous partition while a merge transaction is open.
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return sa.create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _frame_from_rows(rows: Sequence[Any], schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    frame = pl.DataFrame([tuple(r) for r in rows], schema=schema, orient="row")
+    if "event_ts" in frame.columns:
+        frame = frame.with_columns(_as_utc(pl.col("event_ts")))
+    return frame
+
+
+def _as_utc(column: pl.Expr) -> pl.Expr:
+    # SQLite hands back naive datetimes; every stored instant is UTC.
+    return column.dt.replace_time_zone(None).dt.replace_time_zone("UTC")
+
+
+# ------------------------------------------------------------------ transactions
+def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date: date) -> int:
+    """Store a source day's validated rows (RAW + event_ts + reject_reason [+ label_fraud]).
+
+    A row whose contents changed (a correction) is updated and its `ingested_at` moves, which is
+    what the late-data sensor watches; re-sending identical rows changes nothing.
+    """
+    if checked.is_empty():
+        return 0
+    now = utc_now()
+    labels = checked["label_fraud"] if "label_fraud" in checked.columns else pl.Series([None] * checked.height)
+    frame = checked.select(
+        *RAW_COLUMNS,
+        "event_ts",
+        "reject_reason",
+        pl.Series("label_fraud", labels, dtype=pl.Int16),
+        hash_inputs(checked),
+    ).with_columns(
+        partition_date=pl.lit(partition_date, dtype=pl.Date),
+        ingested_at=pl.lit(now, dtype=EVENT_TS_DTYPE),
+    )
+    stmt_cols = [c.name for c in transactions.columns]
+    updatable = [c for c in stmt_cols if c != "transaction_id"]
+    return _merge(conn, transactions, frame.select(stmt_cols), ["transaction_id"], updatable, "input_hash")
+
+
+def read_partition_rows(conn: Connection, partition_date: date) -> pl.DataFrame:
+    """The stored source rows of one day, in a stable order (RAW + event_ts + label + hash)."""
+    stmt = (
+        sa.select(
+            *(transactions.c[name] for name in RAW_COLUMNS),
+            transactions.c.event_ts,
+            transactions.c.label_fraud,
+        )
+        .where(transactions.c.partition_date == partition_date)
+        .order_by(transactions.c.account_id, transactions.c.event_ts, transactions.c.transaction_id)
+    )
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16()}
+    return _frame_from_rows(conn.execute(stmt).all(), schema)
+
+
+def valid_rows_between(conn: Connection, start: date, end: date) -> pl.DataFrame:
+    """Valid stored rows with partition_date in [start, end), for training."""
+    stmt = sa.select(
+        *(transactions.c[name] for name in RAW_COLUMNS),
+        transactions.c.event_ts,
+        transactions.c.label_fraud,
+        transactions.c.partition_date,
+    ).where(
+        transactions.c.partition_date >= start,
+        transactions.c.partition_date < end,
+        transactions.c.reject_reason.is_(None),
+    )
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16(), "partition_date": pl.Date()}
+    return _frame_from_rows(conn.execute(stmt).all(), schema)
+
+
+def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
+    """For each target (account_id, event_ts, transaction_id): the valid stored rows of its account
+    that sort before it, at most `history_length` each. One indexed LIMIT query per target, so
+    the cost follows the request, never the account's total history."""
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE}
+    if targets.is_empty():
+        return pl.DataFrame(schema=schema)
+    columns = [*(transactions.c[name] for name in RAW_COLUMNS), transactions.c.event_ts]
+    t = transactions.c
+    per_target = []
+    for account_id, moment, transaction_id in targets.select("account_id", "event_ts", "transaction_id").iter_rows():
+        per_target.append(
+            sa.select(*columns)
+            .where(
+                t.account_id == account_id,
+                t.reject_reason.is_(None),
+                sa.or_(t.event_ts < moment, sa.and_(t.event_ts == moment, t.transaction_id < transaction_id)),
+            )
+            .order_by(t.event_ts.desc(), t.transaction_id.desc())
+            .limit(history_length)
+            .subquery()
+            .select()
+        )
+    stmt = per_target[0] if len(per_target) == 1 else sa.union_all(*per_target)
+    return _frame_from_rows(conn.execute(stmt).all(), schema).unique(
+        "transaction_id", keep="first", maintain_order=True
+    )
+
+
+def prior_history(conn: Connection, account_ids: Sequence[str], before: date, history_length: int) -> pl.DataFrame:
+    """The last `history_length` valid rows per account from days before `before` (batch path)."""
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE}
+    t = transactions.c
+    frames = []
+    for chunk in _chunks(list(account_ids), 1000):
+        ranked = (
+            sa.select(
+                *(t[name] for name in RAW_COLUMNS),
+                t.event_ts,
+                sa.func.row_number()
+                .over(partition_by=t.account_id, order_by=(t.event_ts.desc(), t.transaction_id.desc()))
+                .label("recency"),
+            )
+            .where(t.account_id.in_(chunk), t.partition_date < before, t.reject_reason.is_(None))
+            .subquery()
+        )
+        stmt = sa.select(*(ranked.c[name] for name in (*RAW_COLUMNS, "event_ts"))).where(
+            ranked.c.recency <= history_length
+        )
+        frames.append(_frame_from_rows(conn.execute(stmt).all(), schema))
+    return pl.concat(frames) if frames else pl.DataFrame(schema=schema)
+
+
+# ------------------------------------------------------------------ predictions
+def upsert_predictions(conn: Connection, rows: pl.DataFrame) -> int:
+    """Write prediction rows (columns of `predictions`) idempotently; returns rows changed.
+
+    Keyed by (transaction_id, model_version). An existing row is only rewritten when its
+    input changed (a corrected source record); a replay of the same input is a no-op, so
+    retries, reruns and concurrent duplicates never rewrite history or add rows.
+    """
+    if rows.is_empty():
+        return 0
+    frame = rows.select(PREDICTION_COLUMNS).unique(["transaction_id", "model_version"], keep="last")
+    updatable = [c for c in PREDICTION_COLUMNS if c not in ("transaction_id", "model_version")]
+    return _merge(conn, predictions, frame, ["transaction_id", "model_version"], updatable, "input_hash")
+
+
+def read_predictions(conn: Connection, **equal_to: Any) -> pl.DataFrame:
+    stmt = sa.select(predictions).order_by(predictions.c.transaction_id, predictions.c.model_version)
+    for name, value in equal_to.items():
+        stmt = stmt.where(predictions.c[name] == value)
+    schema: dict[str, pl.DataType] = {
+        c.name: (pl.Float64() if c.name == "score" else EVENT_TS_DTYPE if c.name == "produced_at" else pl.String())
+        for c in predictions.columns
+    }
+    frame = _frame_from_rows(conn.execute(stmt).all(), schema)
+    return frame.with_columns(_as_utc(pl.col("produced_at")))
+
+
+# ------------------------------------------------------------------ quarantine
+def quarantine(
+    conn: Connection,
+    rejected: pl.DataFrame,
+    *,
+    path: ResultPath,
+    stage: RejectStage,
+    partition_key: str | None = None,
+    run_id: str | None = None,
+    request_id: str | None = None,
+) -> int:
+    """Record rejected rows (RAW columns + reject_reason [+ reject_detail]) with their reason.
+
+    The same record rejected again for the same reason (a rerun) updates `last_seen` instead of
+    adding a row; a changed record is a new rejection.
+    """
+    if rejected.is_empty():
+        return 0
+    now = utc_now()
+    hashes = hash_inputs(rejected.with_columns(event_ts=pl.lit(None, dtype=EVENT_TS_DTYPE)))
+    details = rejected["reject_detail"].to_list() if "reject_detail" in rejected.columns else [None] * rejected.height
+    records = []
+    raw_rows = rejected.select(RAW_COLUMNS).to_dicts()
+    for raw, reason, detail, digest in zip(
+        raw_rows, rejected["reject_reason"].to_list(), details, hashes.to_list(), strict=True
+    ):
+        key = "|".join([path.value, stage.value, str(raw["transaction_id"]), str(reason), digest])
+        records.append(
+            {
+                "rejection_key": hashlib.sha256(key.encode()).hexdigest()[:40],
+                "transaction_id": raw["transaction_id"],
+                "path": path.value,
+                "stage": stage.value,
+                "partition_key": partition_key,
+                "run_id": run_id,
+                "request_id": request_id,
+                "reason": reason,
+                "detail": detail,
+                "payload": json.dumps(raw, sort_keys=True, default=str, allow_nan=True),
+                "input_hash": digest,
+                "first_seen": now,
+                "last_seen": now,
+                "seen_count": 1,
+                "resolved": False,
+                "resolved_at": None,
+            }
+        )
+    insert = _insert_for(conn, rejected_records)
+    stmt = insert.on_conflict_do_update(
+        index_elements=["rejection_key"],
+        set_={
+            "last_seen": insert.excluded.last_seen,
+            "seen_count": rejected_records.c.seen_count + 1,
+            "run_id": insert.excluded.run_id,
+        },
+    )
+    for chunk in _chunks(records, _SQLITE_ROWS_PER_STATEMENT):
+        conn.execute(stmt, chunk)
+    return len(records)
+
+
+def count_rejected(conn: Connection, *, partition_key: str, stage: RejectStage | None = None) -> int:
+    stmt = (
+        sa.select(sa.func.count())
+        .select_from(rejected_records)
+        .where(rejected_records.c.partition_key == partition_key)
+    )
+    if stage is not None:
+        stmt = stmt.where(rejected_records.c.stage == stage.value)
+    return int(conn.execute(stmt).scalar_one())
+
+
+# ------------------------------------------------------------------ merge machinery
+def _insert_for(conn: Connection, table: sa.Table) -> Any:
+    return postgresql.insert(table) if conn.dialect.name == "postgresql" else sqlite.insert(table)
+
+
+def _merge(
+    conn: Connection,
+    table: sa.Table,
+    frame: pl.DataFrame,
+    keys: list[str],
+    updatable: list[str],
+    change_column: str,
+) -> int:
+    """Upsert `frame` into `table`: insert new keys, update a key only when `change_column` differs.
+
+    PostgreSQL: COPY into a temporary staging table, then one INSERT ... SELECT ... ON CONFLICT in
+    key order (a fixed lock order, so concurrent merges cannot deadlock). SQLite: batched
+    INSERT ... ON CONFLICT DO UPDATE. Either way the caller's transaction decides atomicity.
+    """
+    if conn.dialect.name == "postgresql":
+        return _merge_postgres(conn, table, frame, keys, updatable, change_column)
+    insert = sqlite.insert(table)
+    stmt = insert.on_conflict_do_update(
+        index_elements=keys,
+        set_={name: insert.excluded[name] for name in updatable},
+        where=table.c[change_column] != insert.excluded[change_column],
+    )
+    changed = 0
+    for chunk in _chunks(_python_rows(frame), _SQLITE_ROWS_PER_STATEMENT):
+        changed += conn.execute(stmt, chunk).rowcount
+    return changed
+
+
+def _merge_postgres(
+    conn: Connection,
+    table: sa.Table,
+    frame: pl.DataFrame,
+    keys: list[str],
+    updatable: list[str],
+    change_column: str,
+) -> int:
+    # Identifiers below come from our own table metadata, never from input; values go through COPY.
+    staging = f"staging_{table.name}"
+    columns = list(frame.columns)
+    preparer = conn.dialect.identifier_preparer
+    quoted = ", ".join(preparer.quote(c) for c in columns)
+    conn.exec_driver_sql(
+        f"CREATE TEMPORARY TABLE IF NOT EXISTS {staging} "
+        f"(LIKE {preparer.quote(table.name)} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
+    )
+    conn.exec_driver_sql(f"TRUNCATE {staging}")
+    buffer = io.BytesIO()
+    frame.write_csv(buffer, include_header=False, null_value="\\N", datetime_format="%Y-%m-%dT%H:%M:%S.%6f%z")
+    driver_cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        with driver_cursor.copy(f"COPY {staging} ({quoted}) FROM STDIN WITH (FORMAT csv, NULL '\\N')") as copy:
+            copy.write(buffer.getvalue())
+    finally:
+        driver_cursor.close()
+    key_list = ", ".join(preparer.quote(k) for k in keys)
+    assignments = ", ".join(f"{preparer.quote(c)} = EXCLUDED.{preparer.quote(c)}" for c in updatable)
+    target = preparer.quote(table.name)
+    result = conn.exec_driver_sql(
+        f"INSERT INTO {target} ({quoted}) SELECT {quoted} FROM {staging} ORDER BY {key_list} "
+        f"ON CONFLICT ({key_list}) DO UPDATE SET {assignments} "
+        f"WHERE {target}.{preparer.quote(change_column)} IS DISTINCT FROM EXCLUDED.{preparer.quote(change_column)}"
+    )
+    return int(result.rowcount)
+
+
+def _python_rows(frame: pl.DataFrame) -> list[dict[str, Any]]:
+    return frame.to_dicts()
+
+
+def _chunks(items: Sequence[Any] | Iterable[Any], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class StoreHistory:
+    """History read from the `transactions` table, for callers that hold single records."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
+        with self.engine.connect() as conn:
+            return fetch_history(conn, targets, history_length)
+
+
+def delete_batch_predictions(
+    conn: Connection, *, partition_key: str, model_version: str, transaction_ids: list[str]
+) -> int:
+    """Drop batch predictions of records that a rerun now rejects (a correction made them invalid)."""
+    deleted = 0
+    for chunk in _chunks(transaction_ids, 1000):
+        deleted += conn.execute(
+            sa.delete(predictions).where(
+                predictions.c.partition_key == partition_key,
+                predictions.c.model_version == model_version,
+                predictions.c.path == ResultPath.BATCH.value,
+                predictions.c.transaction_id.in_(chunk),
+            )
+        ).rowcount
+    return deleted
+
+
+def stream_partition_rows(engine: Engine, partition_date: date, chunk_rows: int) -> Iterator[pl.DataFrame]:
+    """A day's stored rows in chunks, ordered by account so each account's rows are contiguous.
+
+    A server-side cursor keeps memory flat in the partition size (PostgreSQL); SQLite's cursor is
+    lazy already.
+    """
+    t = transactions.c
+    stmt = (
+        sa.select(*(t[name] for name in RAW_COLUMNS), t.event_ts, t.label_fraud)
+        .where(t.partition_date == partition_date)
+        .order_by(t.account_id, t.event_ts, t.transaction_id)
+    )
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16()}
+    with engine.connect() as conn:
+        result = conn.execution_options(stream_results=True, yield_per=chunk_rows).execute(stmt)
+        for rows in result.partitions(chunk_rows):
+            yield _frame_from_rows(rows, schema)

@@ -1,0 +1,1 @@
+"""Dagster composition root: Definitions, resources, partitions, schedules, sensors."""

@@ -1,0 +1,117 @@
+"""`tandem`: the command line. `tandem demo` runs the embedded platform end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from datetime import date
+
+from inference.batch import BatchProducer, ChunkProgress, ingest_day, score_partition
+from inference.contract import TorchPredictor
+from inference.demo import DemoConfig, day_range, generate_day
+from inference.migrate import upgrade
+from inference.model import ModelConfig
+from inference.settings import TandemSettings, get_settings
+from inference.store import make_engine
+from inference.training import train_from_store
+from tandem import modelstore
+from tandem.version import code_version
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_demo(settings: TandemSettings) -> dict[str, object]:
+    """generate -> ingest -> train + register -> score the last day -> upsert -> summary."""
+    started = time.perf_counter()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.resolved_database_url())
+    upgrade(engine)
+    demo = DemoConfig(
+        seed=settings.demo_seed, rows_per_day=settings.demo_rows_per_day, poison_rate=settings.demo_poison_rate
+    )
+    days = day_range(date.fromisoformat(settings.demo_start_date), settings.demo_days)
+
+    _say(f"[1/4] ingesting {len(days)} generated days x {demo.rows_per_day} rows into {engine.url!r}")
+    for day in days:
+        ingest = ingest_day(engine, generate_day(day, demo), day)
+        _say(
+            f"      {day}: {ingest.rows_stored} stored ({ingest.rows_changed} new or changed), "
+            f"{ingest.rejected_at_ingest} quarantined at ingest"
+        )
+
+    _say("[2/4] training the risk model (the last day is held out)")
+    config = ModelConfig(history_length=settings.history_length)
+    model, training = train_from_store(
+        engine, first_day=days[0], holdout_day=days[-1], config=config, seed=settings.demo_seed
+    )
+    tag = modelstore.register(model, training, name=settings.model_name, code_version=code_version())
+    modelstore.promote(tag)
+    _say(
+        f"      {tag}: AUC {training.auc:.4f} on {training.holdout_rows} held-out rows, "
+        f"{training.parameter_count:,} parameters, {training.flops_per_item / 1e6:.1f} MFLOP/item"
+    )
+
+    _say(f"[3/4] scoring {days[-1]} through inference/ (batch path)")
+    predictor = TorchPredictor(model=model, model_version=tag, history_length=settings.history_length)
+
+    def progress(chunk: ChunkProgress) -> None:
+        _say(f"      chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")
+
+    producer = BatchProducer(
+        run_id=f"cli-{uuid.uuid4().hex[:12]}", partition_key=days[-1].isoformat(), code_version=code_version()
+    )
+    scored = score_partition(
+        engine, predictor, days[-1], producer=producer, history_length=settings.history_length, on_chunk=progress
+    )
+    summary = {
+        "partition": days[-1].isoformat(),
+        "rows_in": scored.rows_in,
+        "scored": scored.scored,
+        "quarantined": scored.rejected,
+        "quarantined_by_reason": dict(sorted(scored.rejected_by_reason.items())),
+        "model_version": tag,
+        "auc": round(training.auc, 4),
+        "rows_per_second": round(scored.rows_per_second),
+        "seconds_total": round(time.perf_counter() - started, 1),
+    }
+    _say("[4/4] summary")
+    _say(json.dumps(summary, indent=2))
+    engine.dispose()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("demo", help="generate, train, score one day, print a summary")
+    models = commands.add_parser("models", help="model versions and the production pointer")
+    model_commands = models.add_subparsers(dest="action", required=True)
+    model_commands.add_parser("list")
+    promote = model_commands.add_parser("promote")
+    promote.add_argument("tag")
+    model_commands.add_parser("rollback")
+    args = parser.parse_args(argv)
+
+    settings = get_settings()
+    if args.command == "demo":
+        run_demo(settings)
+    elif args.action == "list":
+        current = modelstore.production_tag(settings.model_name)
+        for version in modelstore.versions(settings.model_name):
+            marker = "*" if version.tag == current else " "
+            _say(f"{marker} {version.tag}  created {version.created_at}  auc={version.metadata.get('auc')}")
+    elif args.action == "promote":
+        modelstore.promote(args.tag)
+        _say(f"production -> {modelstore.production_tag(settings.model_name)}")
+    elif args.action == "rollback":
+        _say(f"production -> {modelstore.rollback(settings.model_name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

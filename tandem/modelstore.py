@@ -1,0 +1,117 @@
+"""Model versions in the BentoML model store, and the production pointer beside it.
+
+BentoML's store has versioned tags but no notion of "the version in production", so the pointer
+is a small JSON file in BENTOML_HOME, replaced atomically; its history makes rollback the same
+move backwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import bentoml
+from bentoml._internal.configuration.containers import BentoMLContainer
+
+from inference.model import RiskModel, TrainingReport, load_model, save_model
+
+MODEL_LABELS = {"owner": "tandem", "framework": "torch-state-dict"}
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    tag: str
+    metadata: dict[str, Any]
+    created_at: str
+
+
+def register(model: RiskModel, report: TrainingReport, *, name: str, code_version: str) -> str:
+    """Save a trained model as a new version (state_dict + config); returns its tag."""
+    with bentoml.models.create(
+        name,
+        labels=MODEL_LABELS,
+        metadata={
+            "auc": report.auc,
+            "parameter_count": report.parameter_count,
+            "flops_per_item": report.flops_per_item,
+            "train_rows": report.train_rows,
+            "holdout_rows": report.holdout_rows,
+            "epochs": report.epochs,
+            "code_version": code_version,
+        },
+    ) as stored:
+        save_model(model, Path(stored.path))
+    return str(stored.tag)
+
+
+def load(tag: str) -> RiskModel:
+    return load_model(Path(bentoml.models.get(tag).path))
+
+
+def versions(name: str) -> list[ModelVersion]:
+    found = [
+        ModelVersion(str(m.tag), dict(m.info.metadata), m.info.creation_time.isoformat())
+        for m in bentoml.models.list(name)
+    ]
+    return sorted(found, key=lambda v: v.created_at)
+
+
+def _pointer_file(name: str) -> Path:
+    return Path(BentoMLContainer.bentoml_home.get()) / "tandem" / f"{name}.production.json"
+
+
+def _read_pointer(name: str) -> dict[str, Any]:
+    path = _pointer_file(name)
+    if not path.exists():
+        return {"current": None, "previous": []}
+    return dict(json.loads(path.read_text()))
+
+
+def _write_pointer(name: str, pointer: dict[str, Any]) -> None:
+    path = _pointer_file(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".pointer-")
+    with os.fdopen(handle, "w") as stream:
+        json.dump(pointer, stream)
+    # Atomic on POSIX: a reader sees the old pointer or the new one, never a torn file.
+    os.replace(temporary, path)
+
+
+def production_tag(name: str) -> str | None:
+    current = _read_pointer(name)["current"]
+    return str(current) if current else None
+
+
+def promote(tag: str) -> None:
+    """Make `tag` the production version (it must exist in the store)."""
+    resolved = str(bentoml.models.get(tag).tag)
+    name = resolved.split(":", 1)[0]
+    pointer = _read_pointer(name)
+    if pointer["current"] == resolved:
+        return
+    previous = list(pointer["previous"])
+    if pointer["current"]:
+        previous.append(pointer["current"])
+    _write_pointer(name, {"current": resolved, "previous": previous})
+
+
+def rollback(name: str) -> str:
+    """Point production back at the version promoted before the current one; returns it."""
+    pointer = _read_pointer(name)
+    previous = list(pointer["previous"])
+    if not previous:
+        raise LookupError(f"{name} has no earlier production version to roll back to")
+    restored = previous.pop()
+    _write_pointer(name, {"current": restored, "previous": previous})
+    return str(restored)
+
+
+def load_production(name: str) -> tuple[RiskModel, str]:
+    tag = production_tag(name)
+    if tag is None:
+        raise LookupError(f"no production version of {name!r}; train one with `tandem demo` or the risk_model asset")
+    return load(tag), tag

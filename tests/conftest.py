@@ -1,0 +1,89 @@
+"""Fixtures shared by every test package.
+
+BentoML resolves BENTOML_HOME once per process, so it is pointed at a temporary folder before
+anything imports bentoml; DAGSTER_HOME and the data folder likewise. Each PostgreSQL test gets a
+database of its own, created here and dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+_SESSION_ROOT = Path(tempfile.mkdtemp(prefix="tandem-tests-"))
+os.environ["BENTOML_HOME"] = str(_SESSION_ROOT / "bentoml")
+os.environ["DAGSTER_HOME"] = str(_SESSION_ROOT / "dagster")
+os.environ["TANDEM_DATA_DIR"] = str(_SESSION_ROOT / "data")
+os.environ.pop("DATABASE_URL", None)
+os.environ.setdefault("TANDEM_CODE_VERSION", "test")
+(_SESSION_ROOT / "dagster").mkdir(parents=True, exist_ok=True)
+
+import psycopg  # noqa: E402
+import pytest  # noqa: E402
+from sqlalchemy.engine import Engine, make_url  # noqa: E402
+
+from inference.migrate import upgrade  # noqa: E402
+from inference.store import make_engine  # noqa: E402
+
+POSTGRES_ADMIN_URL = os.environ.get("TANDEM_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+# CI sets this so a PostgreSQL outage fails the run instead of silently skipping half the suite.
+REQUIRE_POSTGRES = os.environ.get("TANDEM_REQUIRE_POSTGRES") == "1"
+
+
+def _postgres_available() -> bool:
+    try:
+        with psycopg.connect(POSTGRES_ADMIN_URL, connect_timeout=3):
+            return True
+    except psycopg.Error:
+        return False
+
+
+@pytest.fixture(scope="session")
+def session_root() -> Path:
+    return _SESSION_ROOT
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    if not _postgres_available():
+        if REQUIRE_POSTGRES:
+            pytest.fail(f"PostgreSQL required but not reachable at {POSTGRES_ADMIN_URL}")
+        pytest.skip("PostgreSQL not reachable")
+    return POSTGRES_ADMIN_URL
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """A fresh, empty database for one test; dropped (forcibly) afterwards."""
+    name = f"tandem_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'tandem.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest) -> str:
+    """Runs the test once on SQLite and once on a fresh PostgreSQL database."""
+    fixture = "sqlite_url" if request.param == "sqlite" else "postgres_url"
+    return str(request.getfixturevalue(fixture))
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    migrated = make_engine(database_url)
+    upgrade(migrated)
+    yield migrated
+    migrated.dispose()
