@@ -24,6 +24,7 @@ from inference.store import (
     delete_batch_predictions,
     prior_history,
     quarantine,
+    resolve_superseded_rejections,
     stream_partition_rows,
     upsert_predictions,
     upsert_transactions,
@@ -144,6 +145,7 @@ def score_partition(
             if on_chunk is not None:
                 elapsed = time.perf_counter() - started
                 on_chunk(ChunkProgress(report.chunks, report.rows_in, report.rows_in / elapsed if elapsed else 0.0))
+        resolve_superseded_rejections(write, partition_key=producer.partition_key)
     report.seconds = time.perf_counter() - started
     return report
 

@@ -227,8 +227,9 @@ def validate(frame: pl.DataFrame) -> pl.DataFrame:
     rules: dict[RejectReason, pl.Expr] = {
         RejectReason.MISSING_FIELD: pl.col("transaction_id").is_null()
         | pl.col("account_id").is_null()
-        | (pl.col("transaction_id").str.len_chars() == 0)
-        | (pl.col("account_id").str.len_chars() == 0)
+        # Blank ids count as missing, as `Transaction` (which strips whitespace) treats them.
+        | (pl.col("transaction_id").str.strip_chars().str.len_chars() == 0)
+        | (pl.col("account_id").str.strip_chars().str.len_chars() == 0)
         | (pl.col("transaction_id").str.len_chars() > ID_MAX_LENGTH)
         | (pl.col("account_id").str.len_chars() > ID_MAX_LENGTH),
         RejectReason.DUPLICATE_ID: pl.col("transaction_id").is_not_null()
@@ -257,17 +258,20 @@ def split_valid(frame: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
 
 
 def input_hash_expr() -> pl.Expr:
-    """The canonical text of a record's contents, hashed by `hash_inputs`."""
+    """The canonical text of a record's RAW contents, hashed by `hash_inputs`.
+
+    Timestamps that parse are hashed in canonical form, so `...Z` and `...+00:00` are one input.
+    """
+    parsed = parse_event_time(pl.col("event_time"))
     event = (
-        pl.when(pl.col("event_ts").is_not_null())
-        .then(pl.col("event_ts").dt.strftime("%Y-%m-%dT%H:%M:%S.%6fZ"))
-        .otherwise(pl.col("event_time"))
+        pl.when(parsed.is_not_null()).then(parsed.dt.strftime("%Y-%m-%dT%H:%M:%S.%6fZ")).otherwise(pl.col("event_time"))
     )
     return pl.concat_str(
         [
             pl.col("transaction_id").fill_null("\\N"),
             pl.col("account_id").fill_null("\\N"),
-            pl.col("amount").cast(pl.String).fill_null("\\N"),
+            # SQLite stores NaN as NULL; hashing both alike keeps a stored row's hash equal to the source's.
+            pl.col("amount").fill_nan(None).cast(pl.String).fill_null("\\N"),
             pl.col("currency").fill_null("\\N"),
             pl.col("merchant_category").fill_null("\\N"),
             pl.col("country").fill_null("\\N"),

@@ -11,7 +11,9 @@ import hashlib
 import io
 import json
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, date, datetime
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -106,6 +108,9 @@ _SQLITE_ROWS_PER_STATEMENT = 500
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine with the settings each backend needs for concurrent writers."""
     if url.startswith("sqlite"):
+        database = sa.engine.make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(url, connect_args={"timeout": 30}, **kwargs)
 
         @sa.event.listens_for(engine, "connect")
@@ -292,7 +297,7 @@ def quarantine(
     if rejected.is_empty():
         return 0
     now = utc_now()
-    hashes = hash_inputs(rejected.with_columns(event_ts=pl.lit(None, dtype=EVENT_TS_DTYPE)))
+    hashes = hash_inputs(rejected)
     details = rejected["reject_detail"].to_list() if "reject_detail" in rejected.columns else [None] * rejected.height
     records = []
     raw_rows = rejected.select(RAW_COLUMNS).to_dicts()
@@ -475,3 +480,69 @@ def stream_partition_rows(engine: Engine, partition_date: date, chunk_rows: int)
         result = conn.execution_options(stream_results=True, yield_per=chunk_rows).execute(stmt)
         for rows in result.partitions(chunk_rows):
             yield _frame_from_rows(rows, schema)
+
+
+def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> int:
+    """Mark a partition's scoring rejections resolved once their record has changed (a correction):
+    the quarantined input no longer exists, so it no longer counts against the partition."""
+    r, t = rejected_records.c, transactions.c
+    changed = sa.select(t.transaction_id).where(t.transaction_id == r.transaction_id, t.input_hash != r.input_hash)
+    stmt = (
+        sa.update(rejected_records)
+        .where(
+            r.partition_key == partition_key,
+            r.stage == RejectStage.SCORE.value,
+            r.resolved.is_(False),
+            changed.exists(),
+        )
+        .values(resolved=True, resolved_at=utc_now())
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+@dataclass(frozen=True)
+class PartitionCounts:
+    """What the batch asset checks compare, read back from the tables after the merge."""
+
+    input_rows: int
+    scored: int
+    rejected: int
+    scores_out_of_range: int
+    duplicate_keys: int
+
+
+def partition_counts(
+    conn: Connection, *, partition_date: date, partition_key: str, model_version: str
+) -> PartitionCounts:
+    p, r, t = predictions.c, rejected_records.c, transactions.c
+    batch_rows = sa.and_(
+        p.partition_key == partition_key, p.model_version == model_version, p.path == ResultPath.BATCH.value
+    )
+    input_rows = conn.execute(sa.select(sa.func.count()).where(t.partition_date == partition_date)).scalar_one()
+    scored = conn.execute(sa.select(sa.func.count()).select_from(predictions).where(batch_rows)).scalar_one()
+    rejected = conn.execute(
+        sa.select(sa.func.count(sa.distinct(r.transaction_id))).where(
+            r.partition_key == partition_key, r.stage == RejectStage.SCORE.value, r.resolved.is_(False)
+        )
+    ).scalar_one()
+    # NaN compares greater than every number in PostgreSQL, so this also catches non-finite scores.
+    out_of_range = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(predictions)
+        .where(batch_rows, sa.not_(sa.and_(p.score >= 0, p.score <= 1)))
+    ).scalar_one()
+    duplicates = conn.execute(
+        sa.select(sa.func.count()).select_from(
+            sa.select(p.transaction_id)
+            .where(p.partition_key == partition_key)
+            .group_by(p.transaction_id, p.model_version)
+            .having(sa.func.count() > 1)
+            .subquery()
+        )
+    ).scalar_one()
+    return PartitionCounts(int(input_rows), int(scored), int(rejected), int(out_of_range), int(duplicates))
+
+
+def stored_partition_dates(conn: Connection) -> list[date]:
+    stmt = sa.select(transactions.c.partition_date).distinct().order_by(transactions.c.partition_date)
+    return [row[0] if isinstance(row[0], date) else date.fromisoformat(str(row[0])) for row in conn.execute(stmt)]

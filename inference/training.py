@@ -8,7 +8,7 @@ import numpy as np
 from sqlalchemy.engine import Engine
 
 from inference.features import build_features
-from inference.model import ModelConfig, RiskModel, TrainingReport, train_model
+from inference.model import ModelConfig, RiskModel, TrainingReport, auc, score_batch, train_model
 from inference.store import valid_rows_between
 
 
@@ -61,3 +61,14 @@ def split_days(days: list[date]) -> tuple[date, date]:
         raise ValueError("training needs at least two days: one to learn from, one held out")
     ordered = sorted(days)
     return ordered[0], ordered[-1]
+
+
+def evaluate_auc(engine: Engine, model: RiskModel, *, first_day: date, holdout_day: date) -> float:
+    """AUC of `model` on `holdout_day`, with history from the days before it (to compare versions)."""
+    with engine.connect() as conn:
+        rows = valid_rows_between(conn, first_day, holdout_day + timedelta(days=1))
+    rows = rows.sort(["account_id", "event_ts", "transaction_id"])
+    holdout = rows.filter(rows["partition_date"] == holdout_day)
+    features = build_features(holdout, rows, model.config.history_length)
+    scores = np.concatenate([score_batch(model, features.slice(s, s + 8192)) for s in range(0, len(features), 8192)])
+    return auc(scores, holdout["label_fraud"].fill_null(0).to_numpy())

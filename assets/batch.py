@@ -1,0 +1,229 @@
+"""The batch path's assets: daily source records, the risk model, daily predictions.
+
+Asset bodies stay short: read through a resource, call `inference/`, write through a resource,
+return a MaterializeResult with metadata.
+"""
+
+import resource
+import time
+from datetime import date
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    AssetsDefinition,
+    BackfillPolicy,
+    Config,
+    DailyPartitionsDefinition,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+from pydantic import Field
+
+from assets.retries import TRANSIENT_RETRY, retry_only_transient_errors
+from inference.batch import BatchProducer, ChunkProgress, ingest_day, score_partition
+from inference.contract import TorchPredictor
+from inference.model import ModelConfig
+from inference.store import partition_counts, stored_partition_dates
+from inference.training import evaluate_auc, train_from_store
+from orchestration.resources import DatabaseResource, DemoSourceResource, ModelStoreResource
+from tandem import modelstore
+from tandem.version import code_version
+
+# Concurrency pool shared by every asset that holds database connections (limit: dagster.yaml).
+DATABASE_POOL = "database"
+
+
+class RiskModelConfig(Config):
+    training_days: int = Field(default=7, ge=2, description="most recent stored days used; the last is held out")
+    epochs: int = Field(default=2, ge=1)
+    max_train_rows: int = Field(default=60_000, ge=1_000)
+    seed: int = 7
+    force_promote: bool = Field(default=False, description="promote even if not at least as good as production")
+
+
+class PredictionsConfig(Config):
+    chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
+    reject_rate_warn: float = Field(default=0.02, ge=0, le=1)
+    reject_rate_max: float = Field(default=0.10, ge=0, le=1, description="above this the check blocks")
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: int) -> list[AssetsDefinition]:
+    @asset(
+        partitions_def=partitions,
+        retry_policy=TRANSIENT_RETRY,
+        backfill_policy=BackfillPolicy.multi_run(1),
+        pool=DATABASE_POOL,
+        group_name="batch",
+        kinds={"polars", "sql"},
+        description="Source transactions of one UTC day, stored as received (poison included).",
+    )
+    def transactions(
+        context: AssetExecutionContext, database: DatabaseResource, source: DemoSourceResource
+    ) -> MaterializeResult:
+        day = date.fromisoformat(context.partition_key)
+        with retry_only_transient_errors():
+            report = ingest_day(database.engine, source.records_for(day), day)
+        return MaterializeResult(
+            metadata={
+                "rows_received": report.rows_received,
+                "rows_stored": report.rows_stored,
+                "rows_new_or_changed": report.rows_changed,
+                "rejected_at_ingest": report.rejected_at_ingest,
+            }
+        )
+
+    @asset(
+        deps=[transactions],
+        group_name="model",
+        kinds={"pytorch", "bentoml"},
+        pool=DATABASE_POOL,
+        description="Trains, evaluates and registers a model version; promotes it if at least as good.",
+    )
+    def risk_model(
+        context: AssetExecutionContext,
+        config: RiskModelConfig,
+        database: DatabaseResource,
+        model_store: ModelStoreResource,
+    ) -> MaterializeResult:
+        with retry_only_transient_errors():
+            with database.engine.connect() as conn:
+                days = stored_partition_dates(conn)[-config.training_days :]
+            if len(days) < 2:
+                raise ValueError(f"need at least two stored days of transactions to train, found {len(days)}")
+            first, holdout = days[0], days[-1]
+            model, report = train_from_store(
+                database.engine,
+                first_day=first,
+                holdout_day=holdout,
+                config=ModelConfig(history_length=history_length),
+                seed=config.seed,
+                epochs=config.epochs,
+                max_train_rows=config.max_train_rows,
+            )
+            tag = modelstore.register(model, report, name=model_store.model_name, code_version=code_version())
+            current = model_store.production_tag()
+            current_auc = (
+                evaluate_auc(database.engine, modelstore.load(current), first_day=first, holdout_day=holdout)
+                if current
+                else None
+            )
+        promoted = config.force_promote or current_auc is None or report.auc >= current_auc
+        if promoted:
+            modelstore.promote(tag)
+        context.log.info(f"{tag}: AUC {report.auc:.4f} (production {current_auc}); promoted={promoted}")
+        return MaterializeResult(
+            metadata={
+                "version_tag": tag,
+                "auc": report.auc,
+                "production_auc_same_holdout": current_auc if current_auc is not None else float("nan"),
+                "promoted": promoted,
+                "production_tag": model_store.production_tag() or "",
+                "parameter_count": report.parameter_count,
+                "flops_per_item": report.flops_per_item,
+                "train_rows": report.train_rows,
+                "holdout_day": holdout.isoformat(),
+            }
+        )
+
+    @asset(
+        partitions_def=partitions,
+        deps=[transactions, risk_model],
+        retry_policy=TRANSIENT_RETRY,
+        backfill_policy=BackfillPolicy.multi_run(1),
+        pool=DATABASE_POOL,
+        group_name="batch",
+        kinds={"pytorch", "sql"},
+        check_specs=[
+            AssetCheckSpec("rows_accounted_for", asset="predictions", description="scored + rejected = input"),
+            AssetCheckSpec("scores_in_unit_interval", asset="predictions", description="finite, within [0, 1]"),
+            AssetCheckSpec("no_duplicate_keys", asset="predictions"),
+            AssetCheckSpec("reject_rate_bounded", asset="predictions", blocking=True),
+        ],
+        description="Batch risk scores for one day (path=batch); bad rows quarantined in rejected_records.",
+    )
+    def predictions(
+        context: AssetExecutionContext,
+        config: PredictionsConfig,
+        database: DatabaseResource,
+        model_store: ModelStoreResource,
+    ) -> MaterializeResult:
+        day = date.fromisoformat(context.partition_key)
+        model, version = model_store.production()
+        predictor = TorchPredictor(
+            model=model, model_version=version, history_length=history_length, forward_batch_size=config.chunk_rows
+        )
+        producer = BatchProducer(
+            run_id=context.run_id, partition_key=context.partition_key, code_version=code_version()
+        )
+
+        def progress(chunk: ChunkProgress) -> None:
+            context.log.info(f"chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")
+
+        started = time.perf_counter()
+        with retry_only_transient_errors():
+            report = score_partition(
+                database.engine,
+                predictor,
+                day,
+                producer=producer,
+                history_length=history_length,
+                chunk_rows=config.chunk_rows,
+                on_chunk=progress,
+            )
+            with database.engine.connect() as conn:
+                counts = partition_counts(
+                    conn, partition_date=day, partition_key=context.partition_key, model_version=version
+                )
+        reject_rate = counts.rejected / counts.input_rows if counts.input_rows else 0.0
+        # Above the warning bound the check fails as a warning; above the hard bound it blocks.
+        rate_severity = AssetCheckSeverity.ERROR if reject_rate > config.reject_rate_max else AssetCheckSeverity.WARN
+        return MaterializeResult(
+            metadata={
+                "rows_in": report.rows_in,
+                "scored": report.scored,
+                "rejected": report.rejected,
+                "rejected_by_reason": MetadataValue.json(dict(report.rejected_by_reason)),
+                "model_version": version,
+                "rows_per_second": round(report.rows_per_second, 1),
+                "peak_rss_mb": round(_peak_rss_mb(), 1),
+                "duration_s": round(time.perf_counter() - started, 3),
+                "chunks": report.chunks,
+            },
+            check_results=[
+                AssetCheckResult(
+                    check_name="rows_accounted_for",
+                    passed=counts.scored + counts.rejected == counts.input_rows,
+                    metadata={"input": counts.input_rows, "scored": counts.scored, "rejected": counts.rejected},
+                ),
+                AssetCheckResult(
+                    check_name="scores_in_unit_interval",
+                    passed=counts.scores_out_of_range == 0,
+                    metadata={"out_of_range": counts.scores_out_of_range},
+                ),
+                AssetCheckResult(
+                    check_name="no_duplicate_keys",
+                    passed=counts.duplicate_keys == 0,
+                    metadata={"duplicate_keys": counts.duplicate_keys},
+                ),
+                AssetCheckResult(
+                    check_name="reject_rate_bounded",
+                    passed=reject_rate <= config.reject_rate_warn,
+                    severity=rate_severity,
+                    metadata={
+                        "reject_rate": reject_rate,
+                        "warn_above": config.reject_rate_warn,
+                        "block_above": config.reject_rate_max,
+                    },
+                ),
+            ],
+        )
+
+    return [transactions, risk_model, predictions]

@@ -1,0 +1,51 @@
+"""The one Dagster composition root: `defs`, loaded by workspace.yaml."""
+
+from __future__ import annotations
+
+from dagster import (
+    AssetSelection,
+    DailyPartitionsDefinition,
+    Definitions,
+    build_schedule_from_partitioned_job,
+    define_asset_job,
+    in_process_executor,
+)
+
+from assets.batch import build_batch_assets
+from orchestration.resources import DatabaseResource, DemoSourceResource, ModelStoreResource
+from orchestration.settings import OrchestrationSettings
+
+DAILY_JOB = "daily_scoring"
+
+
+def build_definitions(settings: OrchestrationSettings) -> Definitions:
+    partitions = DailyPartitionsDefinition(start_date=settings.partitions_start, timezone="UTC")
+    batch_assets = build_batch_assets(partitions, settings.history_length)
+    daily_job = define_asset_job(
+        DAILY_JOB,
+        selection=AssetSelection.assets("transactions", "predictions"),
+        partitions_def=partitions,
+        description="Ingest and score one UTC day.",
+    )
+    nightly = build_schedule_from_partitioned_job(
+        daily_job,
+        name="daily_scoring_schedule",
+        hour_of_day=settings.schedule_hour_utc,
+        minute_of_hour=settings.schedule_minute,
+        description="Scores yesterday's partition every night.",
+    )
+    return Definitions(
+        assets=batch_assets,
+        jobs=[daily_job],
+        schedules=[nightly],
+        resources={
+            "database": DatabaseResource(),
+            "model_store": ModelStoreResource(),
+            "source": DemoSourceResource(),
+        },
+        # One process per run: a partition's fixed cost (imports, model load) is paid once, not per step.
+        executor=in_process_executor,
+    )
+
+
+defs = build_definitions(OrchestrationSettings())
