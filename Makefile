@@ -18,10 +18,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
+# Materializes the demo days through Dagster, then keeps the Dagster UI (:3000), the daemon and the
+# scoring service (:3001) up until Ctrl-C.
 run: install
-	$(BIN)/tandem demo
+	$(BIN)/python -m orchestration.platform
 
-demo: run
+# The core alone, no Dagster: generate, train, score one day, print a summary.
+demo: install
+	$(BIN)/tandem demo
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,0 +1,158 @@
+"""`make run`: prepare the Dagster instance, materialize the demo days, then run the platform.
+
+Starts the Dagster webserver, the Dagster daemon and the BentoML service as child processes and
+stops all of them on Ctrl-C (SIGINT) or SIGTERM. Written by hand because it is a dev launcher:
+three processes, one signal handler, no supervisor needed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import date
+from pathlib import Path
+from types import FrameType
+
+from dagster import AssetsDefinition, DagsterInstance, materialize
+
+from inference.demo import day_range
+from inference.settings import TandemSettings
+from orchestration.definitions import defs
+
+ROOT = Path(__file__).resolve().parent.parent
+DAGSTER_PORT = int(os.environ.get("TANDEM_DAGSTER_PORT", "3000"))
+SERVICE_PORT = int(os.environ.get("TANDEM_SERVICE_PORT", "3001"))
+HOST = os.environ.get("TANDEM_HOST", "127.0.0.1")
+CURL_EXAMPLE = (
+    "curl -s -X POST http://{host}:{port}/score -H 'Content-Type: application/json' -d "
+    '\'{{"transactions": [{{"transaction_id": "demo-1", "account_id": "acct-000042", "amount": 42.5, '
+    '"currency": "USD", "merchant_category": "grocery", "country": "US", "event_time": "2026-11-08T09:30:00Z"}}]}}\''
+)
+
+
+def _say(message: str) -> None:
+    print(f"[tandem] {message}", flush=True)
+
+
+def prepare_instance(dagster_home: Path) -> Path:
+    """Install the instance config: PostgreSQL storage when DAGSTER_POSTGRES_URL is set."""
+    dagster_home.mkdir(parents=True, exist_ok=True)
+    source = "dagster-postgres.yaml" if os.environ.get("DAGSTER_POSTGRES_URL") else "dagster.yaml"
+    target = dagster_home / "dagster.yaml"
+    shutil.copyfile(Path(__file__).parent / source, target)
+    return target
+
+
+def materialize_demo(settings: TandemSettings) -> None:
+    """Run the demo days through the real Dagster instance, so the runs show up in the UI."""
+    days = [d.isoformat() for d in day_range(date.fromisoformat(settings.demo_start_date), settings.demo_days)]
+    assets = [asset for asset in defs.assets or [] if isinstance(asset, AssetsDefinition)]
+    resources = dict(defs.resources or {})
+    with DagsterInstance.get() as instance:
+        for key in days:
+            started = time.perf_counter()
+            result = materialize(
+                assets, selection=["transactions"], partition_key=key, instance=instance, resources=resources
+            )
+            _say(f"transactions[{key}] {'ok' if result.success else 'FAILED'} in {time.perf_counter() - started:.1f}s")
+        _say("risk_model: training, evaluating, registering (about a minute)")
+        result = materialize(assets, selection=["risk_model"], instance=instance, resources=resources)
+        _say(f"risk_model {'ok' if result.success else 'FAILED'}")
+        for key in days:
+            started = time.perf_counter()
+            result = materialize(
+                assets, selection=["predictions"], partition_key=key, instance=instance, resources=resources
+            )
+            metadata = result.asset_materializations_for_node("predictions")
+            counts = ""
+            if metadata:
+                values = metadata[0].metadata
+                counts = f": {values['scored'].value} scored, {values['rejected'].value} quarantined"
+            status = "ok" if result.success else "FAILED"
+            _say(f"predictions[{key}] {status}{counts} in {time.perf_counter() - started:.1f}s")
+
+
+def _wait_for(url: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status < 500:
+                    return True
+        except OSError:
+            time.sleep(1)
+    return False
+
+
+def serve_forever() -> int:
+    bin_dir = Path(sys.executable).parent
+    commands = {
+        "dagster-webserver": [
+            str(bin_dir / "dagster-webserver"),
+            "-w",
+            "workspace.yaml",
+            "-h",
+            HOST,
+            "-p",
+            str(DAGSTER_PORT),
+        ],
+        "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        "bentoml": [
+            str(bin_dir / "bentoml"),
+            "serve",
+            "serving.service:RiskScorer",
+            "--host",
+            HOST,
+            "--port",
+            str(SERVICE_PORT),
+        ],
+    }
+    children = {name: subprocess.Popen(argv, cwd=ROOT, start_new_session=True) for name, argv in commands.items()}
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        _say(f"stopping ({signal.Signals(signum).name})")
+        for process in children.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for process in children.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        sys.exit(0)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    if _wait_for(f"http://{HOST}:{DAGSTER_PORT}/server_info", 120):
+        _say(f"Dagster UI:      http://{HOST}:{DAGSTER_PORT}  (asset graph: /asset-groups)")
+    if _wait_for(f"http://{HOST}:{SERVICE_PORT}/readyz", 120):
+        _say(f"Scoring service: http://{HOST}:{SERVICE_PORT}  (OpenAPI: /docs, metrics: /metrics)")
+        _say(f"try: {CURL_EXAMPLE.format(host=HOST, port=SERVICE_PORT)}")
+    _say("Ctrl-C stops everything")
+    while True:
+        for name, process in children.items():
+            if process.poll() is not None:
+                _say(f"{name} exited with {process.returncode}; stopping the rest")
+                stop(signal.SIGTERM, None)
+        time.sleep(1)
+
+
+def main() -> int:
+    settings = TandemSettings()
+    dagster_home = Path(os.environ.get("DAGSTER_HOME", ROOT / "data" / "dagster"))
+    os.environ["DAGSTER_HOME"] = str(dagster_home)
+    _say(f"Dagster instance config: {prepare_instance(dagster_home)}")
+    materialize_demo(settings)
+    if "--no-serve" in sys.argv:
+        return 0
+    return serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
