@@ -27,6 +27,7 @@ from assets.retries import TRANSIENT_RETRY, retry_only_transient_errors
 from inference.batch import BatchProducer, ChunkProgress, ingest_day, score_partition
 from inference.contract import TorchPredictor
 from inference.model import ModelConfig
+from inference.parity import PARITY_TOLERANCE, check_parity
 from inference.store import partition_counts, stored_partition_dates
 from inference.training import evaluate_auc, train_from_store
 from orchestration.resources import DatabaseResource, DemoSourceResource, ModelStoreResource
@@ -49,6 +50,7 @@ class PredictionsConfig(Config):
     chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
     reject_rate_warn: float = Field(default=0.02, ge=0, le=1)
     reject_rate_max: float = Field(default=0.10, ge=0, le=1, description="above this the check blocks")
+    parity_sample: int = Field(default=64, ge=0, description="rows re-scored through the online code path")
 
 
 def _peak_rss_mb() -> float:
@@ -146,6 +148,11 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
             AssetCheckSpec("scores_in_unit_interval", asset="predictions", description="finite, within [0, 1]"),
             AssetCheckSpec("no_duplicate_keys", asset="predictions"),
             AssetCheckSpec("reject_rate_bounded", asset="predictions", blocking=True),
+            AssetCheckSpec(
+                "parity_with_online",
+                asset="predictions",
+                description="a sample re-scored through the online code path agrees within 1e-5",
+            ),
         ],
         description="Batch risk scores for one day (path=batch); bad rows quarantined in rejected_records.",
     )
@@ -182,6 +189,9 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                 counts = partition_counts(
                     conn, partition_date=day, partition_key=context.partition_key, model_version=version
                 )
+            parity = check_parity(
+                database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
+            )
         reject_rate = counts.rejected / counts.input_rows if counts.input_rows else 0.0
         # Above the warning bound the check fails as a warning; above the hard bound it blocks.
         rate_severity = AssetCheckSeverity.ERROR if reject_rate > config.reject_rate_max else AssetCheckSeverity.WARN
@@ -212,6 +222,16 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                     check_name="no_duplicate_keys",
                     passed=counts.duplicate_keys == 0,
                     metadata={"duplicate_keys": counts.duplicate_keys},
+                ),
+                AssetCheckResult(
+                    check_name="parity_with_online",
+                    passed=not parity.mismatched,
+                    metadata={
+                        "sampled": parity.sampled,
+                        "max_abs_difference": parity.max_abs_difference,
+                        "tolerance": PARITY_TOLERANCE,
+                        "mismatched_transactions": MetadataValue.json(parity.mismatched[:50]),
+                    },
                 ),
                 AssetCheckResult(
                     check_name="reject_rate_bounded",

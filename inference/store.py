@@ -103,6 +103,8 @@ rejected_records = sa.Table(
 PREDICTION_COLUMNS: tuple[str, ...] = tuple(c.name for c in predictions.columns)
 # SQLite's default host-parameter limit is 32766; stay well below it per statement.
 _SQLITE_ROWS_PER_STATEMENT = 500
+# SQLite's default SQLITE_MAX_COMPOUND_SELECT is 500 terms per UNION ALL.
+_TARGETS_PER_STATEMENT = 400
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
@@ -221,10 +223,12 @@ def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) 
             .subquery()
             .select()
         )
-    stmt = per_target[0] if len(per_target) == 1 else sa.union_all(*per_target)
-    return _frame_from_rows(conn.execute(stmt).all(), schema).unique(
-        "transaction_id", keep="first", maintain_order=True
-    )
+    # SQLite refuses a compound SELECT of more than 500 terms, so large target sets go in groups.
+    frames = [
+        _frame_from_rows(conn.execute(group[0] if len(group) == 1 else sa.union_all(*group)).all(), schema)
+        for group in _chunks(per_target, _TARGETS_PER_STATEMENT)
+    ]
+    return pl.concat(frames).unique("transaction_id", keep="first", maintain_order=True)
 
 
 def prior_history(conn: Connection, account_ids: Sequence[str], before: date, history_length: int) -> pl.DataFrame:
@@ -546,3 +550,18 @@ def partition_counts(
 def stored_partition_dates(conn: Connection) -> list[date]:
     stmt = sa.select(transactions.c.partition_date).distinct().order_by(transactions.c.partition_date)
     return [row[0] if isinstance(row[0], date) else date.fromisoformat(str(row[0])) for row in conn.execute(stmt)]
+
+
+def sample_batch_predictions(conn: Connection, *, partition_key: str, model_version: str, size: int) -> pl.DataFrame:
+    """A deterministic pseudo-random sample (ordered by input hash) of a partition's batch scores,
+    with the stored source rows they came from (RAW columns + event_ts + score)."""
+    p, t = predictions.c, transactions.c
+    stmt = (
+        sa.select(*(t[name] for name in RAW_COLUMNS), t.event_ts, p.score)
+        .join_from(predictions, transactions, p.transaction_id == t.transaction_id)
+        .where(p.partition_key == partition_key, p.model_version == model_version, p.path == ResultPath.BATCH.value)
+        .order_by(p.input_hash)
+        .limit(size)
+    )
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "score": pl.Float64()}
+    return _frame_from_rows(conn.execute(stmt).all(), schema)
