@@ -31,6 +31,11 @@ class ResultPath(enum.StrEnum):
     ONLINE = "online"
 
 
+class Resolution(enum.StrEnum):
+    OPERATOR = "operator"  # someone fixed the source; the partition should be re-ingested and rescored
+    SUPERSEDED = "superseded"  # the record changed and was rescored; nothing left to do
+
+
 class RejectStage(enum.StrEnum):
     INGEST = "ingest"  # could not even be stored as a source record (no id, repeated id)
     SCORE = "score"  # stored, then refused by validation or the model
@@ -54,6 +59,7 @@ transactions = sa.Table(
     sa.Column("ingested_at", sa.DateTime(timezone=True), nullable=False),
     sa.Index("ix_transactions_partition_date", "partition_date"),
     sa.Index("ix_transactions_account_event", "account_id", "event_ts", "transaction_id"),
+    sa.Index("ix_transactions_ingested_at", "ingested_at"),
 )
 
 predictions = sa.Table(
@@ -96,6 +102,7 @@ rejected_records = sa.Table(
     sa.Column("seen_count", sa.Integer, nullable=False, server_default="1"),
     sa.Column("resolved", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("resolved_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("resolution", sa.Text, nullable=True, comment="operator (fixed upstream) | superseded"),
     sa.CheckConstraint("path IN ('batch', 'online')", name="ck_rejected_records_path"),
     sa.Index("ix_rejected_records_partition", "partition_key", "stage"),
 )
@@ -499,7 +506,7 @@ def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> in
             r.resolved.is_(False),
             changed.exists(),
         )
-        .values(resolved=True, resolved_at=utc_now())
+        .values(resolved=True, resolved_at=utc_now(), resolution=Resolution.SUPERSEDED.value)
     )
     return int(conn.execute(stmt).rowcount)
 
@@ -565,3 +572,82 @@ def sample_batch_predictions(conn: Connection, *, partition_key: str, model_vers
     )
     schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "score": pl.Float64()}
     return _frame_from_rows(conn.execute(stmt).all(), schema)
+
+
+# ------------------------------------------------------------------ what the sensors watch
+@dataclass(frozen=True)
+class PartitionChange:
+    partition_key: str
+    watermark: datetime  # the newest change seen in this partition; part of the run key
+
+
+def _aware(moment: Any) -> datetime:
+    value = moment if isinstance(moment, datetime) else datetime.fromisoformat(str(moment))
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def stale_scored_partitions(conn: Connection, *, changed_after: datetime | None) -> list[PartitionChange]:
+    """Partitions already scored by the batch path that hold records changed (late or corrected)
+    after `changed_after` whose current contents have no result yet: no prediction and no open
+    rejection for the record's current input hash. Every such partition, however many changed in
+    the same interval, is returned."""
+    t, p, r = transactions.c, predictions.c, rejected_records.c
+    partition_key = sa.cast(t.partition_date, sa.String)
+    stmt = (
+        sa.select(t.partition_date, sa.func.max(t.ingested_at))
+        .where(
+            sa.select(p.transaction_id)
+            .where(p.partition_key == partition_key, p.path == ResultPath.BATCH.value)
+            .exists(),
+            ~sa.select(p.transaction_id)
+            .where(p.transaction_id == t.transaction_id, p.input_hash == t.input_hash)
+            .exists(),
+            ~sa.select(r.rejection_id)
+            .where(r.transaction_id == t.transaction_id, r.input_hash == t.input_hash, r.resolved.is_(False))
+            .exists(),
+        )
+        .group_by(t.partition_date)
+        .order_by(t.partition_date)
+    )
+    if changed_after is not None:
+        stmt = stmt.where(t.ingested_at > changed_after)
+    return [PartitionChange(str(day), _aware(moment)) for day, moment in conn.execute(stmt)]
+
+
+def fixed_rejection_partitions(conn: Connection, *, resolved_after: datetime | None) -> list[PartitionChange]:
+    """Partitions whose quarantined batch records an operator marked fixed after `resolved_after`."""
+    r = rejected_records.c
+    stmt = (
+        sa.select(r.partition_key, sa.func.max(r.resolved_at))
+        .where(
+            r.path == ResultPath.BATCH.value,
+            r.resolved.is_(True),
+            r.resolution == Resolution.OPERATOR.value,
+            r.partition_key.is_not(None),
+        )
+        .group_by(r.partition_key)
+        .order_by(r.partition_key)
+    )
+    if resolved_after is not None:
+        stmt = stmt.where(r.resolved_at > resolved_after)
+    return [PartitionChange(str(key), _aware(moment)) for key, moment in conn.execute(stmt)]
+
+
+def mark_rejections_fixed(conn: Connection, rejection_ids: Sequence[int]) -> int:
+    """An operator's word that the source of these rejected records was fixed."""
+    stmt = (
+        sa.update(rejected_records)
+        .where(rejected_records.c.rejection_id.in_(list(rejection_ids)), rejected_records.c.resolved.is_(False))
+        .values(resolved=True, resolved_at=utc_now(), resolution=Resolution.OPERATOR.value)
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+def scored_partition_keys(conn: Connection) -> list[str]:
+    stmt = (
+        sa.select(predictions.c.partition_key)
+        .where(predictions.c.path == ResultPath.BATCH.value, predictions.c.partition_key.is_not(None))
+        .distinct()
+        .order_by(predictions.c.partition_key)
+    )
+    return [str(key) for (key,) in conn.execute(stmt)]

@@ -13,9 +13,8 @@ from dagster import (
 
 from assets.batch import build_batch_assets
 from orchestration.resources import DatabaseResource, DemoSourceResource, ModelStoreResource
+from orchestration.sensors import DAILY_JOB, RESCORE_JOB, SensorSettings, build_sensors
 from orchestration.settings import OrchestrationSettings
-
-DAILY_JOB = "daily_scoring"
 
 
 def build_definitions(settings: OrchestrationSettings) -> Definitions:
@@ -27,6 +26,12 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         partitions_def=partitions,
         description="Ingest and score one UTC day.",
     )
+    rescore_job = define_asset_job(
+        RESCORE_JOB,
+        selection=AssetSelection.assets("predictions"),
+        partitions_def=partitions,
+        description="Rescore stored partitions (late records, a promoted model).",
+    )
     nightly = build_schedule_from_partitioned_job(
         daily_job,
         name="daily_scoring_schedule",
@@ -36,8 +41,9 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
     )
     return Definitions(
         assets=batch_assets,
-        jobs=[daily_job],
+        jobs=[daily_job, rescore_job],
         schedules=[nightly],
+        sensors=build_sensors(SensorSettings()),
         resources={
             "database": DatabaseResource(),
             "model_store": ModelStoreResource(),

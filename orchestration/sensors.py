@@ -1,0 +1,136 @@
+"""Sensors that request runs for exactly the partitions a change touched.
+
+Run keys carry the model version and the change's watermark, so each change is requested once and
+a failed run can still be re-executed (Dagster #15982: a failed run key is never re-emitted). Each
+tick reads every changed partition from the tables, so several partitions landing in one interval
+are all seen (Dagster #32853 affects `@asset_sensor`, which these are not).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from dagster import (
+    DefaultSensorStatus,
+    RunRequest,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    sensor,
+)
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from inference.store import fixed_rejection_partitions, scored_partition_keys, stale_scored_partitions
+from orchestration.resources import DatabaseResource, ModelStoreResource
+
+DAILY_JOB = "daily_scoring"
+RESCORE_JOB = "rescore_predictions"
+
+
+class SensorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_SENSOR_", extra="ignore")
+
+    interval_seconds: int = Field(default=30, ge=5)
+    promotion_rescore_partitions: int = Field(default=7, ge=0, description="last N partitions rescored on promotion")
+
+
+def _watermark(cursor: str | None) -> datetime | None:
+    return datetime.fromisoformat(json.loads(cursor)["watermark"]) if cursor else None
+
+
+def _cursor(moment: datetime) -> str:
+    return json.dumps({"watermark": moment.isoformat()})
+
+
+def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
+    @sensor(
+        job_name=RESCORE_JOB,
+        minimum_interval_seconds=settings.interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Late or corrected source records in partitions already scored -> rescore those partitions.",
+    )
+    def late_records_sensor(
+        context: SensorEvaluationContext, database: DatabaseResource, model_store: ModelStoreResource
+    ) -> SensorResult | SkipReason:
+        version = model_store.production_tag()
+        if version is None:
+            return SkipReason("no production model yet")
+        with database.engine.connect() as conn:
+            changes = stale_scored_partitions(conn, changed_after=_watermark(context.cursor))
+        if not changes:
+            return SkipReason("no changed records in scored partitions")
+        return SensorResult(
+            run_requests=[
+                RunRequest(
+                    run_key=f"late:{change.partition_key}:{version}:{change.watermark.isoformat()}",
+                    partition_key=change.partition_key,
+                    tags={"tandem/trigger": "late_records", "tandem/model_version": version},
+                )
+                for change in changes
+            ],
+            cursor=_cursor(max(change.watermark for change in changes)),
+        )
+
+    @sensor(
+        job_name=DAILY_JOB,
+        minimum_interval_seconds=settings.interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Quarantined records marked fixed -> re-ingest and rescore their partitions.",
+    )
+    def fixed_rejects_sensor(
+        context: SensorEvaluationContext, database: DatabaseResource, model_store: ModelStoreResource
+    ) -> SensorResult | SkipReason:
+        version = model_store.production_tag() or "none"
+        with database.engine.connect() as conn:
+            changes = fixed_rejection_partitions(conn, resolved_after=_watermark(context.cursor))
+        if not changes:
+            return SkipReason("no rejections marked fixed")
+        return SensorResult(
+            run_requests=[
+                RunRequest(
+                    run_key=f"fixed:{change.partition_key}:{version}:{change.watermark.isoformat()}",
+                    partition_key=change.partition_key,
+                    tags={"tandem/trigger": "fixed_rejects", "tandem/model_version": version},
+                )
+                for change in changes
+            ],
+            cursor=_cursor(max(change.watermark for change in changes)),
+        )
+
+    @sensor(
+        job_name=RESCORE_JOB,
+        minimum_interval_seconds=settings.interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description=f"A promoted model -> rescore the last {settings.promotion_rescore_partitions} scored partitions.",
+    )
+    def model_promotion_sensor(
+        context: SensorEvaluationContext, database: DatabaseResource, model_store: ModelStoreResource
+    ) -> SensorResult | SkipReason:
+        version = model_store.production_tag()
+        if version is None or version == context.cursor:
+            return SkipReason(f"production model unchanged ({version})")
+        if context.cursor is None:
+            # First tick: remember what is in production without rescoring history under it.
+            return SensorResult(run_requests=[], cursor=version)
+        with database.engine.connect() as conn:
+            keys = (
+                scored_partition_keys(conn)[-settings.promotion_rescore_partitions :]
+                if settings.promotion_rescore_partitions
+                else []
+            )
+        return SensorResult(
+            run_requests=[
+                RunRequest(
+                    run_key=f"promoted:{key}:{version}",
+                    partition_key=key,
+                    tags={"tandem/trigger": "model_promotion", "tandem/model_version": version},
+                )
+                for key in keys
+            ],
+            cursor=version,
+        )
+
+    return [late_records_sensor, fixed_rejects_sensor, model_promotion_sensor]
