@@ -34,6 +34,11 @@ HISTORY_CATEGORICAL_CARDINALITY = (len(MERCHANT_CATEGORIES) + 1, len(COUNTRIES) 
 HISTORY_NUMERIC_WIDTH = 4
 # Scales log-seconds (a week is about 13.3) into roughly [0, 1].
 LOG_SECONDS_SCALE = 12.0
+# Polars divides a column by a scalar either truly or as a multiplication by the reciprocal,
+# depending on the column's (chunk) length, so `x / c` can differ in the last bit between a
+# partition and a single record. Multiplying by the reciprocal ourselves gives the same bits always.
+_PER_LOG_SECOND = 1.0 / LOG_SECONDS_SCALE
+_SECONDS_PER_MICROSECOND = 1e-6
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ def _encoded(frame: pl.DataFrame) -> pl.DataFrame:
         country_idx=_index_of("country", COUNTRIES),
         hour=pl.col("event_ts").dt.hour().cast(pl.Int64),
         weekday=(pl.col("event_ts").dt.weekday() - 1).cast(pl.Int64),
-        epoch_s=pl.col("event_ts").dt.epoch("us").cast(pl.Float64) / 1e6,
+        epoch_s=pl.col("event_ts").dt.epoch("us").cast(pl.Float64) * _SECONDS_PER_MICROSECOND,
     )
 
 
@@ -134,7 +139,7 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
             pl.when(valid).then(pl.col("country_idx").shift(back) + 1).otherwise(0).alias(names[2]),
             pl.when(valid).then(pl.col("amount_log").shift(back)).alias(names[3]),
             pl.when(valid)
-            .then((pl.col("epoch_s") - pl.col("epoch_s").shift(back)).clip(lower_bound=0.0).log1p() / LOG_SECONDS_SCALE)
+            .then((pl.col("epoch_s") - pl.col("epoch_s").shift(back)).clip(lower_bound=0.0).log1p() * _PER_LOG_SECOND)
             .alias(names[4]),
         ]
         for collection, name in zip(
@@ -150,7 +155,7 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
         "same_category_share": [(pl.col(name) == pl.col("category_idx") + 1) for name in category_names],
     }
     current = with_history.with_columns(
-        history_fill=filled.cast(pl.Float64) / k,
+        history_fill=filled.cast(pl.Float64) * (1.0 / k),
         amount_vs_history_mean=pl.when(has_history)
         .then(pl.col("amount_log") - pl.mean_horizontal(amount_names, ignore_nulls=True))
         .otherwise(0.0),

@@ -20,6 +20,7 @@ class TandemSettings(BaseSettings):
         description="SQLAlchemy URL; unset means a SQLite file under data_dir.",
     )
     model_name: str = "risk_model"
+    dagster_ui_url: str = Field(default="http://127.0.0.1:3000", description="for links in lineage answers")
     history_length: int = Field(default=16, ge=1, le=256)
     demo_seed: int = 7
     demo_start_date: str = "2026-11-01"

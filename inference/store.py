@@ -77,6 +77,12 @@ predictions = sa.Table(
     sa.Column("input_hash", sa.Text, nullable=False),
     sa.Column("idempotency_key", sa.Text, nullable=True),
     sa.Column("produced_at", sa.DateTime(timezone=True), nullable=False),
+    # The other path's verdict on the same (transaction, model version, input): first writer wins,
+    # a later write from the other path is recorded here instead of rewriting history.
+    sa.Column("cross_path", sa.Text, nullable=True),
+    sa.Column("cross_path_score", sa.Float(precision=53), nullable=True),
+    sa.Column("cross_path_producer", sa.Text, nullable=True),
+    sa.Column("cross_checked_at", sa.DateTime(timezone=True), nullable=True),
     sa.CheckConstraint("path IN ('batch', 'online')", name="ck_predictions_path"),
     sa.Index("ix_predictions_partition_key", "partition_key"),
     sa.Index("ix_predictions_idempotency_key", "idempotency_key"),
@@ -107,7 +113,9 @@ rejected_records = sa.Table(
     sa.Index("ix_rejected_records_partition", "partition_key", "stage"),
 )
 
-PREDICTION_COLUMNS: tuple[str, ...] = tuple(c.name for c in predictions.columns)
+CROSS_PATH_COLUMNS = ("cross_path", "cross_path_score", "cross_path_producer", "cross_checked_at")
+# What a writer supplies; the cross-path columns are filled by the merge itself.
+PREDICTION_COLUMNS: tuple[str, ...] = tuple(c.name for c in predictions.columns if c.name not in CROSS_PATH_COLUMNS)
 # SQLite's default host-parameter limit is 32766; stay well below it per statement.
 _SQLITE_ROWS_PER_STATEMENT = 500
 # SQLite's default SQLITE_MAX_COMPOUND_SELECT is 500 terms per UNION ALL.
@@ -171,9 +179,11 @@ def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date:
         partition_date=pl.lit(partition_date, dtype=pl.Date),
         ingested_at=pl.lit(now, dtype=EVENT_TS_DTYPE),
     )
-    stmt_cols = [c.name for c in transactions.columns]
-    updatable = [c for c in stmt_cols if c != "transaction_id"]
-    return _merge(conn, transactions, frame.select(stmt_cols), ["transaction_id"], updatable, "input_hash")
+    columns = [c.name for c in transactions.columns]
+    keys = ["transaction_id"]
+    return _merge(
+        conn, transactions, frame.select(columns), keys, _overwrite_when_changed(transactions, keys, "input_hash")
+    )
 
 
 def read_partition_rows(conn: Connection, partition_date: date) -> pl.DataFrame:
@@ -231,10 +241,10 @@ def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) 
             .select()
         )
     # SQLite refuses a compound SELECT of more than 500 terms, so large target sets go in groups.
-    frames = [
-        _frame_from_rows(conn.execute(group[0] if len(group) == 1 else sa.union_all(*group)).all(), schema)
-        for group in _chunks(per_target, _TARGETS_PER_STATEMENT)
-    ]
+    frames = []
+    for group in _chunks(per_target, _TARGETS_PER_STATEMENT):
+        statement: sa.Executable = group[0] if len(group) == 1 else sa.union_all(*group)
+        frames.append(_frame_from_rows(conn.execute(statement).all(), schema))
     return pl.concat(frames).unique("transaction_id", keep="first", maintain_order=True)
 
 
@@ -264,29 +274,73 @@ def prior_history(conn: Connection, account_ids: Sequence[str], before: date, hi
 
 # ------------------------------------------------------------------ predictions
 def upsert_predictions(conn: Connection, rows: pl.DataFrame) -> int:
-    """Write prediction rows (columns of `predictions`) idempotently; returns rows changed.
+    """Write prediction rows (PREDICTION_COLUMNS) idempotently; returns rows inserted or changed.
 
-    Keyed by (transaction_id, model_version). An existing row is only rewritten when its
-    input changed (a corrected source record); a replay of the same input is a no-op, so
-    retries, reruns and concurrent duplicates never rewrite history or add rows.
+    Keyed by (transaction_id, model_version), and deterministic whichever path writes first:
+    - a new key is inserted;
+    - the same key with a different input (a corrected record) is rewritten;
+    - the same key and input from the same path is a no-op (retries, reruns, duplicates);
+    - the same key and input from the other path records that path's score and producer in the
+      cross_path columns (once), leaving the first writer's row untouched, so batch/online parity
+      is visible per row (see `lineage_of`).
     """
     if rows.is_empty():
         return 0
     frame = rows.select(PREDICTION_COLUMNS).unique(["transaction_id", "model_version"], keep="last")
-    updatable = [c for c in PREDICTION_COLUMNS if c not in ("transaction_id", "model_version")]
-    return _merge(conn, predictions, frame, ["transaction_id", "model_version"], updatable, "input_hash")
+    return _merge(conn, predictions, frame, ["transaction_id", "model_version"], _prediction_conflict)
+
+
+def _prediction_conflict(excluded: Any) -> tuple[dict[str, Any], Any]:
+    p = predictions.c
+    changed = p.input_hash != excluded.input_hash
+    other_path = sa.and_(p.path != excluded.path, p.cross_path.is_(None))
+    producer = sa.case(
+        (
+            excluded.path == ResultPath.BATCH.value,
+            "run "
+            + sa.func.coalesce(excluded.run_id, "?")
+            + " partition "
+            + sa.func.coalesce(excluded.partition_key, "?"),
+        ),
+        else_="request "
+        + sa.func.coalesce(excluded.request_id, "?")
+        + " batch "
+        + sa.func.coalesce(excluded.batch_id, "?"),
+    )
+    set_: dict[str, Any] = {
+        name: sa.case((changed, excluded[name]), else_=p[name])
+        for name in PREDICTION_COLUMNS
+        if name not in ("transaction_id", "model_version")
+    }
+    cross_values = {
+        "cross_path": excluded.path,
+        "cross_path_score": excluded.score,
+        "cross_path_producer": producer,
+        "cross_checked_at": excluded.produced_at,
+    }
+    for name, value in cross_values.items():
+        set_[name] = sa.case((changed, sa.null()), (other_path, value), else_=p[name])
+    return set_, sa.or_(changed, other_path)
+
+
+PREDICTION_SCHEMA: dict[str, pl.DataType] = {
+    c.name: (
+        pl.Float64()
+        if isinstance(c.type, sa.Float)
+        else EVENT_TS_DTYPE
+        if isinstance(c.type, sa.DateTime)
+        else pl.String()
+    )
+    for c in predictions.columns
+}
 
 
 def read_predictions(conn: Connection, **equal_to: Any) -> pl.DataFrame:
     stmt = sa.select(predictions).order_by(predictions.c.transaction_id, predictions.c.model_version)
     for name, value in equal_to.items():
         stmt = stmt.where(predictions.c[name] == value)
-    schema: dict[str, pl.DataType] = {
-        c.name: (pl.Float64() if c.name == "score" else EVENT_TS_DTYPE if c.name == "produced_at" else pl.String())
-        for c in predictions.columns
-    }
-    frame = _frame_from_rows(conn.execute(stmt).all(), schema)
-    return frame.with_columns(_as_utc(pl.col("produced_at")))
+    frame = _frame_from_rows(conn.execute(stmt).all(), PREDICTION_SCHEMA)
+    return frame.with_columns(_as_utc(pl.col("produced_at")), _as_utc(pl.col("cross_checked_at")))
 
 
 # ------------------------------------------------------------------ quarantine
@@ -366,47 +420,52 @@ def _insert_for(conn: Connection, table: sa.Table) -> Any:
     return postgresql.insert(table) if conn.dialect.name == "postgresql" else sqlite.insert(table)
 
 
+ConflictPolicy = Any  # (excluded columns) -> (SET assignments, WHERE clause)
+
+
 def _merge(
     conn: Connection,
     table: sa.Table,
     frame: pl.DataFrame,
     keys: list[str],
-    updatable: list[str],
-    change_column: str,
+    on_conflict: ConflictPolicy,
 ) -> int:
-    """Upsert `frame` into `table`: insert new keys, update a key only when `change_column` differs.
+    """Upsert `frame` into `table`; `on_conflict` says what an existing key gets, and when.
 
     PostgreSQL: COPY into a temporary staging table, then one INSERT ... SELECT ... ON CONFLICT in
     key order (a fixed lock order, so concurrent merges cannot deadlock). SQLite: batched
     INSERT ... ON CONFLICT DO UPDATE. Either way the caller's transaction decides atomicity.
     """
     if conn.dialect.name == "postgresql":
-        return _merge_postgres(conn, table, frame, keys, updatable, change_column)
-    insert = sqlite.insert(table)
-    stmt = insert.on_conflict_do_update(
-        index_elements=keys,
-        set_={name: insert.excluded[name] for name in updatable},
-        where=table.c[change_column] != insert.excluded[change_column],
-    )
+        staging = _copy_to_staging(conn, table, frame)
+        source = sa.select(*(staging.c[name] for name in frame.columns)).order_by(*(staging.c[k] for k in keys))
+        merge = postgresql.insert(table).from_select(list(frame.columns), source)
+        set_, where = on_conflict(merge.excluded)
+        statement = merge.on_conflict_do_update(index_elements=keys, set_=set_, where=where)
+        return int(conn.execute(statement, execution_options={"preserve_rowcount": True}).rowcount)
+    upsert = sqlite.insert(table)
+    set_, where = on_conflict(upsert.excluded)
+    statement_sqlite = upsert.on_conflict_do_update(index_elements=keys, set_=set_, where=where)
     changed = 0
     for chunk in _chunks(_python_rows(frame), _SQLITE_ROWS_PER_STATEMENT):
-        changed += conn.execute(stmt, chunk).rowcount
+        changed += conn.execute(statement_sqlite, chunk).rowcount
     return changed
 
 
-def _merge_postgres(
-    conn: Connection,
-    table: sa.Table,
-    frame: pl.DataFrame,
-    keys: list[str],
-    updatable: list[str],
-    change_column: str,
-) -> int:
-    # Identifiers below come from our own table metadata, never from input; values go through COPY.
+def _overwrite_when_changed(table: sa.Table, keys: list[str], change_column: str) -> ConflictPolicy:
+    def policy(excluded: Any) -> tuple[dict[str, Any], Any]:
+        set_ = {c.name: excluded[c.name] for c in table.columns if c.name not in keys}
+        return set_, table.c[change_column] != excluded[change_column]
+
+    return policy
+
+
+def _copy_to_staging(conn: Connection, table: sa.Table, frame: pl.DataFrame) -> sa.TableClause:
+    """COPY `frame` into a per-transaction temporary twin of `table` (emptied at commit)."""
+    # Identifiers come from our own table metadata, never from input; values go through COPY.
     staging = f"staging_{table.name}"
-    columns = list(frame.columns)
     preparer = conn.dialect.identifier_preparer
-    quoted = ", ".join(preparer.quote(c) for c in columns)
+    quoted = ", ".join(preparer.quote(c) for c in frame.columns)
     conn.exec_driver_sql(
         f"CREATE TEMPORARY TABLE IF NOT EXISTS {staging} "
         f"(LIKE {preparer.quote(table.name)} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
@@ -420,15 +479,7 @@ def _merge_postgres(
             copy.write(buffer.getvalue())
     finally:
         driver_cursor.close()
-    key_list = ", ".join(preparer.quote(k) for k in keys)
-    assignments = ", ".join(f"{preparer.quote(c)} = EXCLUDED.{preparer.quote(c)}" for c in updatable)
-    target = preparer.quote(table.name)
-    result = conn.exec_driver_sql(
-        f"INSERT INTO {target} ({quoted}) SELECT {quoted} FROM {staging} ORDER BY {key_list} "
-        f"ON CONFLICT ({key_list}) DO UPDATE SET {assignments} "
-        f"WHERE {target}.{preparer.quote(change_column)} IS DISTINCT FROM EXCLUDED.{preparer.quote(change_column)}"
-    )
-    return int(result.rowcount)
+    return sa.table(staging, *(sa.column(name, table.c[name].type) for name in frame.columns))
 
 
 def _python_rows(frame: pl.DataFrame) -> list[dict[str, Any]]:
@@ -651,3 +702,14 @@ def scored_partition_keys(conn: Connection) -> list[str]:
         .order_by(predictions.c.partition_key)
     )
     return [str(key) for (key,) in conn.execute(stmt)]
+
+
+def lineage_rows(conn: Connection, transaction_id: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The stored source record (or None) and every prediction row of one transaction."""
+    source = (
+        conn.execute(sa.select(transactions).where(transactions.c.transaction_id == transaction_id)).mappings().first()
+    )
+    results = conn.execute(
+        sa.select(predictions).where(predictions.c.transaction_id == transaction_id).order_by(predictions.c.produced_at)
+    ).mappings()
+    return (dict(source) if source else None), [dict(row) for row in results]

@@ -9,13 +9,16 @@ import time
 import uuid
 from datetime import date
 
+from sqlalchemy.engine import Engine
+
 from inference.batch import BatchProducer, ChunkProgress, ingest_day, score_partition
 from inference.contract import TorchPredictor
 from inference.demo import DemoConfig, day_range, generate_day
+from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.model import ModelConfig
 from inference.settings import TandemSettings, get_settings
-from inference.store import make_engine
+from inference.store import make_engine, mark_rejections_fixed
 from inference.training import train_from_store
 from tandem import modelstore
 from tandem.version import code_version
@@ -29,8 +32,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     """generate -> ingest -> train + register -> score the last day -> upsert -> summary."""
     started = time.perf_counter()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    engine = make_engine(settings.resolved_database_url())
-    upgrade(engine)
+    engine = _migrated_engine(settings)
     demo = DemoConfig(
         seed=settings.demo_seed, rows_per_day=settings.demo_rows_per_day, poison_rate=settings.demo_poison_rate
     )
@@ -85,6 +87,37 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     return summary
 
 
+def _migrated_engine(settings: TandemSettings) -> Engine:
+    engine = make_engine(settings.resolved_database_url())
+    upgrade(engine)
+    return engine
+
+
+def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bool) -> int:
+    engine = _migrated_engine(settings)
+    report = explain(engine, transaction_id, dagster_ui_url=settings.dagster_ui_url)
+    if as_json:
+        _say(json.dumps(report.to_dict(), indent=2, default=str))
+        return 0 if report.source_found or report.results else 1
+    if not report.source_found and not report.results:
+        _say(f"{transaction_id}: no such transaction and no results")
+        return 1
+    _say(f"{transaction_id}: partition {report.partition_date}, current input hash {report.current_input_hash}")
+    for result in report.results:
+        agreement = {None: "not cross-checked", True: "agree", False: "DISAGREE"}[result.paths_agree]
+        _say(
+            f"  {result.model_version}: score {result.score:.6f} via {result.path} ({result.producer}), "
+            f"code {result.code_version}, input {result.input_hash}"
+            f"{'' if result.input_is_current else ' (superseded input)'}, at {result.produced_at}"
+        )
+        if result.dagster_run_url:
+            _say(f"    run: {result.dagster_run_url}")
+        if result.other_path:
+            other = f"{result.other_path} path: {result.other_path_score:.6f} ({result.other_path_producer})"
+            _say(f"    {other}: {agreement}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -95,11 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     promote = model_commands.add_parser("promote")
     promote.add_argument("tag")
     model_commands.add_parser("rollback")
+    lineage = commands.add_parser("lineage", help="why does a transaction have its score")
+    lineage.add_argument("transaction_id")
+    lineage.add_argument("--json", action="store_true", help="machine-readable output")
+    rejects = commands.add_parser("rejects", help="quarantined records")
+    reject_commands = rejects.add_subparsers(dest="action", required=True)
+    fixed = reject_commands.add_parser("fixed", help="mark rejections fixed upstream (the sensor reruns their days)")
+    fixed.add_argument("rejection_ids", nargs="+", type=int)
     args = parser.parse_args(argv)
 
     settings = get_settings()
     if args.command == "demo":
         run_demo(settings)
+    elif args.command == "lineage":
+        return _print_lineage(settings, args.transaction_id, as_json=args.json)
+    elif args.command == "rejects":
+        with _migrated_engine(settings).begin() as conn:
+            _say(f"{mark_rejections_fixed(conn, args.rejection_ids)} rejection(s) marked fixed")
     elif args.action == "list":
         current = modelstore.production_tag(settings.model_name)
         for version in modelstore.versions(settings.model_name):
