@@ -164,4 +164,5 @@ def _prediction_rows(scored: pl.DataFrame, predictor: Predictor, producer: Batch
         "input_hash",
         pl.lit(None, dtype=pl.String).alias("idempotency_key"),
         pl.lit(utc_now(), dtype=EVENT_TS_DTYPE).alias("produced_at"),
+        pl.lit(None, dtype=pl.Float64).alias("latency_ms"),
     )

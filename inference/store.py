@@ -77,6 +77,7 @@ predictions = sa.Table(
     sa.Column("input_hash", sa.Text, nullable=False),
     sa.Column("idempotency_key", sa.Text, nullable=True),
     sa.Column("produced_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("latency_ms", sa.Float, nullable=True, comment="online: service time of the producing request"),
     # The other path's verdict on the same (transaction, model version, input): first writer wins,
     # a later write from the other path is recorded here instead of rewriting history.
     sa.Column("cross_path", sa.Text, nullable=True),
@@ -713,3 +714,45 @@ def lineage_rows(conn: Connection, transaction_id: str) -> tuple[dict[str, Any] 
         sa.select(predictions).where(predictions.c.transaction_id == transaction_id).order_by(predictions.c.produced_at)
     ).mappings()
     return (dict(source) if source else None), [dict(row) for row in results]
+
+
+@dataclass(frozen=True)
+class OnlineActivity:
+    rows: int
+    requests: int
+    model_versions: dict[str, int]
+    latency_ms_p50: float | None
+    latency_ms_p99: float | None
+    latest: datetime | None
+
+
+def online_activity(conn: Connection, *, produced_after: datetime | None) -> OnlineActivity:
+    """What the online path wrote since `produced_after`, for the online_predictions observations."""
+    p = predictions.c
+    where = [p.path == ResultPath.ONLINE.value]
+    if produced_after is not None:
+        where.append(p.produced_at > produced_after)
+    rows = conn.execute(sa.select(p.model_version, p.request_id, p.latency_ms, p.produced_at).where(*where)).all()
+    if not rows:
+        return OnlineActivity(0, 0, {}, None, None, None)
+    frame = pl.DataFrame(
+        [tuple(r) for r in rows],
+        schema={
+            "model_version": pl.String(),
+            "request_id": pl.String(),
+            "latency_ms": pl.Float64(),
+            "produced_at": EVENT_TS_DTYPE,
+        },
+        orient="row",
+    ).with_columns(_as_utc(pl.col("produced_at")))
+    versions = frame.group_by("model_version").len().sort("model_version")
+    latency = frame["latency_ms"].drop_nulls()
+    latest = frame["produced_at"].max()
+    return OnlineActivity(
+        rows=frame.height,
+        requests=frame["request_id"].n_unique(),
+        model_versions=dict(zip(versions["model_version"].to_list(), versions["len"].to_list(), strict=True)),
+        latency_ms_p50=float(latency.quantile(0.5) or 0.0) if latency.len() else None,
+        latency_ms_p99=float(latency.quantile(0.99) or 0.0) if latency.len() else None,
+        latest=latest if isinstance(latest, datetime) else None,
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dagster import (
     AssetSelection,
+    AssetSpec,
     DailyPartitionsDefinition,
     Definitions,
     build_schedule_from_partitioned_job,
@@ -13,7 +14,14 @@ from dagster import (
 
 from assets.batch import build_batch_assets
 from orchestration.resources import DatabaseResource, DemoSourceResource, ModelStoreResource
-from orchestration.sensors import DAILY_JOB, RESCORE_JOB, SensorSettings, build_sensors
+from orchestration.sensors import (
+    DAILY_JOB,
+    ONLINE_PREDICTIONS,
+    RESCORE_JOB,
+    SensorSettings,
+    build_online_observer,
+    build_sensors,
+)
 from orchestration.settings import OrchestrationSettings
 
 
@@ -39,11 +47,21 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         minute_of_hour=settings.schedule_minute,
         description="Scores yesterday's partition every night.",
     )
+    # The online path, as Dagster sees it: written by the BentoML service, not by a run, so an
+    # external asset downstream of the same model, observed from the table by a sensor.
+    online_predictions = AssetSpec(
+        ONLINE_PREDICTIONS,
+        deps=["risk_model"],
+        group_name="online",
+        kinds={"bentoml"},
+        description="Online risk scores written by the BentoML service (path=online), observed from `predictions`.",
+    )
+    sensor_settings = SensorSettings()
     return Definitions(
-        assets=batch_assets,
+        assets=[*batch_assets, online_predictions],
         jobs=[daily_job, rescore_job],
         schedules=[nightly],
-        sensors=build_sensors(SensorSettings()),
+        sensors=[*build_sensors(sensor_settings), build_online_observer(sensor_settings)],
         resources={
             "database": DatabaseResource(),
             "model_store": ModelStoreResource(),

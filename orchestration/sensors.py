@@ -12,7 +12,10 @@ import json
 from datetime import datetime
 
 from dagster import (
+    AssetKey,
+    AssetObservation,
     DefaultSensorStatus,
+    MetadataValue,
     RunRequest,
     SensorDefinition,
     SensorEvaluationContext,
@@ -23,11 +26,17 @@ from dagster import (
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inference.store import fixed_rejection_partitions, scored_partition_keys, stale_scored_partitions
+from inference.store import (
+    fixed_rejection_partitions,
+    online_activity,
+    scored_partition_keys,
+    stale_scored_partitions,
+)
 from orchestration.resources import DatabaseResource, ModelStoreResource
 
 DAILY_JOB = "daily_scoring"
 RESCORE_JOB = "rescore_predictions"
+ONLINE_PREDICTIONS = AssetKey("online_predictions")
 
 
 class SensorSettings(BaseSettings):
@@ -134,3 +143,32 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
         )
 
     return [late_records_sensor, fixed_rejects_sensor, model_promotion_sensor]
+
+
+def build_online_observer(settings: SensorSettings) -> SensorDefinition:
+    @sensor(
+        minimum_interval_seconds=settings.interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Reports what the online service wrote to `predictions` as observations of online_predictions.",
+    )
+    def online_predictions_observer(
+        context: SensorEvaluationContext, database: DatabaseResource
+    ) -> SensorResult | SkipReason:
+        with database.engine.connect() as conn:
+            activity = online_activity(conn, produced_after=_watermark(context.cursor))
+        if activity.rows == 0 or activity.latest is None:
+            return SkipReason("no new online results")
+        observation = AssetObservation(
+            asset_key=ONLINE_PREDICTIONS,
+            metadata={
+                "rows": activity.rows,
+                "requests": activity.requests,
+                "model_versions": MetadataValue.json(activity.model_versions),
+                "latency_ms_p50": activity.latency_ms_p50 if activity.latency_ms_p50 is not None else float("nan"),
+                "latency_ms_p99": activity.latency_ms_p99 if activity.latency_ms_p99 is not None else float("nan"),
+                "latest_produced_at": activity.latest.isoformat(),
+            },
+        )
+        return SensorResult(asset_events=[observation], cursor=_cursor(activity.latest))
+
+    return online_predictions_observer

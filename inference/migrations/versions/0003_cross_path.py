@@ -1,4 +1,4 @@
-"""predictions: the other path's verdict on the same transaction, model version and input
+"""predictions: online latency, and the other path's verdict on the same transaction, version, input
 
 Revision ID: 0003
 Revises: 0002
@@ -15,6 +15,9 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table("predictions") as batch:
+        batch.add_column(
+            sa.Column("latency_ms", sa.Float, nullable=True, comment="online: service time of the producing request")
+        )
         batch.add_column(sa.Column("cross_path", sa.Text, nullable=True))
         batch.add_column(sa.Column("cross_path_score", sa.Float(precision=53), nullable=True))
         batch.add_column(sa.Column("cross_path_producer", sa.Text, nullable=True))
@@ -23,5 +26,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     with op.batch_alter_table("predictions") as batch:
-        for name in ("cross_checked_at", "cross_path_producer", "cross_path_score", "cross_path"):
+        for name in ("cross_checked_at", "cross_path_producer", "cross_path_score", "cross_path", "latency_ms"):
             batch.drop_column(name)
