@@ -8,7 +8,7 @@ export TANDEM_DATA_DIR ?= $(CURDIR)/data
 export BENTOML_HOME ?= $(CURDIR)/data/bentoml
 export DAGSTER_HOME ?= $(CURDIR)/data/dagster
 
-.PHONY: install run demo test lint unit format clean
+.PHONY: install run demo test lint format clean bench bench-quick
 
 install: $(STAMP)
 
@@ -35,6 +35,15 @@ lint: install
 
 test: lint
 	$(BIN)/pytest
+
+# Benchmarks print their numbers and write bench/results/*.json and bench/report.md (+ PNG plots).
+bench: install
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python -m bench.run
+
+bench-quick: install
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python -m bench.run --quick
 
 format: install
 	$(BIN)/ruff format .

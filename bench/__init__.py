@@ -1,0 +1,1 @@
+"""Benchmarks: measured numbers side by side in one run, written to bench/results and bench/report.md."""

@@ -1,0 +1,65 @@
+"""One batch-path measurement in its own process, so peak RSS and CPU time are this partition's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from datetime import date
+
+import torch
+
+from inference.batch import BatchProducer, score_partition
+from inference.contract import TorchPredictor
+from inference.store import make_engine
+from tandem import modelstore
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--day", required=True)
+    parser.add_argument("--chunk-rows", type=int, default=8192)
+    parser.add_argument("--forward-batch", type=int, default=1024)
+    parser.add_argument("--model-name", default="risk_model")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    model, version = modelstore.load_production(args.model_name)
+    predictor = TorchPredictor(
+        model=model,
+        model_version=version,
+        history_length=model.config.history_length,
+        forward_batch_size=args.forward_batch,
+    )
+    engine = make_engine(args.database_url)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    report = score_partition(
+        engine,
+        predictor,
+        date.fromisoformat(args.day),
+        producer=BatchProducer(run_id="bench", partition_key=args.day, code_version="bench"),
+        history_length=model.config.history_length,
+        chunk_rows=args.chunk_rows,
+    )
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(
+        json.dumps(
+            {
+                "rows": report.rows_in,
+                "scored": report.scored,
+                "rejected": report.rejected,
+                "seconds": wall,
+                "rows_per_second": report.rows_in / wall,
+                "cpu_ms_per_record": cpu * 1000 / max(report.rows_in, 1),
+                "peak_rss_mb": after.ru_maxrss / 1024,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

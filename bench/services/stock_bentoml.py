@@ -1,0 +1,72 @@
+"""Stock BentoML: a plain `batchable=True` API with default settings, doing the same work per
+request as Tandem's service (validation, history, features, model, result write) the way a
+typical service does it: validate the batch, score the batch, write the batch; any exception
+fails the whole adaptive batch, which is BentoML's behaviour being measured."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import bentoml
+import polars as pl
+
+from inference.features import build_features
+from inference.model import load_model, score_batch
+from inference.records import EVENT_TS_DTYPE, Transaction, hash_inputs, raw_frame, validate
+from inference.settings import TandemSettings
+from inference.store import ResultPath, StoreHistory, make_engine, upsert_predictions, utc_now
+from tandem import modelstore
+from tandem.version import code_version
+
+_SETTINGS = TandemSettings()
+_TAG = modelstore.production_tag(_SETTINGS.model_name) or f"{_SETTINGS.model_name}:latest"
+
+
+@bentoml.service
+class StockScorer:
+    model_ref = bentoml.models.BentoModel(_TAG)
+
+    def __init__(self) -> None:
+        self.model = load_model(Path(self.model_ref.path))
+        self.version = str(self.model_ref.tag)
+        self.engine = make_engine(_SETTINGS.resolved_database_url())
+        self.history = StoreHistory(self.engine)
+
+    @bentoml.api(batchable=True)
+    def score(self, transactions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        records = [Transaction(**t).to_raw() for t in transactions]  # raises on poison: whole batch fails
+        checked = validate(raw_frame(records)).drop("reject_reason")
+        k = _SETTINGS.history_length
+        features = build_features(checked, self.history.history_for(checked, k), k)
+        scores = score_batch(self.model, features)
+        request_id = uuid.uuid4().hex
+        rows = pl.DataFrame(
+            {
+                "transaction_id": checked["transaction_id"],
+                "model_version": self.version,
+                "score": scores,
+                "path": ResultPath.ONLINE.value,
+                "run_id": None,
+                "partition_key": None,
+                "request_id": request_id,
+                "batch_id": request_id,
+                "code_version": code_version(),
+                "input_hash": hash_inputs(checked),
+                "idempotency_key": None,
+                "produced_at": pl.Series([utc_now()] * checked.height, dtype=EVENT_TS_DTYPE),
+                "latency_ms": None,
+            },
+            schema_overrides={
+                "run_id": pl.String,
+                "partition_key": pl.String,
+                "idempotency_key": pl.String,
+                "latency_ms": pl.Float64,
+            },
+        )
+        with self.engine.begin() as conn:
+            upsert_predictions(conn, rows)
+        return [
+            {"transaction_id": t, "score": float(s)} for t, s in zip(checked["transaction_id"], scores, strict=True)
+        ]
