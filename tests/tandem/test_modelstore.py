@@ -1,0 +1,129 @@
+"""Model versions through the BentoML store, and the production pointer's promote/rollback moves.
+
+BENTOML_HOME points at the session's temporary folder (tests/conftest.py); every test uses a model
+name of its own, so pointers and versions never leak between tests.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from bentoml.exceptions import NotFound
+
+from inference.demo import DemoConfig, generate_day
+from inference.features import build_features
+from inference.model import RiskModel, TrainingReport, score_batch
+from inference.records import split_valid
+from tandem import modelstore
+from tests.inference.support import DAY, TINY_MODEL
+
+
+def fresh_name() -> str:
+    return f"risk_{uuid.uuid4().hex[:10]}"
+
+
+def report_for(model: RiskModel, auc: float = 0.5) -> TrainingReport:
+    return TrainingReport(
+        auc=auc,
+        train_rows=10,
+        holdout_rows=5,
+        epochs=1,
+        parameter_count=model.parameter_count,
+        flops_per_item=model.flops_per_item(),
+    )
+
+
+def register_new(name: str, seed: int, auc: float = 0.5) -> tuple[RiskModel, str]:
+    torch.manual_seed(seed)
+    model = RiskModel(TINY_MODEL).eval()
+    return model, modelstore.register(model, report_for(model, auc), name=name, code_version="test")
+
+
+def test_register_then_load_gives_bit_identical_outputs() -> None:
+    valid, _ = split_valid(generate_day(DAY, DemoConfig(seed=9, rows_per_day=200, poison_rate=0.0)))
+    features = build_features(valid, valid, TINY_MODEL.history_length)
+    name = fresh_name()
+    model, tag = register_new(name, seed=1, auc=0.75)
+    assert tag.startswith(f"{name}:")
+
+    loaded = modelstore.load(tag)
+    assert loaded.config == model.config
+    with torch.inference_mode():
+        assert torch.equal(model(*features.tensors()), loaded(*features.tensors()))
+    assert np.array_equal(score_batch(model, features), score_batch(loaded, features))
+
+    [version] = modelstore.versions(name)
+    assert version.tag == tag
+    assert version.metadata["auc"] == 0.75
+    assert version.metadata["code_version"] == "test"
+    assert version.metadata["parameter_count"] == model.parameter_count
+
+
+def test_promote_production_tag_and_rollback() -> None:
+    name = fresh_name()
+    _, first = register_new(name, seed=1)
+    _, second = register_new(name, seed=2)
+    _, third = register_new(name, seed=3)
+    assert modelstore.production_tag(name) is None
+
+    modelstore.promote(first)
+    assert modelstore.production_tag(name) == first
+    modelstore.promote(second)
+    modelstore.promote(second)  # promoting the current version again is a no-op, not a history entry
+    modelstore.promote(third)
+    assert modelstore.production_tag(name) == third
+
+    assert modelstore.rollback(name) == second
+    assert modelstore.production_tag(name) == second
+    assert modelstore.rollback(name) == first
+    assert modelstore.production_tag(name) == first
+    with pytest.raises(LookupError):
+        modelstore.rollback(name)
+    assert modelstore.production_tag(name) == first
+
+    # Promoting again after rollbacks moves forward from where production now is.
+    modelstore.promote(third)
+    assert modelstore.rollback(name) == first
+
+
+def test_rollback_without_history_raises_lookup_error() -> None:
+    name = fresh_name()
+    with pytest.raises(LookupError):
+        modelstore.rollback(name)
+    _, only = register_new(name, seed=1)
+    modelstore.promote(only)
+    with pytest.raises(LookupError):
+        modelstore.rollback(name)
+    assert modelstore.production_tag(name) == only
+
+
+def test_load_production() -> None:
+    name = fresh_name()
+    with pytest.raises(LookupError):
+        modelstore.load_production(name)
+    model, tag = register_new(name, seed=5)
+    modelstore.promote(tag)
+    loaded, loaded_tag = modelstore.load_production(name)
+    assert loaded_tag == tag
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+
+
+def test_pointers_are_per_model_name() -> None:
+    one, other = fresh_name(), fresh_name()
+    _, tag = register_new(one, seed=1)
+    modelstore.promote(tag)
+    assert modelstore.production_tag(one) == tag
+    assert modelstore.production_tag(other) is None
+
+
+def test_promoting_an_unknown_version_fails_and_keeps_the_pointer() -> None:
+    name = fresh_name()
+    _, tag = register_new(name, seed=1)
+    modelstore.promote(tag)
+    with pytest.raises(NotFound):
+        modelstore.promote(f"{name}:doesnotexist")
+    assert modelstore.production_tag(name) == tag
