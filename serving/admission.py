@@ -1,0 +1,109 @@
+"""Admission control: predict how long a newcomer would wait, and refuse at once when it is too long.
+
+The cost of one adaptive batch is modelled as `fixed + per_item * n`: on this model most of a small
+batch's time is fixed (validation, features, the history query), so a per-item average measured at
+batch size 1 would predict a 64-request burst as 64 times the real wait and shed below capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class BatchCostModel:
+    """Exponentially weighted least squares of batch duration on batch size.
+
+    The warm-up calibration is kept as a prior that never decays, so a long run of equal-sized
+    batches (all of size 1 at low load) cannot make the slope unidentifiable.
+    """
+
+    def __init__(self, decay: float, prior_weight: float = 2.0) -> None:
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self._prior = [0.0] * 5  # weight, sum n, sum n^2, sum d, sum n*d
+        self._live = [0.0] * 5
+        self.fixed_s = 0.0
+        self.per_item_s = 0.0
+
+    @staticmethod
+    def _add(stats: list[float], n: float, seconds: float, weight: float) -> None:
+        stats[0] += weight
+        stats[1] += weight * n
+        stats[2] += weight * n * n
+        stats[3] += weight * seconds
+        stats[4] += weight * n * seconds
+
+    def calibrate(self, samples: list[tuple[int, float]]) -> None:
+        """Seed from warm-up runs: (batch size, seconds)."""
+        share = self.prior_weight / max(len(samples), 1)
+        for n, seconds in samples:
+            self._add(self._prior, n, seconds, share)
+        self._fit()
+
+    def observe(self, n: int, seconds: float) -> None:
+        self._live = [value * self.decay for value in self._live]
+        self._add(self._live, n, seconds, 1.0)
+        self._fit()
+
+    def _fit(self) -> None:
+        w, sn, snn, sd, snd = (p + q for p, q in zip(self._prior, self._live, strict=True))
+        if w <= 0:
+            return
+        mean_n, mean_d = sn / w, sd / w
+        variance = snn / w - mean_n * mean_n
+        if variance > 1e-9:
+            slope = (snd / w - mean_n * mean_d) / variance
+            self.per_item_s = max(slope, 0.0)
+        self.fixed_s = max(mean_d - self.per_item_s * mean_n, 0.0)
+
+    def batch_seconds(self, n: int) -> float:
+        return self.fixed_s + self.per_item_s * n
+
+
+@dataclass(frozen=True)
+class Decision:
+    admitted: bool
+    predicted_wait_s: float
+    limit_s: float
+    reason: str | None = None  # queue_full | over_target | over_deadline
+
+    @property
+    def retry_after_s(self) -> int:
+        """Whole seconds (the header's unit), at least 1, so clients back off for one drain."""
+        return max(1, math.ceil(self.predicted_wait_s))
+
+
+def predicted_wait(queued: int, in_flight_remaining_s: float, max_batch: int, cost: BatchCostModel) -> float:
+    """Seconds until a newcomer's batch starts: the running batch, then the full batches ahead of it."""
+    full_batches_ahead = queued // max_batch
+    return in_flight_remaining_s + full_batches_ahead * cost.batch_seconds(max_batch)
+
+
+def admit(
+    *,
+    items: int,
+    queued: int,
+    capacity: int,
+    in_flight_remaining_s: float,
+    max_batch: int,
+    cost: BatchCostModel,
+    target_s: float,
+    remaining_deadline_s: float,
+    oldest_queued_s: float = 0.0,
+) -> Decision:
+    """Admit when the newcomer's wait fits the target and its deadline.
+
+    The wait is the larger of the model's prediction and the measured age of the oldest queued
+    item (its sojourn time, as in CoDel): when the machine slows down faster than the cost model
+    follows, the queue's real age still stops admission before accepted work misses the target.
+    """
+    wait = max(predicted_wait(queued, in_flight_remaining_s, max_batch, cost), oldest_queued_s)
+    limit = min(target_s, remaining_deadline_s)
+    if queued + items > capacity:
+        return Decision(False, wait, limit, "queue_full")
+    if wait > remaining_deadline_s:
+        return Decision(False, wait, limit, "over_deadline")
+    if wait > target_s:
+        return Decision(False, wait, limit, "over_target")
+    return Decision(True, wait, limit)

@@ -1,0 +1,234 @@
+"""Adaptive batching across concurrent requests, with a bounded queue in front of it.
+
+One batch runs at a time on the scoring thread; whatever queued while it ran becomes the next
+batch (up to `max_batch`), so the batch size follows the load without a timing window: an idle
+service answers a lone request at once, a busy one amortises the fixed cost of a batch over many.
+
+Unlike BentoML's CORK dispatcher the queue is bounded by admission (see `admission`), an item past
+its deadline is dropped before work starts on it, and a batch that raises is retried item by item,
+so one item's failure is never handed to the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import BrokenExecutor, Executor
+from dataclasses import dataclass, field
+
+from inference.store import utc_now
+from serving.admission import BatchCostModel, Decision, admit
+from serving.metrics import ServingMetrics
+from serving.schemas import ItemError, ItemResult
+from serving.scoring import BatchResult, ItemSpec
+
+logger = logging.getLogger(__name__)
+
+
+class Expired:
+    """Resolution of an item whose deadline passed before its batch started."""
+
+
+EXPIRED = Expired()
+
+
+@dataclass(eq=False)
+class WorkItem:
+    spec: ItemSpec
+    deadline: float
+    enqueued_at: float
+    future: asyncio.Future[ItemResult | Expired]
+    waiters: int = 1
+    abandoned: bool = field(default=False)
+    started: bool = field(default=False)
+    cpu_share: float = 0.0
+
+    @property
+    def transaction_id(self) -> str:
+        return str(self.spec.raw["transaction_id"])
+
+
+ProcessFn = Callable[[list[ItemSpec]], BatchResult]
+BatchHook = Callable[[list[WorkItem], BatchResult], None]
+
+
+class AdaptiveBatcher:
+    def __init__(
+        self,
+        process: ProcessFn,
+        *,
+        executor: Executor,
+        max_batch: int,
+        capacity: int,
+        target_s: float,
+        cost: BatchCostModel,
+        metrics: ServingMetrics,
+        model_version: str,
+        on_batch: BatchHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.process = process
+        self.executor = executor
+        self.max_batch = max_batch
+        self.capacity = capacity
+        self.target_s = target_s
+        self.cost = cost
+        self.metrics = metrics
+        self.on_batch = on_batch
+        self.model_version = model_version
+        self.clock = clock
+        self._queue: collections.deque[WorkItem] = collections.deque()
+        self._live = 0  # queued items someone still waits for
+        self._wakeup = asyncio.Event()
+        self._in_flight_since: float | None = None
+        self._in_flight_size = 0
+        self._task: asyncio.Task[None] | None = None
+        self.broken = False
+
+    @property
+    def queued(self) -> int:
+        return self._live
+
+    def in_flight_remaining(self) -> float:
+        if self._in_flight_since is None:
+            return 0.0
+        expected = self.cost.batch_seconds(self._in_flight_size)
+        return max(expected - (self.clock() - self._in_flight_since), 0.0)
+
+    def oldest_queued(self) -> float:
+        """Seconds the oldest still-wanted item has been queued (0 when the queue is empty)."""
+        while self._queue and self._queue[0].abandoned:
+            self._queue.popleft()
+        return self.clock() - self._queue[0].enqueued_at if self._queue else 0.0
+
+    def decide(self, items: int, deadline: float) -> Decision:
+        return admit(
+            oldest_queued_s=self.oldest_queued(),
+            items=items,
+            queued=self._live,
+            capacity=self.capacity,
+            in_flight_remaining_s=self.in_flight_remaining(),
+            max_batch=self.max_batch,
+            cost=self.cost,
+            target_s=self.target_s,
+            remaining_deadline_s=deadline - self.clock(),
+        )
+
+    def enqueue(self, items: list[WorkItem]) -> None:
+        self._queue.extend(items)
+        self._live += len(items)
+        self.metrics.queue_depth.set(self._live)
+        self._wakeup.set()
+
+    def abandon(self, item: WorkItem) -> None:
+        """A waiter gave up; with none left, the item is dropped before work starts on it."""
+        item.waiters -= 1
+        if item.waiters <= 0 and not item.started and not item.abandoned:
+            item.abandoned = True
+            self._live -= 1
+            self.metrics.queue_depth.set(self._live)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _take(self) -> list[WorkItem]:
+        batch: list[WorkItem] = []
+        seen: set[str] = set()
+        deferred: list[WorkItem] = []
+        now = self.clock()
+        while self._queue and len(batch) < self.max_batch:
+            item = self._queue.popleft()
+            if item.abandoned:
+                continue
+            if item.deadline <= now:
+                self._live -= 1
+                item.future.set_result(EXPIRED)
+                continue
+            # Two different records with one id cannot share a frame (the later would be a duplicate).
+            if item.transaction_id in seen:
+                deferred.append(item)
+                continue
+            seen.add(item.transaction_id)
+            item.started = True
+            self._live -= 1
+            batch.append(item)
+        self._queue.extendleft(reversed(deferred))
+        self.metrics.queue_depth.set(self._live)
+        return batch
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            batch = self._take()
+            if not batch:
+                continue
+            started = self.clock()
+            for item in batch:
+                self.metrics.queue_wait.observe(started - item.enqueued_at)
+            self._in_flight_since, self._in_flight_size = started, len(batch)
+            specs = [item.spec for item in batch]
+            try:
+                outcome = await self._process_isolated(loop, specs)
+            finally:
+                self._in_flight_since = None
+            elapsed = self.clock() - started
+            self.cost.observe(len(batch), elapsed)
+            self.metrics.batch_size.observe(len(batch))
+            self.metrics.batch_seconds.observe(elapsed)
+            for item, result in zip(batch, outcome.results, strict=True):
+                if not item.future.done():
+                    item.future.set_result(result)
+            if self.on_batch is not None:
+                try:
+                    self.on_batch(batch, outcome)
+                except Exception:  # bookkeeping must never stop the batcher
+                    logger.exception("batch hook failed")
+
+    async def _process_isolated(self, loop: asyncio.AbstractEventLoop, specs: list[ItemSpec]) -> BatchResult:
+        try:
+            return await loop.run_in_executor(self.executor, self.process, specs)
+        except BrokenExecutor:
+            self.broken = True
+            logger.exception("the scoring process died; the service is no longer alive")
+            died = [_internal_error(spec, "scoring process died", self.model_version) for spec in specs]
+            return BatchResult(results=died)
+        except Exception:  # retried item by item below, so one bad item fails alone
+            logger.exception("batch of %d failed outside the predictor; retrying items alone", len(specs))
+        merged = BatchResult(results=[])
+        for spec in specs:
+            try:
+                single = await loop.run_in_executor(self.executor, self.process, [spec])
+            except Exception as error:  # noqa: BLE001 - reported on this item only
+                merged.results.append(_internal_error(spec, f"{type(error).__name__}: {error}", self.model_version))
+                continue
+            merged.results.extend(single.results)
+            merged.rows.extend(single.rows)
+            merged.rejected.extend(single.rejected)
+            merged.degraded = merged.degraded or single.degraded
+            merged.cpu_seconds += single.cpu_seconds
+        return merged
+
+
+def _internal_error(spec: ItemSpec, detail: str, model_version: str) -> ItemResult:
+    return ItemResult(
+        transaction_id=str(spec.raw["transaction_id"]),
+        status="error",
+        model_version=model_version,
+        path="online",
+        request_id=spec.request_id,
+        produced_at=utc_now(),
+        error=ItemError(reason="internal_error", detail=detail[:500]),
+    )

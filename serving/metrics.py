@@ -1,0 +1,81 @@
+"""Prometheus metrics of the online path.
+
+Under `bentoml serve` PROMETHEUS_MULTIPROC_DIR is set, so values live in shared files and /metrics
+sums the workers; in-process (tests) a private registry keeps instances independent.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.latency = Histogram(
+            "tandem_serving_request_latency_seconds",
+            "End-to-end latency of /score, by HTTP status.",
+            ["status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.p99_target = Gauge(
+            "tandem_serving_p99_target_seconds",
+            "The declared p99 latency target.",
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.queue_depth = Gauge(
+            "tandem_serving_queue_depth", "Items waiting for a batch.", registry=r, multiprocess_mode="livesum"
+        )
+        self.queue_wait = Histogram(
+            "tandem_serving_queue_wait_seconds",
+            "Time an item waited before its batch started.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.shed = Counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"], registry=r)
+        self.batch_size = Histogram(
+            "tandem_serving_batch_size", "Items per adaptive batch.", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.batch_seconds = Histogram(
+            "tandem_serving_batch_seconds", "Service time of one batch.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.item_errors = Counter(
+            "tandem_serving_item_errors_total", "Items answered with an error, by reason.", ["reason"], registry=r
+        )
+        self.cpu_per_request = Histogram(
+            "tandem_serving_request_cpu_seconds",
+            "CPU time spent on one request: its parsing plus its share of its batches.",
+            buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
+            registry=r,
+        )
+        self.outbox_depth = Gauge(
+            "tandem_serving_outbox_depth",
+            "Prediction rows waiting in the local outbox.",
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.breaker_state = Gauge(
+            "tandem_serving_db_breaker_state",
+            "Database circuit breaker: 0 closed, 1 half-open, 2 open.",
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.degraded = Counter(
+            "tandem_serving_degraded_total", "Items scored without account history (database down).", registry=r
+        )
+
+    def exposition(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)

@@ -1,0 +1,293 @@
+"""The online scorer: admission, coalescing of duplicates, the adaptive batcher and persistence,
+wired once per worker. Framework-free, so tests can drive it in-process; the BentoML service and
+the HTTP app are thin shells around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import math
+import sqlite3
+import time
+from concurrent.futures import Executor
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from inference.records import MERCHANT_CATEGORIES, Transaction, raw_frame, validate
+from serving.admission import BatchCostModel, Decision
+from serving.batcher import EXPIRED, AdaptiveBatcher, ProcessFn, WorkItem
+from serving.breaker import BreakerState, CircuitBreaker
+from serving.metrics import ServingMetrics
+from serving.outbox import Outbox
+from serving.schemas import ItemResult
+from serving.scoring import IDEMPOTENCY_REUSED, BatchResult, ItemSpec
+from serving.settings import ServingSettings
+from serving.writer import ResultWriter
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_INVALID = "schema_invalid"
+# Deterministic per-item failures: a retry would fail the same way, so the answer is cached.
+_CACHEABLE_ERRORS = frozenset({"model_error", "nonfinite_score"})
+
+
+class Shed(Exception):
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+class ResultCache:
+    """Recent answers by idempotency key, so a retry is answered without the database."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: collections.OrderedDict[str, ItemResult] = collections.OrderedDict()
+
+    def get(self, key: str) -> ItemResult | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: str, result: ItemResult) -> None:
+        if self.size <= 0:
+            return
+        self._entries[key] = result
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+
+def item_key(transaction_id: str, header: str | None, items_in_request: int, model_version: str) -> tuple[str, bool]:
+    """(key, explicit): the client's key (suffixed per transaction in a multi-item request), or
+    transaction id + model version, so a plain retry of the same transaction is idempotent too."""
+    if header is None:
+        return f"{transaction_id}:{model_version}", False
+    return (header if items_in_request == 1 else f"{header}/{transaction_id}"), True
+
+
+class OnlineScorer:
+    def __init__(
+        self,
+        *,
+        process: ProcessFn,
+        executor: Executor,
+        model_version: str,
+        engine: Engine,
+        settings: ServingSettings,
+        outbox: Outbox,
+        metrics: ServingMetrics,
+    ) -> None:
+        """`process` scores a batch on `executor` (the scoring process in production, a thread in
+        tests); `engine` is the server process's own, for writes."""
+        self.settings = settings
+        self.metrics = metrics
+        self.outbox = outbox
+        self.process = process
+        self.executor = executor
+        self.model_version = model_version
+        self.breaker = CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_reset_s)
+        self.cost = BatchCostModel(settings.cost_decay)
+        self.writer = ResultWriter(
+            engine,
+            self.breaker,
+            outbox,
+            metrics,
+            drain_interval_s=settings.outbox_drain_interval_s,
+            drain_chunk=settings.outbox_drain_chunk,
+        )
+        self.cache = ResultCache(settings.idempotency_cache_size)
+        self.in_flight: dict[str, WorkItem] = {}
+        self.batcher: AdaptiveBatcher | None = None
+        self.warm = False
+        metrics.p99_target.set(settings.p99_target_ms / 1000)
+
+    # ------------------------------------------------------------------ lifecycle
+    def warm_up(self, rounds: int = 3) -> list[tuple[int, float]]:
+        """Score synthetic records through the whole path (store reads included, writes excluded)
+        at batch size 1 and the largest batch, and seed the cost model with the timings."""
+        sizes = (1, self.settings.max_batch_size)
+        specs = [_warm_up_spec(i) for i in range(max(sizes))]
+        self.executor.submit(self.process, specs[:1]).result()  # first call pays lazy init
+        samples: list[tuple[int, float]] = []
+        for _ in range(rounds):
+            for n in sizes:
+                started = time.perf_counter()
+                outcome = self.executor.submit(self.process, specs[:n]).result()
+                samples.append((n, time.perf_counter() - started))
+                if any(r.status != "scored" or r.score is None or not math.isfinite(r.score) for r in outcome.results):
+                    raise RuntimeError(f"warm-up inference failed: {outcome.results[0]}")
+        self.cost.calibrate(samples)
+        self.warm = True
+        logger.info("warm: batch cost %.1f ms + %.3f ms/item", self.cost.fixed_s * 1000, self.cost.per_item_s * 1000)
+        return samples
+
+    async def start(self) -> None:
+        self.batcher = AdaptiveBatcher(
+            self.process,
+            executor=self.executor,
+            max_batch=self.settings.max_batch_size,
+            capacity=self.settings.queue_capacity,
+            target_s=self.settings.p99_target_ms / 1000,
+            cost=self.cost,
+            metrics=self.metrics,
+            model_version=self.model_version,
+            on_batch=self._after_batch,
+        )
+        self.batcher.start()
+        self.writer.start()
+
+    async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop()
+        await asyncio.to_thread(self.writer.close)
+        self.outbox.close()
+
+    def alive(self) -> bool:
+        return self.batcher is None or not self.batcher.broken
+
+    def ready(self) -> bool:
+        if not self.warm or self.batcher is None or self.batcher.broken:
+            return False
+        if self.breaker.state is BreakerState.CLOSED:
+            return True
+        try:
+            self.outbox.depth()
+        except sqlite3.Error:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ requests
+    async def score(
+        self,
+        transactions: list[Transaction],
+        *,
+        request_id: str,
+        idempotency_key: str | None,
+        deadline: float,
+    ) -> tuple[list[ItemResult], float]:
+        """Answers in request order, and the CPU seconds of the batches spent on them.
+
+        Raises Shed (refused at admission) or DeadlineExceeded.
+        """
+        assert self.batcher is not None, "start() first"
+        batcher = self.batcher
+        plan: list[ItemResult | WorkItem] = []
+        fresh: list[WorkItem] = []
+        now = time.monotonic()
+        for tx in transactions:
+            key, explicit = item_key(tx.transaction_id, idempotency_key, len(transactions), self.model_version)
+            cached = self.cache.get(key)
+            if cached is not None:
+                plan.append(cached)
+                continue
+            running = self.in_flight.get(key)
+            if running is not None:
+                plan.append(running)
+                continue
+            spec = ItemSpec(raw=tx.to_raw(), key=key, explicit_key=explicit, request_id=request_id)
+            item = WorkItem(spec, deadline, now, asyncio.get_running_loop().create_future())
+            plan.append(item)
+            fresh.append(item)
+        if fresh:
+            decision = batcher.decide(len(fresh), deadline)
+            if not decision.admitted:
+                self.metrics.shed.labels(reason=decision.reason or "unknown").inc()
+                raise Shed(decision)
+            for item in fresh:
+                self.in_flight[item.spec.key] = item
+                item.future.add_done_callback(functools.partial(self._forget, item))
+            batcher.enqueue(fresh)
+        waiting = [entry for entry in plan if isinstance(entry, WorkItem)]
+        for item in waiting:
+            if item not in fresh:
+                item.waiters += 1
+                item.deadline = max(item.deadline, deadline)
+        if waiting:
+            _, pending = await asyncio.wait([item.future for item in waiting], timeout=deadline - time.monotonic())
+            expired = bool(pending) or any(item.future.result() is EXPIRED for item in waiting)
+            if expired:
+                for item in waiting:
+                    batcher.abandon(item)
+                raise DeadlineExceeded
+        results: list[ItemResult] = []
+        cpu = 0.0
+        for entry in plan:
+            if isinstance(entry, WorkItem):
+                answer = entry.future.result()
+                assert isinstance(answer, ItemResult)
+                results.append(answer)
+                cpu += entry.cpu_share
+            else:
+                results.append(entry)
+        return results, cpu
+
+    def _forget(self, item: WorkItem, _: object = None) -> None:
+        if self.in_flight.get(item.spec.key) is item:
+            del self.in_flight[item.spec.key]
+
+    def _after_batch(self, batch: list[WorkItem], outcome: BatchResult) -> None:
+        share = outcome.cpu_seconds / max(len(batch), 1)
+        finished = time.monotonic()
+        waited_ms = {item.transaction_id: (finished - item.enqueued_at) * 1000 for item in batch}
+        for row in outcome.rows:
+            row["latency_ms"] = waited_ms.get(row["transaction_id"])
+        for item, result in zip(batch, outcome.results, strict=True):
+            item.cpu_share = share
+            if result.error is not None:
+                self.metrics.item_errors.labels(reason=result.error.reason).inc()
+            if result.degraded:
+                self.metrics.degraded.inc()
+            # A degraded answer is provisional: once the history is readable a retry rescoring it is better.
+            elif result.status == "scored" or (result.error and result.error.reason in _CACHEABLE_ERRORS):
+                self.cache.put(item.spec.key, result)
+        self.writer.submit_rows(outcome.rows)
+        self.writer.submit_rejections(outcome.rejected)
+        self.metrics.breaker_state.set(max(int(self.breaker.state), outcome.breaker_state))
+
+    def quarantine_invalid(self, items: list[Any], details: dict[int, str], request_id: str) -> None:
+        """Best effort: record schema-invalid items (never scored) in rejected_records."""
+        records = [(index, item) for index, item in enumerate(items) if isinstance(item, dict) and index in details]
+        if not records:
+            return
+        reasons = validate(raw_frame([item for _, item in records]))["reject_reason"].to_list()
+        rows = []
+        for (index, item), reason in zip(records, reasons, strict=True):
+            rows.append(
+                {
+                    **item,
+                    "reject_reason": reason or SCHEMA_INVALID,
+                    "reject_detail": details[index][:500],
+                    "request_id": request_id,
+                }
+            )
+            self.metrics.item_errors.labels(reason=reason or SCHEMA_INVALID).inc()
+        self.writer.submit_rejections(rows)
+
+
+def _warm_up_spec(index: int) -> ItemSpec:
+    moment = datetime(2000, 1, 1, tzinfo=UTC) + timedelta(minutes=index)
+    tx = Transaction(
+        transaction_id=f"warm-up-{index}",
+        account_id=f"warm-up-account-{index % 4}",
+        amount=10.0 + index,
+        # One ordinary country: warm-up proves the path works, not that every input does.
+        currency="USD",
+        merchant_category=MERCHANT_CATEGORIES[index % len(MERCHANT_CATEGORIES)],
+        country="US",
+        event_time=moment,
+    )
+    return ItemSpec(raw=tx.to_raw(), key=f"warm-up-{index}", explicit_key=False, request_id="warm-up")
+
+
+__all__ = ["IDEMPOTENCY_REUSED", "DeadlineExceeded", "OnlineScorer", "ResultCache", "Shed", "item_key"]

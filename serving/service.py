@@ -1,0 +1,123 @@
+"""The BentoML service: the composition root of the online path.
+
+`bentoml serve serving.service:RiskScorer` (port 3001 on 127.0.0.1; Dagster has 3000).
+
+One worker: on two cores one runs the event loop (HTTP, admission) and one the scoring thread;
+a second worker would load a second model and fight both for the same cores.
+"""
+
+from __future__ import annotations
+
+import bentoml
+from bentoml.models import BentoModel
+
+from inference.migrate import upgrade
+from inference.settings import TandemSettings
+from inference.store import make_engine
+from serving import worker
+from serving.app import build_app
+from serving.metrics import ServingMetrics
+from serving.outbox import Outbox
+from serving.runtime import OnlineScorer
+from serving.settings import ServingSettings
+from tandem import modelstore
+from tandem.version import code_version
+
+
+def production_model() -> BentoModel:
+    """The version to serve: a pinned tag, else the production pointer, else the only stored version.
+
+    BentoML needs the reference at class scope (so `bentoml build` packs the model), hence this
+    runs when the service module is loaded. Inside a built Bento there is no pointer file, but the
+    Bento carries exactly one version: the one that was production when it was built.
+    """
+    name = TandemSettings().model_name
+    tag = ServingSettings().model_tag or modelstore.production_tag(name)
+    if tag is None:
+        stored = modelstore.versions(name)
+        if len(stored) != 1:
+            raise LookupError(
+                f"no production version of {name!r} (found {len(stored)} versions); promote one or set "
+                "TANDEM_SERVING_MODEL_TAG"
+            )
+        tag = stored[0].tag
+    return BentoModel(tag)
+
+
+def _current_scorer() -> OnlineScorer:
+    service: RiskScorer = bentoml.get_current_service()
+    return service.scorer
+
+
+@bentoml.asgi_app(build_app(_current_scorer), path="/")
+@bentoml.service(
+    workers=1,
+    http={"host": "127.0.0.1", "port": 3001},
+    # BentoML's own metrics middleware and access log cost more per request than the model's
+    # share on this hardware; /metrics is served by the scoring app instead.
+    metrics={"enabled": False},
+    logging={"access": {"enabled": False}},
+    # Only a backstop: requests carry their own deadlines and are answered 504 by the scorer.
+    traffic={"timeout": 30},
+)
+class RiskScorer:
+    model_ref = production_model()
+
+    def __init__(self) -> None:
+        settings = TandemSettings()
+        serving = ServingSettings()
+        url = settings.resolved_database_url()
+        options = (
+            {
+                "connect_args": {
+                    "connect_timeout": serving.db_connect_timeout_s,
+                    "options": f"-c statement_timeout={serving.db_statement_timeout_ms}",
+                }
+            }
+            if url.startswith("postgresql")
+            else {}
+        )
+        engine = make_engine(url, **options)
+        upgrade(engine)
+        model_version = str(self.model_ref.tag)
+        self.pool = worker.start_pool(
+            worker.WorkerConfig(
+                model_dir=str(self.model_ref.path),
+                model_version=model_version,
+                database_url=url,
+                history_length=settings.history_length,
+                forward_batch_size=serving.max_batch_size,
+                code_version=code_version(),
+                torch_threads=serving.torch_threads,
+                breaker_failure_threshold=serving.breaker_failure_threshold,
+                breaker_reset_s=serving.breaker_reset_s,
+                engine_options=options,
+            )
+        )
+        self.scorer = OnlineScorer(
+            process=worker.score,
+            executor=self.pool,
+            model_version=model_version,
+            engine=engine,
+            settings=serving,
+            outbox=Outbox(settings.data_dir / "serving" / "outbox.sqlite3"),
+            metrics=ServingMetrics(),
+        )
+        # Loads the model in the scoring process and runs real inferences end to end; until
+        # then the worker is not ready.
+        self.scorer.warm_up()
+
+    @bentoml.on_startup
+    async def start_scorer(self) -> None:
+        await self.scorer.start()
+
+    @bentoml.on_shutdown
+    async def stop_scorer(self) -> None:
+        await self.scorer.close()
+        self.pool.shutdown(wait=True)
+
+    def __is_ready__(self) -> bool:
+        return self.scorer.ready()
+
+    def __is_alive__(self) -> bool:
+        return self.scorer.alive()

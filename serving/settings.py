@@ -1,0 +1,34 @@
+"""Knobs of the online path, resolved when the service starts (never at import time)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServingSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_SERVING_", extra="ignore")
+
+    p99_target_ms: float = Field(default=50.0, gt=0, description="Declared p99 latency target; drives shedding.")
+    max_batch_size: int = Field(default=64, ge=1, le=4096, description="Items per adaptive batch at most.")
+    queue_capacity: int = Field(
+        default=1024, ge=1, description="Hard bound on queued items, whatever the predicted wait says."
+    )
+    max_transactions_per_request: int = Field(default=256, ge=1)
+    request_timeout_ms: float = Field(
+        default=2000.0, gt=0, description="Deadline of a request that sends no X-Deadline-Ms header."
+    )
+    cost_decay: float = Field(
+        default=0.9, gt=0, lt=1, description="Per-batch forgetting factor of the batch cost estimate."
+    )
+    torch_threads: int = Field(default=1, ge=1, description="Intra-op threads of the scoring thread.")
+    breaker_failure_threshold: int = Field(default=2, ge=1)
+    breaker_reset_s: float = Field(default=2.0, gt=0, description="How long an open breaker skips the database.")
+    db_connect_timeout_s: int = Field(default=2, ge=1)
+    db_statement_timeout_ms: int = Field(default=2000, ge=1)
+    outbox_drain_interval_s: float = Field(default=0.5, gt=0)
+    outbox_drain_chunk: int = Field(default=2000, ge=1)
+    idempotency_cache_size: int = Field(default=100_000, ge=0, description="Recent answers kept for retries.")
+    model_tag: str | None = Field(
+        default=None, description="Pin a model version instead of following the production pointer."
+    )

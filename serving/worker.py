@@ -1,0 +1,70 @@
+"""The scoring process: the model, the feature pipeline and the store reads, away from the event loop.
+
+Scoring is mostly Python-orchestrated polars and torch; in a thread of the serving process it
+holds the GIL often enough to stall the event loop, which then queues requests invisibly in the
+socket backlog. A process of its own gives each of the two cores one job: HTTP and admission in
+the server process, batches here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inference.contract import TorchPredictor
+from inference.model import load_model
+from inference.store import make_engine
+from serving.breaker import CircuitBreaker
+from serving.scoring import BatchResult, ItemSpec, ScoringCore
+
+# A process pool calls plain functions; this is the one piece of per-process state they share.
+_core: ScoringCore | None = None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: str
+    model_version: str
+    database_url: str
+    history_length: int
+    forward_batch_size: int
+    code_version: str
+    torch_threads: int
+    breaker_failure_threshold: int
+    breaker_reset_s: float
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+
+def initialize(config: WorkerConfig) -> None:
+    global _core  # noqa: PLW0603 - set once, when the pool starts this process
+    torch.set_num_threads(config.torch_threads)
+    predictor = TorchPredictor(
+        model=load_model(Path(config.model_dir)),
+        model_version=config.model_version,
+        history_length=config.history_length,
+        forward_batch_size=config.forward_batch_size,
+    )
+    engine = make_engine(config.database_url, **config.engine_options)
+    breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
+    _core = ScoringCore(predictor, engine, breaker, code_version=config.code_version)
+
+
+def score(specs: list[ItemSpec]) -> BatchResult:
+    if _core is None:
+        raise RuntimeError("scoring process not initialised")
+    return _core.score(specs)
+
+
+def start_pool(config: WorkerConfig) -> ProcessPoolExecutor:
+    # spawn, not fork: the server process already runs threads and an event loop.
+    return ProcessPoolExecutor(
+        max_workers=1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=initialize,
+        initargs=(config,),
+    )

@@ -1,0 +1,180 @@
+"""docs/ and the PR template: the review question comes first, and every name the operations docs
+use (settings, metrics, alerts, sensors, jobs, asset checks, CLI commands) exists in the code."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+from click.testing import CliRunner
+
+from serving.settings import ServingSettings
+from tests.deploy.support import DEPLOY, DOCS, MONITORING_DIR, ROOT, exported_metric_names, load_yaml
+
+REVIEW_QUESTION = "Does this change move a code path between batch and online, and did we decide that?"
+PR_TEMPLATE = ROOT / ".github" / "pull_request_template.md"
+CHECKLIST = DOCS / "design-review-checklist.md"
+DECISION = DOCS / "decisions" / "0001-online-path-is-an-online-service.md"
+RUNBOOK = (DOCS / "runbook.md").read_text()
+SLO = (DOCS / "slo.md").read_text()
+OPERATIONS_TEXT = {
+    path.relative_to(ROOT).as_posix(): path.read_text()
+    for path in [*DOCS.rglob("*.md"), *DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.json")]
+}
+
+# Names docs/slo.md asks the service for (its "Gaps" section); they must not exist yet, and must
+# only be mentioned as requests. When the service adds one, move it out of here.
+REQUESTED_SETTINGS = {"TANDEM_SERVING_AVAILABILITY_TARGET", "TANDEM_SERVING_SLO_WINDOW_DAYS"}
+REQUESTED_METRICS = {
+    "tandem_serving_availability_target_ratio",
+    "tandem_serving_slo_window_seconds",
+    "tandem_serving_requests_over_target_total",
+    "tandem_serving_items_total",
+    "tandem_serving_model_info",
+    "tandem_serving_requests_in_flight",
+}
+
+
+def _checklist_items(text: str) -> list[str]:
+    return [line.removeprefix("- [ ]").strip() for line in text.splitlines() if line.startswith("- [ ]")]
+
+
+def _code(text: str) -> str:
+    """The fenced code blocks and inline code spans of a Markdown text."""
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.DOTALL)
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.DOTALL))
+    return "\n".join([*blocks, *spans])
+
+
+def test_pr_template_asks_the_review_question_first() -> None:
+    text = PR_TEMPLATE.read_text()
+    items = _checklist_items(text)
+    assert items, "the PR template has no checklist"
+    assert items[0] == REVIEW_QUESTION
+    first_question = next(line for line in text.splitlines() if line.rstrip().endswith("?"))
+    assert REVIEW_QUESTION in first_question, "nothing may be asked before the review question"
+
+
+def test_checklist_doc_asks_it_first_and_matches_the_template() -> None:
+    items = _checklist_items(CHECKLIST.read_text())
+    assert items[0] == REVIEW_QUESTION
+    assert items == _checklist_items(PR_TEMPLATE.read_text())
+
+
+def test_decision_record_has_its_sections_and_commitments() -> None:
+    text = DECISION.read_text()
+    assert text.startswith("# 0001 — Tandem's online path is an online service")
+    for heading in ("## Context", "## Decision", "## What this commits us to", "## Consequences"):
+        assert heading in text
+    for commitment in ("Warm model", "Bounded admission", "declared p99 target", "Per-item isolation",
+                       "Idempotency", "Deadlines", "Outbox"):  # fmt: skip
+        assert commitment.lower() in text.lower(), commitment
+
+
+def test_slo_declares_the_score_targets_the_service_enforces() -> None:
+    assert re.search(r"POST /score.*99\.9 %", SLO)
+    assert re.search(r"p99 ≤ 50 ms", SLO)
+    assert ServingSettings.model_fields["p99_target_ms"].default == 50.0
+    for name in ("TANDEM_SERVING_P99_TARGET_MS", "tandem_serving_p99_target_seconds", 'le="0.05"'):
+        assert name in SLO
+    assert "## Gaps" in SLO
+
+
+@pytest.mark.parametrize("path", sorted(OPERATIONS_TEXT))
+def test_settings_named_in_docs_and_deploy_exist(path: str) -> None:
+    real = {f"TANDEM_SERVING_{name.upper()}" for name in ServingSettings.model_fields}
+    assert not REQUESTED_SETTINGS & real, "a requested setting exists now: update docs/slo.md and this test"
+    named = set(re.findall(r"TANDEM_SERVING_[A-Z0-9_]+", OPERATIONS_TEXT[path]))
+    unknown = named - real - REQUESTED_SETTINGS
+    assert not unknown, f"{path} names settings serving/settings.py does not have: {sorted(unknown)}"
+    if path != "docs/slo.md":
+        assert not named & REQUESTED_SETTINGS, f"{path} relies on a setting that does not exist yet"
+
+
+@pytest.mark.parametrize("path", sorted(OPERATIONS_TEXT))
+def test_metrics_named_in_docs_and_deploy_exist(path: str) -> None:
+    exported = exported_metric_names()
+    assert not REQUESTED_METRICS & exported, "a requested metric exists now: update docs/slo.md and this test"
+    named = set(re.findall(r"\btandem_serving_[a-z0-9_]+", OPERATIONS_TEXT[path]))
+    # The HPA's adapter-derived metric is named in the adapter rules, not exported by the service.
+    derived = {
+        rule["name"]["as"] for rule in load_yaml(MONITORING_DIR / "prometheus-adapter-rules.yaml")["rules"]["custom"]
+    }
+    unknown = named - exported - derived - REQUESTED_METRICS
+    assert not unknown, f"{path} names metrics serving/metrics.py does not export: {sorted(unknown)}"
+    if path != "docs/slo.md":
+        assert not named & REQUESTED_METRICS, f"{path} relies on a metric that does not exist yet"
+
+
+def test_alerts_named_in_docs_exist() -> None:
+    rules = load_yaml(MONITORING_DIR / "alerts.yaml")
+    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"] if "alert" in rule}
+    for text in (RUNBOOK, SLO):
+        named = set(re.findall(r"\bTandem[A-Z][A-Za-z0-9]+\b", text)) - {"TandemSettings"}
+        assert named, "no alert named"
+        assert named <= alerts, f"not in alerts.yaml: {sorted(named - alerts)}"
+
+
+def test_dagster_names_in_the_runbook_exist() -> None:
+    from dagster import DailyPartitionsDefinition
+
+    from assets.batch import build_batch_assets
+    from orchestration.sensors import DAILY_JOB, RESCORE_JOB, SensorSettings, build_online_observer, build_sensors
+
+    settings = SensorSettings()
+    sensors = {s.name for s in [*build_sensors(settings), build_online_observer(settings)]}
+    assets = build_batch_assets(DailyPartitionsDefinition(start_date="2026-11-01"), 16)
+    checks = {spec.name for asset in assets for spec in asset.check_specs}
+    code = _code(RUNBOOK)
+    for name in sensors:
+        assert name in RUNBOOK, f"runbook never mentions sensor {name}"
+    for name in set(re.findall(r"\b\w+_(?:sensor|observer)\b", code)):
+        assert name in sensors, name
+    for name in checks:
+        assert name in RUNBOOK, f"runbook never mentions asset check {name}"
+        assert name in SLO, f"slo.md never mentions asset check {name}"
+    for name in set(re.findall(r"-j (\w+)", code)):
+        assert name in {DAILY_JOB, RESCORE_JOB}, name
+    definitions = (ROOT / "orchestration" / "definitions.py").read_text()
+    assert 'name="daily_scoring_schedule"' in definitions and "daily_scoring_schedule" in RUNBOOK
+
+
+def _commands(prefix: str) -> set[tuple[str, ...]]:
+    found = set()
+    for line in _code(RUNBOOK).replace("\\\n", " ").splitlines():
+        for match in re.finditer(rf"(?:^|[\s(]){prefix} ([^|;&)#]*)", line):
+            words = []
+            for token in shlex.split(match.group(1).replace("$WS", ""), posix=True):
+                if not re.fullmatch(r"[a-z][a-z-]*", token):
+                    break
+                words.append(token)
+            if words:
+                found.add(tuple(words))
+    return found
+
+
+def test_tandem_cli_commands_in_the_runbook_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli import main
+
+    commands = _commands("tandem")
+    assert {("models", "rollback"), ("models", "list"), ("rejects", "fixed")} <= commands
+    for words in commands:
+        with pytest.raises(SystemExit) as exited:
+            main([*words, "--help"])
+        assert exited.value.code == 0, f"`tandem {' '.join(words)}` is not a command"
+    capsys.readouterr()
+
+
+def test_dagster_cli_commands_in_the_runbook_exist() -> None:
+    from dagster._cli import cli
+
+    commands = _commands("dagster")
+    assert ("job", "backfill") in commands
+    runner = CliRunner()
+    for words in commands:
+        result = runner.invoke(cli, [*words, "--help"])
+        assert result.exit_code == 0, f"`dagster {' '.join(words)}`: {result.output}"
+    backfill_help = runner.invoke(cli, ["job", "backfill", "--help"]).output
+    for option in ("--partitions", "--noprompt", "--workspace", "--location", "--job"):
+        assert option in backfill_help

@@ -1,0 +1,367 @@
+"""Against a real `bentoml serve` process over HTTP, on a fresh PostgreSQL database.
+
+One server for the module (start-up costs seconds): its model scores NaN for one country, so
+that country is a model-breaking poison that passes the schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import polars as pl
+import psycopg
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.engine import make_url
+
+from inference.batch import ingest_day
+from inference.contract import FrameHistory, TorchPredictor
+from inference.demo import DemoConfig, generate_day
+from inference.migrate import upgrade
+from inference.model import ModelConfig, RiskModel, TrainingReport
+from inference.records import COUNTRIES, RAW_COLUMNS
+from inference.store import make_engine, read_predictions
+from tandem import modelstore
+
+pytestmark = [pytest.mark.live, pytest.mark.postgres]
+
+REPO = Path(__file__).resolve().parents[2]
+POISON_COUNTRY = "NG"
+HISTORY_DAY = date(2026, 11, 1)
+REQUEST_DAY = date(2026, 11, 2)
+TARGET_MS = 200
+
+
+@dataclass
+class Server:
+    url: str
+    database_url: str
+    database_name: str
+    admin_url: str
+    model: RiskModel
+    model_version: str
+    history: pl.DataFrame  # the stored day, RAW columns
+    requests: pl.DataFrame  # unstored next-day records of the same accounts, all valid
+
+    def score(self, rows: list[dict[str, Any]], **headers: str) -> httpx.Response:
+        return httpx.post(f"{self.url}/score", json={"transactions": rows}, headers=headers, timeout=10)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples called `name` whose labels include `labels`."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _poisoned_model() -> RiskModel:
+    torch.manual_seed(0)
+    model = RiskModel(ModelConfig())
+    with torch.no_grad():
+        country_embedding: torch.nn.Embedding = model.current_embeddings[2]  # type: ignore[assignment]
+        country_embedding.weight[COUNTRIES.index(POISON_COUNTRY)] = float("nan")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def server(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    name = f"tandem_serving_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    database_url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
+    engine = make_engine(database_url)
+    upgrade(engine)
+    config = DemoConfig(rows_per_day=1500, poison_rate=0.0, accounts=150)
+    stored = generate_day(HISTORY_DAY, config).select(RAW_COLUMNS)
+    ingest_day(engine, stored, HISTORY_DAY)
+    engine.dispose()
+    upcoming = generate_day(REQUEST_DAY, config).select(RAW_COLUMNS)
+
+    model = _poisoned_model()
+    report = TrainingReport(0.5, 0, 0, 0, model.parameter_count, model.flops_per_item())
+    tag = modelstore.register(model, report, name="risk_model", code_version="test")
+    modelstore.promote(tag)
+
+    port = _free_port()
+    data_dir = tmp_path_factory.mktemp("serving-data")
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "TANDEM_DATA_DIR": str(data_dir),
+        "TANDEM_SERVING_BREAKER_RESET_S": "0.5",
+        # Two shared cores: neighbours' load can triple a batch's cost, so the declared target is
+        # looser than production's 50 ms; the shedding logic at 50 ms is unit-tested in-process.
+        "TANDEM_SERVING_P99_TARGET_MS": str(TARGET_MS),
+        "TANDEM_SERVING_OUTBOX_DRAIN_INTERVAL_S": "0.2",
+    }
+    log = (data_dir / "serve.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bentoml", "serve", "serving.service:RiskScorer", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"server exited: {(data_dir / 'serve.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        else:
+            pytest.fail("server never became ready")
+        yield Server(url, database_url, name, postgres_admin_url, model, tag, stored, upcoming)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+        with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _rows(server: Server, start: int, count: int, *, poison: bool = False) -> list[dict[str, Any]]:
+    frame = server.requests.filter(
+        (pl.col("country") == POISON_COUNTRY) if poison else (pl.col("country") != POISON_COUNTRY)
+    )
+    return frame.slice(start, count).to_dicts()
+
+
+def test_openapi_documents_score(server: Server) -> None:
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    post = document["paths"]["/score"]["post"]
+    assert {"200", "422", "503", "504"} <= set(post["responses"])
+    assert "Transaction" in document["components"]["schemas"]
+
+
+def test_online_score_equals_the_batch_score(server: Server) -> None:
+    rows = _rows(server, 0, 20)
+    response = server.score(rows)
+    assert response.status_code == 200
+    online = {r["transaction_id"]: r for r in response.json()["results"]}
+
+    predictor = TorchPredictor(server.model, server.model_version, history_length=16)
+    batch = predictor.predict(pl.DataFrame(rows).select(RAW_COLUMNS), FrameHistory(server.history))
+    for tx, score in zip(batch["transaction_id"], batch["score"], strict=True):
+        assert online[tx]["status"] == "scored"
+        assert online[tx]["path"] == "online"
+        assert online[tx]["model_version"] == server.model_version
+        assert online[tx]["score"] == pytest.approx(score, abs=1e-5)
+
+
+def test_schema_errors_are_422_with_field_and_reason(server: Server) -> None:
+    row = {**_rows(server, 20, 1)[0], "currency": "usd", "amount": -3}
+    response = server.score([row])
+    assert response.status_code == 422
+    errors = {tuple(e["loc"]): e["msg"] for e in response.json()["detail"]}
+    assert ("transactions", 0, "currency") in errors
+    assert "greater than or equal to 0" in errors[("transactions", 0, "amount")]
+
+
+def test_poison_mixed_with_good_requests_fails_only_itself(server: Server) -> None:
+    good = _rows(server, 40, 120)
+    poison = _rows(server, 0, 8, poison=True)
+    assert len(poison) == 8
+    mixed = [*good]
+    for index, row in enumerate(poison):
+        mixed.insert(index * 15, row)
+    poison_ids = {row["transaction_id"] for row in poison}
+
+    async def fire() -> list[httpx.Response]:
+        # Concurrent enough to share batches, not so many that this becomes the overload test.
+        gate = asyncio.Semaphore(24)
+        async with httpx.AsyncClient(timeout=10) as client:
+
+            async def one(row: dict[str, Any]) -> httpx.Response:
+                async with gate:
+                    return await client.post(f"{server.url}/score", json={"transactions": [row]})
+
+            return await asyncio.gather(*(one(row) for row in mixed))
+
+    responses = asyncio.run(fire())
+    assert all(r.status_code == 200 for r in responses)
+    results = [r.json()["results"][0] for r in responses]
+    for result in results:
+        if result["transaction_id"] in poison_ids:
+            assert result["status"] == "error"
+            assert result["error"]["reason"] in {"nonfinite_score", "model_error"}
+        else:
+            assert result["status"] == "scored", result
+    assert server.metric("tandem_serving_batch_size_sum") > server.metric("tandem_serving_batch_size_count")
+
+
+def test_a_burst_of_64_below_capacity_is_served(server: Server) -> None:
+    rows = _rows(server, 200, 64)
+    shed_before = server.metric("tandem_serving_shed_total")
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await asyncio.gather(
+                *(client.post(f"{server.url}/score", json={"transactions": [row]}) for row in rows)
+            )
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 64
+    assert server.metric("tandem_serving_shed_total") == shed_before
+
+
+def test_overload_is_shed_fast_with_retry_after(server: Server) -> None:
+    row = _rows(server, 300, 1)[0]
+    waits = ("tandem_serving_queue_wait_seconds_bucket", "tandem_serving_queue_wait_seconds_count")
+    before_ok, before_all = server.metric(waits[0], le="1.0"), server.metric(waits[1])
+
+    async def flood() -> list[tuple[httpx.Response, float]]:
+        async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=1000)) as client:
+
+            async def one(index: int) -> tuple[httpx.Response, float]:
+                started = time.perf_counter()
+                response = await client.post(
+                    f"{server.url}/score", json={"transactions": [{**row, "transaction_id": f"flood-{index}"}]}
+                )
+                return response, time.perf_counter() - started
+
+            return await asyncio.gather(*(one(i) for i in range(600)))
+
+    answers = asyncio.run(flood())
+    statuses = [response.status_code for response, _ in answers]
+    assert set(statuses) <= {200, 503}, set(statuses)
+    shed = [(response, seconds) for response, seconds in answers if response.status_code == 503]
+    served = [seconds for response, seconds in answers if response.status_code == 200]
+    assert shed, "600 at once must exceed the target"
+    assert served, "overload must not starve everyone"
+    assert all(int(response.headers["Retry-After"]) >= 1 for response, _ in shed)
+    assert all(response.json()["error"] == "overloaded" for response, _ in shed)
+    assert np.median([seconds for _, seconds in shed]) < np.median(served), "shedding is fast"
+    # What admission controls is the queue wait. With this client sharing the two cores, batch
+    # cost rises mid-flood faster than the estimate follows, so the bound checked is the
+    # no-unbounded-queue one (1 s), not target + one batch; see serving/README.md.
+    ok = server.metric(waits[0], le="1.0") - before_ok
+    accepted = server.metric(waits[1]) - before_all
+    assert ok / accepted >= 0.95, (ok, accepted)
+
+
+def test_deadlines_are_honoured(server: Server) -> None:
+    rows = _rows(server, 320, 1)
+    started = time.perf_counter()
+    response = server.score(rows, **{"X-Deadline-Ms": "0.001"})
+    elapsed = time.perf_counter() - started
+    assert response.status_code in (503, 504)
+    assert elapsed < 1.0
+    assert server.score(rows, **{"X-Deadline-Ms": "abc"}).status_code == 400
+    assert server.score(rows, **{"X-Deadline-Ms": "5000"}).status_code == 200
+
+
+def test_fifty_concurrent_duplicates_make_one_row(server: Server) -> None:
+    row = _rows(server, 330, 1)[0]
+    key = f"dup-{uuid.uuid4().hex}"
+
+    async def duplicates() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(f"{server.url}/score", json={"transactions": [row]}, headers={"Idempotency-Key": key})
+                    for _ in range(50)
+                )
+            )
+
+    responses = asyncio.run(duplicates())
+    assert all(r.status_code == 200 for r in responses)
+    answers = [r.json()["results"] for r in responses]
+    assert all(a == answers[0] for a in answers)
+    retry = server.score([row], **{"Idempotency-Key": key})
+    assert retry.json()["results"] == answers[0]
+    engine = make_engine(server.database_url)
+    deadline = time.monotonic() + 10
+    while True:
+        with engine.connect() as conn:
+            stored = read_predictions(conn, transaction_id=row["transaction_id"])
+        if stored.height or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    engine.dispose()
+    assert stored.height == 1
+    assert stored["idempotency_key"].to_list() == [key]
+    assert stored["score"][0] == pytest.approx(answers[0][0]["score"])
+
+
+def _block(server: Server, allow: bool) -> None:
+    with psycopg.connect(server.admin_url, autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{server.database_name}" ALLOW_CONNECTIONS {"true" if allow else "false"}')
+        if not allow:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (server.database_name,)
+            )
+
+
+def test_database_outage_keeps_answers_and_loses_no_rows(server: Server) -> None:
+    rows = _rows(server, 400, 120)
+    scored: dict[str, float] = {}
+
+    def send(batch: list[dict[str, Any]]) -> None:
+        for row in batch:
+            response = server.score([row])
+            assert response.status_code == 200
+            result = response.json()["results"][0]
+            assert result["status"] == "scored", result
+            scored[result["transaction_id"]] = result["score"]
+
+    send(rows[:20])
+    _block(server, allow=False)
+    try:
+        started = time.perf_counter()
+        send(rows[20:100])
+        outage_seconds = time.perf_counter() - started
+        assert server.metric("tandem_serving_outbox_depth") > 0
+        assert httpx.get(f"{server.url}/readyz").status_code == 200, "the outbox keeps the service ready"
+    finally:
+        _block(server, allow=True)
+    assert outage_seconds / 80 < 0.25, "a dead database costs no latency once the breaker is open"
+    send(rows[100:])
+
+    deadline = time.monotonic() + 30
+    while server.metric("tandem_serving_outbox_depth") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.metric("tandem_serving_outbox_depth") == 0
+    engine = make_engine(server.database_url)
+    deadline = time.monotonic() + 10
+    while True:
+        with engine.connect() as conn:
+            stored = read_predictions(conn).filter(pl.col("transaction_id").is_in(list(scored)))
+        if stored.height == len(scored) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    engine.dispose()
+    assert stored.height == len(scored), "zero rows lost"
+    by_id = dict(zip(stored["transaction_id"], stored["score"], strict=True))
+    assert np.allclose([by_id[tx] for tx in scored], list(scored.values()))

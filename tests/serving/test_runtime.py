@@ -1,0 +1,258 @@
+"""The scorer's moving parts in-process, with hand-written fakes for the scoring step:
+coalescing, per-item isolation, deadlines, the outbox and its drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from inference.migrate import upgrade
+from inference.records import Transaction
+from inference.store import make_engine, predictions, read_predictions, utc_now
+from serving.breaker import CircuitBreaker
+from serving.metrics import ServingMetrics
+from serving.outbox import Outbox
+from serving.runtime import DeadlineExceeded, OnlineScorer
+from serving.schemas import ItemError, ItemResult
+from serving.scoring import BatchResult, ItemSpec
+from serving.settings import ServingSettings
+from serving.writer import ResultWriter
+
+MODEL = "risk_model:fake"
+POISON = "poison"
+
+
+class FakeScoring:
+    """Scores every item 0.25; a batch holding the poison id raises, as a crashing step would."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.batches: list[list[str]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, specs: list[ItemSpec]) -> BatchResult:
+        ids = [str(spec.raw["transaction_id"]) for spec in specs]
+        with self.lock:
+            self.batches.append(ids)
+        time.sleep(self.delay_s)
+        if POISON in ids:
+            raise ValueError("poisoned batch")
+        now = utc_now()
+        results = [
+            ItemResult(
+                transaction_id=tx,
+                status="scored",
+                score=0.25,
+                model_version=MODEL,
+                path="online",
+                request_id=spec.request_id,
+                batch_id="b",
+                produced_at=now,
+                input_hash="h",
+            )
+            for tx, spec in zip(ids, specs, strict=True)
+        ]
+        rows = [
+            {
+                "transaction_id": tx,
+                "model_version": MODEL,
+                "score": 0.25,
+                "path": "online",
+                "run_id": None,
+                "partition_key": None,
+                "request_id": spec.request_id,
+                "batch_id": "b",
+                "code_version": "test",
+                "input_hash": "h",
+                "idempotency_key": spec.key,
+                "produced_at": now,
+            }
+            for tx, spec in zip(ids, specs, strict=True)
+        ]
+        return BatchResult(results=results, rows=rows)
+
+    @property
+    def scored_ids(self) -> list[str]:
+        return [tx for batch in self.batches for tx in batch]
+
+
+def transaction(tx: str) -> Transaction:
+    return Transaction(
+        transaction_id=tx,
+        account_id="acct-1",
+        amount=12.5,
+        currency="USD",
+        merchant_category="grocery",
+        country="US",
+        event_time=datetime(2026, 11, 2, 10, tzinfo=UTC),
+    )
+
+
+@pytest.fixture
+def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'serving.db'}")
+    upgrade(engine)
+    yield engine
+    engine.dispose()
+
+
+async def started_scorer(fake: FakeScoring, engine: Engine, tmp_path: Path, **overrides: object) -> OnlineScorer:
+    settings = ServingSettings(**overrides)  # type: ignore[arg-type]
+    scorer = OnlineScorer(
+        process=fake,
+        executor=ThreadPoolExecutor(max_workers=1),
+        model_version=MODEL,
+        engine=engine,
+        settings=settings,
+        outbox=Outbox(tmp_path / "outbox.sqlite3"),
+        metrics=ServingMetrics(),
+    )
+    scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
+    scorer.warm = True
+    await scorer.start()
+    return scorer
+
+
+def test_fifty_concurrent_duplicates_are_scored_once(sqlite_engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> list[list[ItemResult]]:
+        fake = FakeScoring(delay_s=0.05)
+        scorer = await started_scorer(fake, sqlite_engine, tmp_path)
+        answers = await asyncio.gather(
+            *(
+                scorer.score(
+                    [transaction("tx-1")], request_id=f"r{i}", idempotency_key="key-1", deadline=time.monotonic() + 5
+                )
+                for i in range(50)
+            )
+        )
+        assert fake.scored_ids == ["tx-1"]
+        scorer.writer.flush()
+        await scorer.close()
+        return [results for results, _ in answers]
+
+    answers = asyncio.run(scenario())
+    assert all(a == answers[0] for a in answers)
+    with sqlite_engine.connect() as conn:
+        stored = read_predictions(conn)
+    assert stored.height == 1
+    assert stored["idempotency_key"].to_list() == ["key-1"]
+
+
+def test_a_batch_that_raises_fails_only_the_poison_item(sqlite_engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> list[ItemResult]:
+        fake = FakeScoring(delay_s=0.02)
+        scorer = await started_scorer(fake, sqlite_engine, tmp_path)
+        # The first request occupies the scoring thread so the next ones share one batch.
+        first = asyncio.create_task(
+            scorer.score([transaction("warm")], request_id="r0", idempotency_key=None, deadline=time.monotonic() + 5)
+        )
+        await asyncio.sleep(0.005)
+        calls = [
+            scorer.score([transaction(tx)], request_id=tx, idempotency_key=None, deadline=time.monotonic() + 5)
+            for tx in ("a", POISON, "b", "c")
+        ]
+        answers = await asyncio.gather(first, *calls)
+        await scorer.close()
+        assert ["a", POISON, "b", "c"] in fake.batches, "the four shared a batch"
+        return [results[0] for results, _ in answers]
+
+    results = {r.transaction_id: r for r in asyncio.run(scenario())}
+    assert results[POISON].status == "error"
+    assert results[POISON].error == ItemError(reason="internal_error", detail="ValueError: poisoned batch")
+    assert all(results[tx].status == "scored" for tx in ("warm", "a", "b", "c"))
+
+
+def test_a_request_past_its_deadline_is_never_started(sqlite_engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[float, FakeScoring]:
+        fake = FakeScoring(delay_s=0.2)
+        scorer = await started_scorer(fake, sqlite_engine, tmp_path, p99_target_ms=1000)
+        busy = asyncio.create_task(
+            scorer.score([transaction("slow")], request_id="r0", idempotency_key=None, deadline=time.monotonic() + 5)
+        )
+        await asyncio.sleep(0.01)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await scorer.score(
+                [transaction("late")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 0.05
+            )
+        elapsed = time.monotonic() - started
+        await busy
+        await asyncio.sleep(0.05)
+        await scorer.close()
+        return elapsed, fake
+
+    elapsed, fake = asyncio.run(scenario())
+    assert elapsed < 0.15, "answered at the deadline, not when the batch ahead finished"
+    assert "late" not in fake.scored_ids
+
+
+def test_outbox_is_durable_and_drains_idempotently(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "outbox.sqlite3")
+    rows = [{"transaction_id": f"t{i}", "produced_at": datetime(2026, 11, 2, tzinfo=UTC)} for i in range(5)]
+    outbox.append(rows)
+    outbox.close()
+
+    reopened = Outbox(tmp_path / "outbox.sqlite3")
+    assert reopened.depth() == 5
+
+    def failing(_: list[dict[str, object]]) -> None:
+        raise sa.exc.OperationalError("insert", {}, Exception("database is down"))
+
+    with pytest.raises(sa.exc.OperationalError):
+        reopened.drain(failing, chunk=2)
+    assert reopened.depth() == 5, "nothing is deleted before the database has it"
+
+    received: list[dict[str, object]] = []
+    assert reopened.drain(received.extend, chunk=2) == 5
+    assert reopened.depth() == 0
+    assert received == rows
+
+
+def test_writer_spills_to_the_outbox_and_drains_when_the_database_returns(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    dead = make_engine(f"sqlite:///{tmp_path / 'missing' / 'nowhere.db'}")
+    breaker = CircuitBreaker(failure_threshold=1, reset_s=0.01)
+    writer = ResultWriter(
+        dead, breaker, Outbox(tmp_path / "outbox.sqlite3"), ServingMetrics(), drain_interval_s=0.01, drain_chunk=3
+    )
+    now = utc_now()
+    rows = [
+        {
+            "transaction_id": f"t{i}",
+            "model_version": MODEL,
+            "score": 0.5,
+            "path": "online",
+            "run_id": None,
+            "partition_key": None,
+            "request_id": "r",
+            "batch_id": "b",
+            "code_version": "test",
+            "input_hash": "h",
+            "idempotency_key": f"t{i}:{MODEL}",
+            "produced_at": now,
+        }
+        for i in range(7)
+    ]
+    writer.start()
+    writer.submit_rows(rows[:4])
+    writer.submit_rows(rows[4:])
+    writer.flush()
+    assert writer.outbox_depth == 7
+
+    writer.engine = sqlite_engine
+    deadline = time.monotonic() + 5
+    while writer.outbox_depth and time.monotonic() < deadline:
+        time.sleep(0.02)
+    writer.close()
+    with sqlite_engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(predictions)).scalar_one() == 7
