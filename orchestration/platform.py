@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 from dagster import AssetsDefinition, DagsterInstance, materialize
+from sqlalchemy.engine import make_url
 
 from inference.demo import day_range
 from inference.settings import TandemSettings
@@ -39,10 +40,29 @@ def _say(message: str) -> None:
     print(f"[tandem] {message}", flush=True)
 
 
+def dagster_postgres_url(url: str) -> str:
+    """`url` with the psycopg2 driver, the only one dagster-postgres works with.
+
+    SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, which binds parameters server-side;
+    dagster-postgres's event log sends `NOTIFY run_events, :id`, which PostgreSQL then rejects, so
+    no run could record an event.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
+        return url
+    return parsed.set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
+
+
 def prepare_instance(dagster_home: Path) -> Path:
-    """Install the instance config: PostgreSQL storage when DAGSTER_POSTGRES_URL is set."""
+    """Install the instance config: PostgreSQL storage when DAGSTER_POSTGRES_URL is set.
+
+    Also pins that URL to the psycopg2 driver, for this process and the ones it starts.
+    """
     dagster_home.mkdir(parents=True, exist_ok=True)
-    source = "dagster-postgres.yaml" if os.environ.get("DAGSTER_POSTGRES_URL") else "dagster.yaml"
+    postgres_url = os.environ.get("DAGSTER_POSTGRES_URL")
+    if postgres_url:
+        os.environ["DAGSTER_POSTGRES_URL"] = dagster_postgres_url(postgres_url)
+    source = "dagster-postgres.yaml" if postgres_url else "dagster.yaml"
     target = dagster_home / "dagster.yaml"
     shutil.copyfile(Path(__file__).parent / source, target)
     return target
@@ -132,7 +152,7 @@ def serve_forever() -> int:
     if _wait_for(f"http://{HOST}:{DAGSTER_PORT}/server_info", 120):
         _say(f"Dagster UI:      http://{HOST}:{DAGSTER_PORT}  (asset graph: /asset-groups)")
     if _wait_for(f"http://{HOST}:{SERVICE_PORT}/readyz", 120):
-        _say(f"Scoring service: http://{HOST}:{SERVICE_PORT}  (OpenAPI: /docs, metrics: /metrics)")
+        _say(f"Scoring service: http://{HOST}:{SERVICE_PORT}  (OpenAPI: /openapi.json, metrics: /metrics)")
         _say(f"try: {CURL_EXAMPLE.format(host=HOST, port=SERVICE_PORT)}")
     _say("Ctrl-C stops everything")
     while True:
