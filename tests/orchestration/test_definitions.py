@@ -1,0 +1,51 @@
+"""The composition root loads, and the batch path's scheduling and retry contract is what we promise."""
+
+from __future__ import annotations
+
+import pytest
+from dagster import AssetKey, AssetsDefinition, BackfillPolicy, Backoff, Definitions
+
+from orchestration.definitions import defs
+
+PARTITIONED = ("transactions", "predictions")
+
+
+def _asset(key: str) -> AssetsDefinition:
+    return defs.resolve_assets_def(AssetKey(key))
+
+
+def test_definitions_load() -> None:
+    Definitions.validate_loadable(defs)
+    repository = defs.get_repository_def()
+    assert {"transactions", "risk_model", "predictions"} <= {
+        key.to_user_string() for key in repository.asset_graph.get_all_asset_keys()
+    }
+    assert repository.has_job("daily_scoring")
+
+
+def test_nightly_schedule_scores_the_daily_job_at_two_utc() -> None:
+    schedule = defs.resolve_schedule_def("daily_scoring_schedule")
+
+    assert schedule.cron_schedule == "0 2 * * *"
+    assert schedule.execution_timezone == "UTC"
+    assert schedule.job_name == "daily_scoring"
+    job = defs.resolve_job_def("daily_scoring")
+    assert {key.to_user_string() for key in job.asset_layer.selected_asset_keys} == set(PARTITIONED)
+
+
+@pytest.mark.parametrize("key", PARTITIONED)
+def test_partitioned_assets_backfill_one_run_per_partition_with_backoff_retries(key: str) -> None:
+    asset = _asset(key)
+
+    assert asset.partitions_def is not None
+    assert asset.backfill_policy == BackfillPolicy.multi_run(1)
+    policy = asset.op.retry_policy
+    assert policy is not None
+    assert policy.max_retries >= 1
+    assert policy.backoff == Backoff.EXPONENTIAL
+    assert policy.delay and policy.delay > 0
+
+
+@pytest.mark.parametrize("key", [*PARTITIONED, "risk_model"])
+def test_every_asset_that_holds_connections_is_in_the_database_pool(key: str) -> None:
+    assert _asset(key).op.pool == "database"

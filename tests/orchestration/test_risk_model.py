@@ -1,0 +1,80 @@
+"""The risk_model asset trained for real: registered, evaluated, promoted only when at least as good."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from dagster import AssetsDefinition, DagsterInstance, materialize
+
+from inference.model import ModelConfig, RiskModel
+from tandem import modelstore
+from tests.orchestration.support import SETTINGS, batch_resources, run_partition
+
+# A name of its own: these promotions must not touch the production model of the other tests.
+MODEL = "risk_model_promotion_test"
+DAYS = ("2026-11-01", "2026-11-02", "2026-11-03")
+QUICK = {"max_train_rows": 2000, "epochs": 1}
+
+
+def _train(assets: list[AssetsDefinition], resources: dict[str, Any], instance: DagsterInstance, **config: Any):
+    result = materialize(
+        assets,
+        selection=["risk_model"],
+        instance=instance,
+        resources=resources,
+        run_config={"ops": {"risk_model": {"config": config}}},
+    )
+    assert result.success
+    (materialization,) = result.asset_materializations_for_node("risk_model")
+    return {key: value.value for key, value in materialization.metadata.items()}
+
+
+@pytest.fixture
+def resources(assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str) -> dict[str, Any]:
+    """Three stored days (two to learn from, the last held out) and no production model yet."""
+    resources = batch_resources(sqlite_url, rows_per_day=1500, model_name=MODEL)
+    for key in DAYS:
+        run_partition(assets, resources, instance, partition_key=key, selection=["transactions"])
+    assert modelstore.production_tag(MODEL) is None
+    return resources
+
+
+def test_risk_model_is_trained_registered_and_promoted_only_per_the_rule(
+    assets: list[AssetsDefinition], resources: dict[str, Any], instance: DagsterInstance
+) -> None:
+    first = _train(assets, resources, instance, **QUICK)
+
+    assert first["version_tag"].startswith(f"{MODEL}:")
+    assert 0.0 <= first["auc"] <= 1.0
+    assert first["parameter_count"] == RiskModel(ModelConfig(history_length=SETTINGS.history_length)).parameter_count
+    assert 0 < first["train_rows"] <= QUICK["max_train_rows"]
+    assert first["holdout_day"] == DAYS[-1]
+    assert math.isnan(first["production_auc_same_holdout"])  # nothing in production to compare with
+    assert first["promoted"] is True
+    assert first["production_tag"] == first["version_tag"] == modelstore.production_tag(MODEL)
+
+    # The same data, seed and config train the same model: equal is "at least as good".
+    equal = _train(assets, resources, instance, **QUICK)
+    assert equal["version_tag"] != first["version_tag"]
+    assert equal["auc"] == equal["production_auc_same_holdout"] == first["auc"]
+    assert equal["promoted"] is True
+    assert modelstore.production_tag(MODEL) == equal["version_tag"]
+
+    # Another seed happens to learn more from these few steps on this (deterministic) data.
+    better = _train(assets, resources, instance, **QUICK, seed=8)
+    assert better["auc"] > better["production_auc_same_holdout"], "precondition: seed 8 must train the better model"
+    assert better["promoted"] is True
+    assert modelstore.production_tag(MODEL) == better["version_tag"]
+
+    worse = _train(assets, resources, instance, **QUICK)
+    assert worse["auc"] < worse["production_auc_same_holdout"]
+    assert worse["promoted"] is False
+    assert worse["production_tag"] == better["version_tag"] == modelstore.production_tag(MODEL)
+    assert worse["version_tag"] in {version.tag for version in modelstore.versions(MODEL)}  # registered anyway
+
+    forced = _train(assets, resources, instance, **QUICK, force_promote=True)
+    assert forced["auc"] < forced["production_auc_same_holdout"]
+    assert forced["promoted"] is True
+    assert forced["production_tag"] == forced["version_tag"] == modelstore.production_tag(MODEL)
