@@ -8,6 +8,7 @@ identical either way (a property test holds us to it).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,24 +105,22 @@ def _encoded(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length: int) -> FeatureBatch:
-    """Features for every row of `targets` (valid rows: RAW columns plus `event_ts`).
+@dataclass(frozen=True)
+class _LagPlan:
+    """The polars expressions for K lags, built once per K: rebuilding ~100 expressions per call
+    cost more than the query itself on the single-record online path."""
 
-    `history` holds valid rows of the same accounts; it may contain the targets themselves and
-    rows after them. A target's history is the `history_length` rows of its account that sort
-    before it by (event_ts, transaction_id).
-    """
-    k = history_length
-    wanted = targets.select(FEATURE_COLUMNS).with_columns(target_position=pl.int_range(pl.len(), dtype=pl.Int64))
-    accounts = wanted["account_id"].unique().implode()
-    past = (
-        history.select(FEATURE_COLUMNS)
-        .filter(pl.col("account_id").is_in(accounts))
-        .join(wanted.select("transaction_id"), on="transaction_id", how="anti")
-        .with_columns(target_position=pl.lit(None, dtype=pl.Int64))
-    )
-    timeline = _encoded(pl.concat([wanted, past])).sort(["account_id", "event_ts", "transaction_id"])
+    history_columns: tuple[pl.Expr, ...]
+    current_columns: dict[str, pl.Expr]
+    valid_names: list[str]
+    category_names: list[str]
+    country_names: list[str]
+    amount_names: list[str]
+    delta_names: list[str]
 
+
+@functools.cache
+def _lag_plan(k: int) -> _LagPlan:
     history_columns: list[pl.Expr] = []
     valid_names: list[str] = []
     category_names: list[str] = []
@@ -147,19 +146,18 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
         ):
             collection.append(name)
 
-    with_history = timeline.with_columns(history_columns).filter(pl.col("target_position").is_not_null())
     filled = pl.sum_horizontal([pl.col(name).cast(pl.Int64) for name in valid_names])
     has_history = filled > 0
     shares = {
         "same_country_share": [(pl.col(name) == pl.col("country_idx") + 1) for name in country_names],
         "same_category_share": [(pl.col(name) == pl.col("category_idx") + 1) for name in category_names],
     }
-    current = with_history.with_columns(
-        history_fill=filled.cast(pl.Float64) * (1.0 / k),
-        amount_vs_history_mean=pl.when(has_history)
+    current_columns = {
+        "history_fill": filled.cast(pl.Float64) * (1.0 / k),
+        "amount_vs_history_mean": pl.when(has_history)
         .then(pl.col("amount_log") - pl.mean_horizontal(amount_names, ignore_nulls=True))
         .otherwise(0.0),
-        amount_vs_history_max=pl.when(has_history)
+        "amount_vs_history_max": pl.when(has_history)
         .then(pl.col("amount_log") - pl.max_horizontal(amount_names))
         .otherwise(0.0),
         **{
@@ -168,20 +166,56 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
             .otherwise(0.0)
             for name, exprs in shares.items()
         },
-        since_previous_log=pl.col(delta_names[0]).fill_null(0.0),
-        has_history=has_history.cast(pl.Float64),
-    ).sort("target_position")
+        "since_previous_log": pl.col(delta_names[0]).fill_null(0.0),
+        "has_history": has_history.cast(pl.Float64),
+    }
+    return _LagPlan(
+        tuple(history_columns), current_columns, valid_names, category_names, country_names, amount_names, delta_names
+    )
+
+
+def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length: int) -> FeatureBatch:
+    """Features for every row of `targets` (valid rows: RAW columns plus `event_ts`).
+
+    `history` holds valid rows of the same accounts; it may contain the targets themselves and
+    rows after them. A target's history is the `history_length` rows of its account that sort
+    before it by (event_ts, transaction_id).
+    """
+    k = history_length
+    plan = _lag_plan(k)
+    wanted = targets.select(FEATURE_COLUMNS).with_columns(target_position=pl.int_range(pl.len(), dtype=pl.Int64))
+    accounts = wanted["account_id"].unique().implode()
+    past = (
+        history.select(FEATURE_COLUMNS)
+        .filter(pl.col("account_id").is_in(accounts))
+        .join(wanted.select("transaction_id"), on="transaction_id", how="anti")
+        .with_columns(target_position=pl.lit(None, dtype=pl.Int64))
+    )
+    timeline = _encoded(pl.concat([wanted, past])).sort(["account_id", "event_ts", "transaction_id"])
+    current = (
+        timeline.with_columns(plan.history_columns)
+        .filter(pl.col("target_position").is_not_null())
+        .with_columns(**plan.current_columns)
+        .sort("target_position")
+    )
+    valid_names, category_names, country_names = plan.valid_names, plan.category_names, plan.country_names
+    amount_names, delta_names = plan.amount_names, plan.delta_names
 
     n = current.height
-    same_country_items = np.stack(
-        [(current[c].to_numpy() == current["country_idx"].to_numpy() + 1) for c in country_names], axis=1
-    )
+
+    def block(names: list[str], dtype: type) -> np.ndarray:
+        # One conversion for all K lag columns: per-column conversions dominate small batches.
+        return current.select(pl.col(names).fill_null(0)).to_numpy().astype(dtype).reshape(n, k)
+
+    categories, countries = block(category_names, np.int64), block(country_names, np.int64)
+    valid_mask = block(valid_names, np.int64).astype(bool)
+    own_country = current["country_idx"].to_numpy().reshape(n, 1) + 1
     history_numeric = np.stack(
         [
-            np.stack([current[c].fill_null(0.0).to_numpy() for c in amount_names], axis=1),
-            np.stack([current[c].fill_null(0.0).to_numpy() for c in delta_names], axis=1),
-            same_country_items.astype(np.float64),
-            np.stack([current[c].to_numpy() for c in valid_names], axis=1).astype(np.float64),
+            block(amount_names, np.float64),
+            block(delta_names, np.float64),
+            (countries == own_country).astype(np.float64),
+            valid_mask.astype(np.float64),
         ],
         axis=2,
     )
@@ -189,15 +223,7 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
         transaction_ids=current["transaction_id"].to_list(),
         current_categorical=current.select(CURRENT_CATEGORICAL).to_numpy().astype(np.int64).reshape(n, -1),
         current_numeric=current.select(CURRENT_NUMERIC).to_numpy().astype(np.float32).reshape(n, -1),
-        history_categorical=np.stack(
-            [
-                np.stack([current[c].to_numpy() for c in category_names], axis=1),
-                np.stack([current[c].to_numpy() for c in country_names], axis=1),
-            ],
-            axis=2,
-        )
-        .astype(np.int64)
-        .reshape(n, k, 2),
-        history_numeric=np.ascontiguousarray(history_numeric.astype(np.float32).reshape(n, k, HISTORY_NUMERIC_WIDTH)),
-        history_mask=np.stack([current[c].to_numpy() for c in valid_names], axis=1).astype(bool).reshape(n, k),
+        history_categorical=np.ascontiguousarray(np.stack([categories, countries], axis=2)),
+        history_numeric=np.ascontiguousarray(history_numeric.astype(np.float32)),
+        history_mask=np.ascontiguousarray(valid_mask),
     )
