@@ -12,6 +12,7 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
+    AssetDep,
     AssetExecutionContext,
     AssetsDefinition,
     BackfillPolicy,
@@ -19,6 +20,7 @@ from dagster import (
     DailyPartitionsDefinition,
     MaterializeResult,
     MetadataValue,
+    TimeWindowPartitionMapping,
     asset,
 )
 from pydantic import Field
@@ -137,7 +139,17 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
 
     @asset(
         partitions_def=partitions,
-        deps=[transactions, risk_model],
+        # A day's features read the accounts' earlier transactions, so the day before must be
+        # ingested too: asset backfills then order ingestion ahead of scoring across days.
+        deps=[
+            AssetDep(
+                transactions,
+                partition_mapping=TimeWindowPartitionMapping(
+                    start_offset=-1, allow_nonexistent_upstream_partitions=True
+                ),
+            ),
+            risk_model,
+        ],
         retry_policy=TRANSIENT_RETRY,
         backfill_policy=BackfillPolicy.multi_run(1),
         pool=DATABASE_POOL,

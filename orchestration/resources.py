@@ -65,13 +65,24 @@ class ModelStoreResource(ConfigurableResource):
 
 
 class DemoSourceResource(ConfigurableResource):
-    """The default transaction source: the deterministic generator (same day, same rows)."""
+    """The default transaction source: the deterministic generator (same day, same rows).
 
-    seed: int = 7
-    rows_per_day: int = 20_000
-    poison_rate: float = 0.01
+    A field left unset takes TANDEM_DEMO_SEED / TANDEM_DEMO_ROWS_PER_DAY / TANDEM_DEMO_POISON_RATE
+    (TandemSettings), read when the run asks for records, so a deployment sizes its demo source
+    from the environment like every other knob.
+    """
+
+    seed: int | None = None
+    rows_per_day: int | None = None
+    poison_rate: float | None = None
+
+    def demo_config(self) -> DemoConfig:
+        settings = TandemSettings()
+        return DemoConfig(
+            seed=settings.demo_seed if self.seed is None else self.seed,
+            rows_per_day=settings.demo_rows_per_day if self.rows_per_day is None else self.rows_per_day,
+            poison_rate=settings.demo_poison_rate if self.poison_rate is None else self.poison_rate,
+        )
 
     def records_for(self, day: date) -> pl.DataFrame:
-        return generate_day(
-            day, DemoConfig(seed=self.seed, rows_per_day=self.rows_per_day, poison_rate=self.poison_rate)
-        )
+        return generate_day(day, self.demo_config())

@@ -9,7 +9,7 @@ are all seen (Dagster #32853 affects `@asset_sensor`, which these are not).
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from dagster import (
     AssetKey,
@@ -27,6 +27,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.store import (
+    PartitionChange,
     fixed_rejection_partitions,
     online_activity,
     scored_partition_keys,
@@ -46,12 +47,31 @@ class SensorSettings(BaseSettings):
     promotion_rescore_partitions: int = Field(default=7, ge=0, description="last N partitions rescored on promotion")
 
 
+# A row's ingested_at is stamped before its transaction commits, so a row can become visible after
+# a tick already moved the watermark past it. Each tick therefore looks back this far again; run
+# keys (partition + model + change watermark) make the re-seen changes no-ops.
+WATERMARK_OVERLAP = timedelta(minutes=10)
+
+
 def _watermark(cursor: str | None) -> datetime | None:
     return datetime.fromisoformat(json.loads(cursor)["watermark"]) if cursor else None
 
 
+def _look_back_from(cursor: str | None) -> datetime | None:
+    watermark = _watermark(cursor)
+    return watermark - WATERMARK_OVERLAP if watermark is not None else None
+
+
 def _cursor(moment: datetime) -> str:
     return json.dumps({"watermark": moment.isoformat()})
+
+
+def _advance(cursor: str | None, changes: list[PartitionChange]) -> str:
+    """The newest watermark seen; never backwards, although ticks look back past it."""
+    moments = [change.watermark for change in changes]
+    if (previous := _watermark(cursor)) is not None:
+        moments.append(previous)
+    return _cursor(max(moments))
 
 
 def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
@@ -68,7 +88,7 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
         if version is None:
             return SkipReason("no production model yet")
         with database.engine.connect() as conn:
-            changes = stale_scored_partitions(conn, changed_after=_watermark(context.cursor))
+            changes = stale_scored_partitions(conn, changed_after=_look_back_from(context.cursor))
         if not changes:
             return SkipReason("no changed records in scored partitions")
         return SensorResult(
@@ -80,7 +100,7 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
                 )
                 for change in changes
             ],
-            cursor=_cursor(max(change.watermark for change in changes)),
+            cursor=_advance(context.cursor, changes),
         )
 
     @sensor(
@@ -94,7 +114,7 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
     ) -> SensorResult | SkipReason:
         version = model_store.production_tag() or "none"
         with database.engine.connect() as conn:
-            changes = fixed_rejection_partitions(conn, resolved_after=_watermark(context.cursor))
+            changes = fixed_rejection_partitions(conn, resolved_after=_look_back_from(context.cursor))
         if not changes:
             return SkipReason("no rejections marked fixed")
         return SensorResult(
@@ -106,7 +126,7 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
                 )
                 for change in changes
             ],
-            cursor=_cursor(max(change.watermark for change in changes)),
+            cursor=_advance(context.cursor, changes),
         )
 
     @sensor(

@@ -1,0 +1,1 @@
+"""End-to-end: the Dagster deployment (webserver + daemon on PostgreSQL) driven like an operator would."""
