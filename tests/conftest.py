@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,10 +22,11 @@ os.environ.setdefault("TANDEM_CODE_VERSION", "test")
 
 import psycopg  # noqa: E402
 import pytest  # noqa: E402
-from sqlalchemy.engine import Engine, make_url  # noqa: E402
+from sqlalchemy.engine import Engine  # noqa: E402
 
 from inference.migrate import upgrade  # noqa: E402
 from inference.store import make_engine  # noqa: E402
+from tests.shared import fresh_postgres_database  # noqa: E402
 
 POSTGRES_ADMIN_URL = os.environ.get("TANDEM_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 # CI sets this so a PostgreSQL outage fails the run instead of silently skipping half the suite.
@@ -58,15 +58,8 @@ def postgres_admin_url() -> str:
 @pytest.fixture
 def postgres_url(postgres_admin_url: str) -> Iterator[str]:
     """A fresh, empty database for one test; dropped (forcibly) afterwards."""
-    name = f"tandem_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
-    try:
+    with fresh_postgres_database(postgres_admin_url) as url:
         yield url
-    finally:
-        with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

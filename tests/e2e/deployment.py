@@ -12,16 +12,15 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import psycopg
-from sqlalchemy.engine import make_url
+
+from tests.shared import fresh_postgres_database
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -42,17 +41,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@contextmanager
-def fresh_database(admin_url: str, prefix: str) -> Iterator[str]:
+def fresh_database(admin_url: str, prefix: str) -> AbstractContextManager[str]:
     """An empty database of its own, dropped (forcibly, whoever is still connected) afterwards."""
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return fresh_postgres_database(admin_url, prefix)
 
 
 @dataclass

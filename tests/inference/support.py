@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import date
 from typing import Any
 
 import polars as pl
-import psycopg
-from sqlalchemy.engine import make_url
 
 from inference.model import ModelConfig
 from inference.records import raw_frame
+from tests.shared import fresh_postgres_database
 
 DAY = date(2026, 11, 1)
 # Small enough to train in well under a second, wide enough to exercise every layer.
@@ -39,14 +36,6 @@ def frame_of(*records: dict[str, Any]) -> pl.DataFrame:
     return raw_frame(list(records))
 
 
-@contextmanager
-def postgres_database(admin_url: str) -> Iterator[str]:
+def postgres_database(admin_url: str) -> AbstractContextManager[str]:
     """A fresh database that outlives one test (for module-scoped fixtures); dropped afterwards."""
-    name = f"tandem_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return fresh_postgres_database(admin_url)

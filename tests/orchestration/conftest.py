@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 from dagster import AssetsDefinition, DagsterInstance
-from sqlalchemy.engine import make_url
 
 from tests.orchestration.support import batch_assets, register_production_model
+from tests.shared import fresh_postgres_database
 
 
 @pytest.fixture(scope="session")
@@ -37,12 +35,5 @@ def other_database_url(database_url: str, request: pytest.FixtureRequest, tmp_pa
     if database_url.startswith("sqlite"):
         yield f"sqlite:///{tmp_path / 'reference.db'}"
         return
-    admin_url = str(request.getfixturevalue("postgres_admin_url"))
-    name = f"tandem_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_postgres_database(str(request.getfixturevalue("postgres_admin_url"))) as url:
+        yield url

@@ -10,15 +10,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
-import torch
 from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult, materialize
 
-from inference.model import ModelConfig, RiskModel, TrainingReport
+from inference.model import ModelConfig
 from inference.store import make_engine, predictions, rejected_records
 from orchestration.definitions import build_definitions
 from orchestration.resources import DatabaseResource, DemoSourceResource, ModelStoreResource
 from orchestration.settings import OrchestrationSettings
-from tandem import modelstore
+from tests.shared import register_untrained_model
 
 # A model name of our own, so that no other test package promoting a "risk_model" in the same
 # BentoML home can change the production model under these tests.
@@ -33,21 +32,7 @@ REJECTION_BOOKKEEPING = ("last_seen", "seen_count", "run_id")
 
 
 def register_production_model(name: str = MODEL_NAME) -> str:
-    """An untrained but deterministic model, registered and promoted; training is not the point."""
-    torch.manual_seed(0)
-    model = RiskModel(ModelConfig(history_length=SETTINGS.history_length))
-    model.eval()
-    report = TrainingReport(
-        auc=0.5,
-        train_rows=0,
-        holdout_rows=0,
-        epochs=0,
-        parameter_count=model.parameter_count,
-        flops_per_item=model.flops_per_item(),
-    )
-    tag = modelstore.register(model, report, name=name, code_version="test")
-    modelstore.promote(tag)
-    return tag
+    return register_untrained_model(name, config=ModelConfig(history_length=SETTINGS.history_length))
 
 
 def batch_assets() -> list[AssetsDefinition]:
