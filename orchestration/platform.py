@@ -17,6 +17,7 @@ import urllib.request
 from datetime import date
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from dagster import AssetsDefinition, DagsterInstance, materialize
 from sqlalchemy.engine import make_url
@@ -24,6 +25,7 @@ from sqlalchemy.engine import make_url
 from inference.demo import day_range
 from inference.settings import TandemSettings
 from orchestration.definitions import defs
+from tandem import modelstore
 
 ROOT = Path(__file__).resolve().parent.parent
 DAGSTER_PORT = int(os.environ.get("TANDEM_DAGSTER_PORT", "3000"))
@@ -68,33 +70,68 @@ def prepare_instance(dagster_home: Path) -> Path:
     return target
 
 
+# Dagster's console logger prints every engine event at DEBUG; the launcher shows progress itself.
+_QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+
 def materialize_demo(settings: TandemSettings) -> None:
     """Run the demo days through the real Dagster instance, so the runs show up in the UI."""
     days = [d.isoformat() for d in day_range(date.fromisoformat(settings.demo_start_date), settings.demo_days)]
     assets = [asset for asset in defs.assets or [] if isinstance(asset, AssetsDefinition)]
     resources = dict(defs.resources or {})
+    totals = {"scored": 0, "rejected": 0, "failed": 0}
     with DagsterInstance.get() as instance:
-        for key in days:
+
+        def run(selection: str, partition_key: str | None = None) -> dict[str, Any]:
             started = time.perf_counter()
             result = materialize(
-                assets, selection=["transactions"], partition_key=key, instance=instance, resources=resources
+                assets,
+                selection=[selection],
+                partition_key=partition_key,
+                instance=instance,
+                resources=resources,
+                run_config=_QUIET,
+                raise_on_error=False,
             )
-            _say(f"transactions[{key}] {'ok' if result.success else 'FAILED'} in {time.perf_counter() - started:.1f}s")
+            materializations = result.asset_materializations_for_node(selection)
+            values = {k: v.value for k, v in materializations[0].metadata.items()} if materializations else {}
+            label = f"{selection}[{partition_key}]" if partition_key else selection
+            status = "ok" if result.success else f"FAILED (run {result.run_id}; see the Dagster UI)"
+            totals["failed"] += 0 if result.success else 1
+            _say(f"{label} {status} in {time.perf_counter() - started:.1f}s {_brief(values)}")
+            return values
+
+        for key in days:
+            run("transactions", key)
         _say("risk_model: training, evaluating, registering (about a minute)")
-        result = materialize(assets, selection=["risk_model"], instance=instance, resources=resources)
-        _say(f"risk_model {'ok' if result.success else 'FAILED'}")
+        run("risk_model")
         for key in days:
-            started = time.perf_counter()
-            result = materialize(
-                assets, selection=["predictions"], partition_key=key, instance=instance, resources=resources
-            )
-            metadata = result.asset_materializations_for_node("predictions")
-            counts = ""
-            if metadata:
-                values = metadata[0].metadata
-                counts = f": {values['scored'].value} scored, {values['rejected'].value} quarantined"
-            status = "ok" if result.success else "FAILED"
-            _say(f"predictions[{key}] {status}{counts} in {time.perf_counter() - started:.1f}s")
+            scored = run("predictions", key)
+            totals["scored"] += int(scored.get("scored", 0))
+            totals["rejected"] += int(scored.get("rejected", 0))
+    _say(
+        f"summary: {len(days)} days, {totals['scored']:,} scored, {totals['rejected']:,} quarantined, "
+        f"{totals['failed']} failed runs; production model {modelstore.production_tag(settings.model_name)}"
+    )
+
+
+def _brief(values: dict[str, Any]) -> str:
+    shown = (
+        "rows_stored",
+        "rejected_at_ingest",
+        "version_tag",
+        "auc",
+        "promoted",
+        "scored",
+        "rejected",
+        "rows_per_second",
+    )
+    parts = [
+        f"{name}={values[name]:.4g}" if isinstance(values[name], float) else f"{name}={values[name]}"
+        for name in shown
+        if name in values
+    ]
+    return f"({', '.join(parts)})" if parts else ""
 
 
 def _wait_for(url: str, seconds: float) -> bool:
