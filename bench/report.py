@@ -128,9 +128,17 @@ def write_report(
     drifted_p99 = online.get("drifted", {}).get("sweep", [{}])[0].get("p99_ms", float("nan"))
     our_p99 = tandem["sweep"][0]["p99_ms"] if tandem.get("sweep") else float("nan")
     rows = [
-        ("goodput >= 3x stock BentoML", f"{ours:,.0f} vs {stock_goodput:,.0f} rps", ours >= 3 * stock_goodput),
+        (
+            "goodput >= 3x stock BentoML",
+            f"{ours:,.0f} vs {stock_goodput:,.0f} rps",
+            ours > 0 and ours >= 3 * stock_goodput,
+        ),
         ("goodput >= half the do-nothing ceiling", f"{ours:,.0f} vs {ceiling:,.0f} rps", ours >= ceiling / 2),
-        ("batching >= 3x unbatched at the target", f"{ours:,.0f} vs {unbatched:,.0f} rps", ours >= 3 * unbatched),
+        (
+            "batching >= 3x unbatched at the target",
+            f"{ours:,.0f} vs {unbatched:,.0f} rps",
+            ours > 0 and ours >= 3 * unbatched,
+        ),
         (
             "nothing shed in a 64-request burst",
             str(tandem.get("burst_64", {}).get("shed")),

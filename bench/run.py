@@ -409,7 +409,8 @@ def bench_online(bench: BenchEnv, rates: list[int], seconds: float, quick: bool)
                 _say(f"{spec.name} with 2% poison @ {mixed_rate} rps: collateral failures {result.collateral_failures}")
             if spec.name == "tandem":
                 extra["burst_64"] = _burst(service.url, body)
-                capacity = max((s["goodput_rps"] for s in sweep), default=100)
+                # Capacity: the best goodput measured; if nothing met the target, the lowest offered load.
+                capacity = max((s["goodput_rps"] for s in sweep), default=0.0) or float(service_rates[0])
                 overload_rate = int(4 * capacity)
                 before = service.rss_mb()
                 result = run_load(service.url, overload_rate, seconds, body, timeout_s=5)
