@@ -16,7 +16,9 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class ServingMetrics:
-    def __init__(self) -> None:
+    def __init__(self, code_version: str = "unknown") -> None:
+        self.code_version = code_version
+        self._serving: str | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.latency = Histogram(
@@ -72,6 +74,33 @@ class ServingMetrics:
         self.degraded = Counter(
             "tandem_serving_degraded_total", "Items scored without account history (database down).", registry=r
         )
+        self.model_info = Gauge(
+            "tandem_serving_model_info",
+            "1 for the model version being served, 0 for versions served earlier by this process.",
+            ["model_version", "code_version"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.model_swaps = Counter(
+            "tandem_serving_model_swaps_total",
+            "Attempts to serve a newly promoted (or rolled back) model version without a restart, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("succeeded", "failed"):
+            # Exported at 0 from the start, so an alert on increase() sees the first failure.
+            self.model_swaps.labels(outcome=outcome)
+
+    def serving_model(self, model_version: str) -> None:
+        """Mark `model_version` as the one answering requests.
+
+        The earlier version is set to 0 rather than removed: in multiprocess mode a removed child
+        lingers in the process's file with its last value.
+        """
+        if self._serving is not None and self._serving != model_version:
+            self.model_info.labels(model_version=self._serving, code_version=self.code_version).set(0)
+        self.model_info.labels(model_version=model_version, code_version=self.code_version).set(1)
+        self._serving = model_version
 
     def exposition(self) -> bytes:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from inference.records import Transaction
+from inference.lineage import TransactionLineage
+from inference.records import COUNTRIES, CURRENCIES, ID_MAX_LENGTH, MERCHANT_CATEGORIES, Transaction
 
 DEADLINE_HEADER = "X-Deadline-Ms"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -49,24 +50,32 @@ class ErrorBody(BaseModel):
     detail: Any = None
 
 
-def openapi_document() -> dict[str, Any]:
-    """OpenAPI 3.1 for the routes of the scoring app (BentoML documents only its own @api routes)."""
+def openapi_document(*, bearer_auth: bool = False) -> dict[str, Any]:
+    """OpenAPI 3.1 for the routes of the scoring app (BentoML documents only its own @api routes).
+
+    `bearer_auth`: the service was started with a token, so /score and /lineage declare it.
+    """
     components: dict[str, Any] = {}
 
-    def ref(model: type[BaseModel]) -> dict[str, str]:
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    def ref(model: type[Any]) -> dict[str, str]:
+        schema = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
         for name, definition in schema.pop("$defs", {}).items():
             components[name] = definition
         components[model.__name__] = schema
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
-    def body(model: type[BaseModel], description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    def body(model: type[Any], description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
         answer: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": ref(model)}}}
         if headers:
             answer["headers"] = headers
         return answer
 
     retry_after = {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait before retrying."}}
+    unauthorized = {
+        "WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer: the scheme to authenticate with."}
+    }
+    guarded: dict[str, Any] = {"security": [{"bearer": []}]} if bearer_auth else {}
+    security_schemes = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}} if bearer_auth else {}
     return {
         "openapi": "3.1.0",
         "info": {"title": "Tandem risk scorer", "version": "1"},
@@ -96,12 +105,45 @@ def openapi_document() -> dict[str, Any]:
                         },
                     ],
                     "requestBody": {"required": True, "content": {"application/json": {"schema": ref(ScoreRequest)}}},
+                    **guarded,
                     "responses": {
                         "200": body(ScoreResponse, "One result per transaction, scored or failed with a reason."),
                         "400": body(ErrorBody, "A malformed header."),
-                        "422": body(ErrorBody, "Schema-invalid input: the field and the reason."),
-                        "503": body(ErrorBody, "Shed: the predicted wait exceeds the target or deadline.", retry_after),
+                        "401": body(ErrorBody, "A token is configured and the request lacks it.", unauthorized),
+                        "413": body(ErrorBody, "The body is over the size limit, or too many transactions."),
+                        "422": body(ErrorBody, "Schema-invalid input (or malformed JSON): the field and the reason."),
+                        "503": body(
+                            ErrorBody,
+                            "Shed: the predicted wait exceeds the target or deadline (with Retry-After); "
+                            "or the scoring process died (the service reports not alive).",
+                            retry_after,
+                        ),
                         "504": body(ErrorBody, "The deadline passed before an answer was ready."),
+                    },
+                }
+            },
+            "/lineage/{transaction_id}": {
+                "get": {
+                    "summary": "Why does this transaction have this score",
+                    "description": (
+                        "Every stored result of one transaction: path, producer (Dagster run and partition, "
+                        "or online request and batch), model and code version, input hash, cross-path agreement."
+                    ),
+                    "parameters": [
+                        {
+                            "name": "transaction_id",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "minLength": 1, "maxLength": ID_MAX_LENGTH},
+                        }
+                    ],
+                    **guarded,
+                    "responses": {
+                        "200": body(TransactionLineage, "The source record's state and every result."),
+                        "401": body(ErrorBody, "A token is configured and the request lacks it.", unauthorized),
+                        "404": body(ErrorBody, "No source record and no result for this id."),
+                        "422": body(ErrorBody, "Not a possible transaction id."),
+                        "503": body(ErrorBody, "The result store is unreachable."),
                     },
                 }
             },
@@ -114,5 +156,14 @@ def openapi_document() -> dict[str, Any]:
             },
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}},
         },
-        "components": {"schemas": components},
+        "components": {"schemas": _with_value_sets(components), **security_schemes},
     }
+
+
+def _with_value_sets(components: dict[str, Any]) -> dict[str, Any]:
+    """Spell out the closed value sets that `Transaction` checks in validators (invisible to its
+    JSON schema), so clients and fuzzers (schemathesis) can generate valid records."""
+    properties = components["Transaction"]["properties"]
+    for name, values in (("currency", CURRENCIES), ("merchant_category", MERCHANT_CATEGORIES), ("country", COUNTRIES)):
+        properties[name] = {**properties[name], "enum": list(values)}
+    return components

@@ -4,9 +4,15 @@
 
 One worker: on two cores one runs the event loop (HTTP, admission) and one the scoring thread;
 a second worker would load a second model and fight both for the same cores.
+
+The class-scope model is the one served at start; a promotion or rollback later is picked up by
+`serving.lifecycle.ModelWatcher` without a restart (unless TANDEM_SERVING_MODEL_TAG pins a version).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import bentoml
 from bentoml.models import BentoModel
@@ -16,9 +22,10 @@ from inference.settings import TandemSettings
 from inference.store import make_engine
 from serving import worker
 from serving.app import build_app
+from serving.lifecycle import ModelWatcher
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.runtime import OnlineScorer
+from serving.runtime import OnlineScorer, ScoringBackend
 from serving.settings import ServingSettings
 from tandem import modelstore
 from tandem.version import code_version
@@ -79,42 +86,66 @@ class RiskScorer:
         )
         engine = make_engine(url, **options)
         upgrade(engine)
-        model_version = str(self.model_ref.tag)
-        self.pool = worker.start_pool(
-            worker.WorkerConfig(
-                model_dir=str(self.model_ref.path),
-                model_version=model_version,
-                database_url=url,
-                history_length=settings.history_length,
-                forward_batch_size=serving.max_batch_size,
-                code_version=code_version(),
-                torch_threads=serving.torch_threads,
-                breaker_failure_threshold=serving.breaker_failure_threshold,
-                breaker_reset_s=serving.breaker_reset_s,
-                engine_options=options,
-            )
+        self.worker_config = worker.WorkerConfig(
+            model_dir=str(self.model_ref.path),
+            model_version=str(self.model_ref.tag),
+            database_url=url,
+            history_length=settings.history_length,
+            forward_batch_size=serving.max_batch_size,
+            code_version=code_version(),
+            torch_threads=serving.torch_threads,
+            breaker_failure_threshold=serving.breaker_failure_threshold,
+            breaker_reset_s=serving.breaker_reset_s,
+            engine_options=options,
         )
+        first = ScoringBackend(self.worker_config.model_version, worker.start_pool(self.worker_config), worker.score)
         self.scorer = OnlineScorer(
-            process=worker.score,
-            executor=self.pool,
-            model_version=model_version,
+            process=first.process,
+            executor=first.executor,
+            model_version=first.model_version,
             engine=engine,
             settings=serving,
             outbox=Outbox(settings.data_dir / "serving" / "outbox.sqlite3"),
-            metrics=ServingMetrics(),
+            metrics=ServingMetrics(code_version=self.worker_config.code_version),
         )
         # Loads the model in the scoring process and runs real inferences end to end; until
         # then the worker is not ready.
         self.scorer.warm_up()
+        # Empty counts as unset, as in production_model(): the deployment ships TANDEM_SERVING_MODEL_TAG=.
+        follow = not serving.model_tag and serving.model_poll_interval_s > 0
+        self.watcher = (
+            ModelWatcher(
+                self.scorer,
+                production_tag=functools.partial(modelstore.production_tag, settings.model_name),
+                load=self.load_version,
+                interval_s=serving.model_poll_interval_s,
+                load_timeout_s=serving.model_load_timeout_s,
+                retry_max_s=serving.model_retry_max_s,
+                discard=worker.discard_pool,
+            )
+            if follow
+            else None
+        )
+
+    def load_version(self, tag: str) -> ScoringBackend:
+        """A scoring pool for another stored version; its process starts on the first (warm-up) call."""
+        stored = bentoml.models.get(tag)
+        config = dataclasses.replace(self.worker_config, model_dir=str(stored.path), model_version=str(stored.tag))
+        return ScoringBackend(config.model_version, worker.start_pool(config), worker.score)
 
     @bentoml.on_startup
     async def start_scorer(self) -> None:
         await self.scorer.start()
+        if self.watcher is not None:
+            self.watcher.start()
 
     @bentoml.on_shutdown
     async def stop_scorer(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.close()
         await self.scorer.close()
-        self.pool.shutdown(wait=True)
+        # The pool of the version serving now, which a swap may have replaced since __init__.
+        self.scorer.executor.shutdown(wait=True)
 
     def __is_ready__(self) -> bool:
         return self.scorer.ready()

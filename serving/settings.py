@@ -32,3 +32,17 @@ class ServingSettings(BaseSettings):
     model_tag: str | None = Field(
         default=None, description="Pin a model version instead of following the production pointer."
     )
+    model_poll_interval_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="How often the production pointer is checked for a promoted (or rolled back) version; "
+        "0 turns hot swap off, as does pinning model_tag.",
+    )
+    model_load_timeout_s: float = Field(
+        default=120.0, gt=0, description="Bound on starting and warming up a new version's scoring process."
+    )
+    model_retry_max_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest wait before retrying a version that failed to load (doubling from the poll interval).",
+    )

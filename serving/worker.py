@@ -9,7 +9,7 @@ the server process, batches here.
 from __future__ import annotations
 
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,10 +61,22 @@ def score(specs: list[ItemSpec]) -> BatchResult:
 
 
 def start_pool(config: WorkerConfig) -> ProcessPoolExecutor:
-    # spawn, not fork: the server process already runs threads and an event loop.
-    return ProcessPoolExecutor(
-        max_workers=1,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=initialize,
-        initargs=(config,),
-    )
+    # Not fork: the server process already runs threads and an event loop. A fork server is a
+    # fresh single-threaded process that imports this module (torch, polars, the store) once, so
+    # the pool of a version promoted later forks ready-made instead of spending seconds of CPU
+    # on imports beside the pool that is answering requests (spawn did, and p99 showed it).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=initialize, initargs=(config,))
+
+
+def discard_pool(pool: Executor) -> None:
+    """Dispose of a pool that failed to come up, waiting for nothing: its process may be stuck in
+    a load that never returns, so it is terminated rather than asked to finish."""
+    # Python 3.11 has no public way to stop a busy worker (3.14 adds terminate_workers).
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+        process.join(timeout=10)

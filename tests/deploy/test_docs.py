@@ -31,7 +31,6 @@ REQUESTED_METRICS = {
     "tandem_serving_slo_window_seconds",
     "tandem_serving_requests_over_target_total",
     "tandem_serving_items_total",
-    "tandem_serving_model_info",
     "tandem_serving_requests_in_flight",
 }
 

@@ -1,0 +1,150 @@
+"""Model promotion without a restart: follow the production pointer, warm the new version up in a
+scoring process of its own while the old one keeps answering, then swap between two batches.
+
+A new process per version, rather than new weights in the running one: a version that fails to
+load, scores NaN or hangs is found out in a process no request depends on, and is discarded
+without the serving process ever having seen it. The price is the new process's model load and
+warm-up (1-3 s on two shared cores; its imports are paid once, by the fork server in `worker`)
+competing with the serving pool for the same cores; tests/serving/test_hot_swap.py measures what
+that does to p99.
+
+Rollback is the same move: the pointer names an earlier version, which is loaded afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Literal
+
+from serving.runtime import OnlineScorer, ScoringBackend, warm_up_backend
+
+logger = logging.getLogger(__name__)
+
+SwapOutcome = Literal["succeeded", "failed"]
+LoadFn = Callable[[str], ScoringBackend]
+
+
+def shutdown_now(executor: Executor) -> None:
+    """Discard a pool nobody waits for; its pending work is cancelled."""
+    executor.shutdown(wait=False, cancel_futures=True)
+
+
+class ModelWatcher:
+    def __init__(
+        self,
+        scorer: OnlineScorer,
+        *,
+        production_tag: Callable[[], str | None],
+        load: LoadFn,
+        interval_s: float,
+        load_timeout_s: float,
+        retry_max_s: float,
+        discard: Callable[[Executor], None] = shutdown_now,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`production_tag` reads the pointer (None: nothing promoted); `load` starts a scoring
+        pool for a tag (cheaply: the process and the model load lazily, during warm-up);
+        `discard` disposes of a pool that failed, which may be hung mid-load."""
+        self.scorer = scorer
+        self.production_tag = production_tag
+        self.load = load
+        self.interval_s = interval_s
+        self.load_timeout_s = load_timeout_s
+        self.retry_max_s = retry_max_s
+        self.discard = discard
+        self.clock = clock
+        self._failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-model-watcher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # the watcher outlives any one bad poll
+                logger.exception("model poll failed")
+
+    async def poll_once(self) -> SwapOutcome | None:
+        """Swap to the version the pointer names, if it is not the one serving and not in back-off."""
+        tag = await asyncio.to_thread(self.production_tag)
+        if tag is None or tag == self.scorer.model_version:
+            return None
+        if self.clock() < self._retry_at.get(tag, 0.0):
+            return None
+        return await self.swap_to(tag)
+
+    async def swap_to(self, tag: str) -> SwapOutcome:
+        """Load and warm `tag` up off the event loop, then make it the serving version.
+
+        On any failure the serving version is left alone and the attempt is counted and logged.
+        """
+        serving = self.scorer.model_version
+        started = self.clock()
+        logger.info("loading model %s to replace %s", tag, serving)
+        backend: ScoringBackend | None = None
+        swap: asyncio.Future[ScoringBackend] | None = None
+        try:
+            backend = await asyncio.to_thread(self.load, tag)
+            samples = await asyncio.to_thread(
+                warm_up_backend,
+                backend.executor,
+                backend.process,
+                max_batch_size=self.scorer.settings.max_batch_size,
+                timeout_s=self.load_timeout_s,
+            )
+            swap = self.scorer.swap(backend)
+            previous = await swap
+        except Exception:  # whatever broke the new version, the old one keeps serving
+            self._failed(tag)
+            logger.exception(
+                "model %s failed to load or warm up; still serving %s (attempt %d, next in %.0f s)",
+                tag,
+                serving,
+                self._failures[tag],
+                self._retry_at[tag] - self.clock(),
+            )
+            return "failed"
+        finally:
+            applied = swap is not None and swap.done() and not swap.cancelled()
+            if backend is not None and not applied:
+                # Also on cancellation (shutdown mid-load): a half-loaded pool must not outlive the watcher.
+                await asyncio.shield(asyncio.to_thread(self.discard, backend.executor))
+        self._failures.pop(tag, None)
+        self._retry_at.pop(tag, None)
+        self.scorer.metrics.model_swaps.labels(outcome="succeeded").inc()
+        # The swap took effect between batches, so nothing is running on the old pool: shutting
+        # it down only waits for its process to exit.
+        await asyncio.to_thread(previous.executor.shutdown, True)
+        largest = max(n for n, _ in samples)
+        logger.info(
+            "serving model %s (was %s): loaded, warmed up and swapped in %.1f s; batch of %d in %.0f ms",
+            tag,
+            serving,
+            self.clock() - started,
+            largest,
+            min(seconds for n, seconds in samples if n == largest) * 1000,
+        )
+        return "succeeded"
+
+    def _failed(self, tag: str) -> None:
+        self.scorer.metrics.model_swaps.labels(outcome="failed").inc()
+        failures = self._failures.get(tag, 0) + 1
+        self._failures[tag] = failures
+        # A version that cannot load costs a process start per try; doubling keeps that off the cores.
+        backoff = min(self.interval_s * 2 ** (failures - 1), self.retry_max_s)
+        self._retry_at[tag] = self.clock() + backoff

@@ -1,0 +1,109 @@
+"""The service's edge: an optional bearer token and request-size limits, applied before any work.
+
+Settings resolve when the app first needs them (service start or first request), never at import:
+`bentoml build` and the tests import the service module without a token in the environment.
+The token is a `SecretStr`, so neither its repr nor a settings dump in a log shows it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from starlette.requests import ClientDisconnect, Request
+
+MIB = 1024 * 1024
+BEARER_PREFIX = "bearer "
+
+
+class SecuritySettings(BaseSettings):
+    """Its own class (same TANDEM_SERVING_ prefix as ServingSettings, which ignores these keys)."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_SERVING_", extra="ignore")
+
+    auth_token: SecretStr | None = Field(
+        default=None,
+        description="When set, POST /score and GET /lineage/{id} need `Authorization: Bearer <token>`.",
+    )
+    max_body_bytes: int = Field(default=MIB, ge=1, description="Largest request body accepted; larger is 413.")
+
+    @field_validator("auth_token", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        # An empty variable (TANDEM_SERVING_AUTH_TOKEN=) must not turn on auth with an empty token.
+        return None if isinstance(value, str) and not value.strip() else value
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request is refused at the edge: the HTTP status, an error code, and a reason."""
+
+    status: int
+    error: str
+    detail: str
+
+
+class BearerAuth:
+    def __init__(self, token: SecretStr | None) -> None:
+        self._expected = token.get_secret_value().encode() if token is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._expected is not None
+
+    def check(self, authorization: str | None) -> Refusal | None:
+        """None when the request may pass; the refusal never echoes what the client sent."""
+        if self._expected is None:
+            return None
+        if authorization is None:
+            return Refusal(401, "unauthorized", "missing Authorization: Bearer <token> header")
+        if authorization[: len(BEARER_PREFIX)].lower() != BEARER_PREFIX:
+            return Refusal(401, "unauthorized", "Authorization must use the Bearer scheme")
+        # Starlette decodes header bytes as latin-1; encoding back recovers exactly what was sent.
+        presented = authorization[len(BEARER_PREFIX) :].strip().encode("latin-1")
+        # Constant time in the token's contents, so response timing does not leak a prefix match.
+        if not hmac.compare_digest(presented, self._expected):
+            return Refusal(401, "unauthorized", "invalid bearer token")
+        return None
+
+
+class BodyRefused(Exception):
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.detail)
+        self.refusal = refusal
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (BodyRefused) as soon as it is known to exceed `limit` bytes.
+
+    A declared Content-Length is checked before reading anything; a chunked body (no length) is
+    counted while it streams in, so an endless body costs at most `limit` bytes of memory.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            length = int(declared)
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise BodyRefused(Refusal(400, "bad_header", "Content-Length must be a non-negative integer"))
+        if length > limit:
+            raise BodyRefused(_too_large(limit))
+    received = bytearray()
+    try:
+        async for chunk in request.stream():
+            received += chunk
+            if len(received) > limit:
+                raise BodyRefused(_too_large(limit))
+    except ClientDisconnect as gone:
+        raise BodyRefused(Refusal(400, "client_disconnected", "the body ended before it was complete")) from gone
+    return bytes(received)
+
+
+def _too_large(limit: int) -> Refusal:
+    return Refusal(413, "payload_too_large", f"request body over {limit} bytes")
+
+
+__all__ = ["BearerAuth", "BodyRefused", "Refusal", "SecuritySettings", "read_body"]

@@ -1,0 +1,428 @@
+"""Faults in the batch path on PostgreSQL: a run killed inside its merge transaction, its database
+connection cut mid-partition, a partition with 5% poison, two runs racing on one partition.
+
+The promise under test (inference/batch.py): one merge transaction per partition, so readers see
+the old partition or the new one, never half, and a rerun never duplicates.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import date
+from typing import Any
+
+import polars as pl
+import psycopg
+import pytest
+from dagster import DagsterEventType, DagsterInstance
+
+from inference.batch import BatchProducer, ingest_day, score_partition
+from inference.contract import TorchPredictor
+from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
+from inference.migrate import upgrade
+from inference.store import make_engine
+from tandem import modelstore
+from tests.reliability.batch_child import CHUNK_ROWS, LAST_CHUNK
+from tests.reliability.dagster_support import (
+    DEMO_SEED,
+    batch_assets,
+    batch_resources,
+    materialize_partition,
+    materialize_predictions,
+)
+from tests.reliability.support import (
+    HISTORY_LENGTH,
+    MODEL_NAME,
+    ROOT,
+    backends,
+    database_name,
+    prediction_facts,
+    rejection_facts,
+)
+
+pytestmark = [pytest.mark.reliability, pytest.mark.postgres]
+
+DAY = date(2026, 11, 3)
+KEY = DAY.isoformat()
+ROWS = 9_000
+CORRECTED = 300
+MEASURED: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def predictor(reliability_model: str) -> TorchPredictor:
+    model, version = modelstore.load_production(MODEL_NAME)
+    assert version == reliability_model
+    return TorchPredictor(model, version, history_length=HISTORY_LENGTH, forward_batch_size=CHUNK_ROWS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_measurements() -> Iterator[None]:
+    yield
+    print(f"\nmeasured (batch faults): {MEASURED}")
+
+
+def _source(rows: int = ROWS, poison_rate: float = 0.01) -> pl.DataFrame:
+    return generate_day(DAY, DemoConfig(seed=DEMO_SEED, rows_per_day=rows, poison_rate=poison_rate))
+
+
+def _ingest(url: str, frame: pl.DataFrame) -> None:
+    engine = make_engine(url)
+    try:
+        upgrade(engine)
+        ingest_day(engine, frame, DAY)
+    finally:
+        engine.dispose()
+
+
+def _score(url: str, predictor: TorchPredictor, run_id: str) -> None:
+    engine = make_engine(url)
+    try:
+        score_partition(
+            engine,
+            predictor,
+            DAY,
+            producer=BatchProducer(run_id=run_id, partition_key=KEY, code_version="test"),
+            history_length=HISTORY_LENGTH,
+            chunk_rows=CHUNK_ROWS,
+        )
+    finally:
+        engine.dispose()
+
+
+def _count(url: str, sql_text: str, *params: Any) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(sql_text, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _stored_rows(url: str) -> int:
+    return _count(url, "SELECT count(*) FROM transactions WHERE partition_date = %s", DAY)
+
+
+def _valid_stored_rows(url: str) -> int:
+    return _count(url, "SELECT count(*) FROM transactions WHERE partition_date = %s AND reject_reason IS NULL", DAY)
+
+
+def _corrected(source: pl.DataFrame, *, last_of_account: bool = True, count: int = CORRECTED) -> pl.DataFrame:
+    """A correction upstream: `count` valid records change amount (so their input hash).
+
+    `last_of_account`: only records that are their account's last valid one of the day, so no
+    other record's history (its features) changes and a rerun must equal a clean run exactly.
+    Otherwise records with later ones after them, whose history the correction changes.
+    """
+    valid = source.filter(pl.col("poison_kind").is_null()).sort("account_id", "event_time", "transaction_id")
+    rank = pl.int_range(pl.len()).over("account_id")
+    later = pl.len().over("account_id") - 1 - rank
+    chosen = valid.filter((later == 0) if last_of_account else (later >= 2))["transaction_id"].head(count)
+    assert chosen.len() == count
+    return source.with_columns(
+        amount=pl.when(pl.col("transaction_id").is_in(chosen.implode()) & pl.col("poison_kind").is_null())
+        .then(pl.col("amount") + 1.0)
+        .otherwise(pl.col("amount"))
+    )
+
+
+# ------------------------------------------------------------------ SIGKILL inside the merge transaction
+def test_sigkill_after_the_last_chunk_before_commit_then_rerun_equals_a_clean_run(
+    postgres_url: str, reference_url: str, predictor: TorchPredictor
+) -> None:
+    source = _source()
+    _ingest(postgres_url, source)
+    _score(postgres_url, predictor, "old-run")
+    old = prediction_facts(postgres_url, KEY)
+    old_rejections = rejection_facts(postgres_url, KEY)
+    corrected = _corrected(source)
+    _ingest(postgres_url, corrected)
+
+    total = _stored_rows(postgres_url)
+    started = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.reliability.batch_child", "hang-before-commit", postgres_url, KEY, str(total)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    reached = threading.Event()
+
+    def watch() -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            lines.append(line)
+            if LAST_CHUNK in line:
+                reached.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        assert reached.wait(180), "".join(lines[-30:])
+        to_last_chunk = time.perf_counter() - started
+        # Every row is written, inside a transaction that is still open: the writer's backend.
+        open_writers = [b for b in backends(postgres_url, database_name(postgres_url)) if b["xact_start"]]
+        assert any(b["state"] == "idle in transaction" for b in open_writers), open_writers
+        assert prediction_facts(postgres_url, KEY) == old, "uncommitted rows are invisible to readers"
+        os.kill(child.pid, signal.SIGKILL)
+        killed = time.perf_counter()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    assert not any("COMMITTED" in line for line in lines)
+    while any(b["xact_start"] for b in backends(postgres_url, database_name(postgres_url))):
+        assert time.perf_counter() - killed < 15, "PostgreSQL kept the dead run's transaction open"
+        time.sleep(0.05)
+    released_s = time.perf_counter() - killed
+
+    # The crash left the old partition, whole.
+    assert prediction_facts(postgres_url, KEY) == old
+    assert rejection_facts(postgres_url, KEY) == old_rejections
+
+    _score(postgres_url, predictor, "rerun")
+    _ingest(reference_url, corrected)
+    _score(reference_url, predictor, "clean-run")
+    rerun, clean = prediction_facts(postgres_url, KEY), prediction_facts(reference_url, KEY)
+    assert rerun == clean
+    assert rejection_facts(postgres_url, KEY) == rejection_facts(reference_url, KEY)
+    changed = {row["transaction_id"] for row in old} ^ {row["transaction_id"] for row in rerun}
+    rehashed = sum(a["input_hash"] != b["input_hash"] for a, b in zip(old, rerun, strict=True))
+    assert not changed and rehashed == CORRECTED, "the rerun really replaced the corrected rows"
+    MEASURED["sigkill_before_commit"] = {
+        "rows": len(clean),
+        "child_to_last_chunk_s": round(to_last_chunk, 1),
+        "backend_released_after_kill_s": round(released_s, 2),
+        "rows_visible_after_crash": "old partition, identical",
+        "rerun_equals_clean": True,
+    }
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: input_hash covers the record, not its history, so a rerun after a correction keeps "
+    "stale scores for the account's later records (same input hash -> no-op upsert); see docs/reliability.md",
+)
+def test_rerun_after_a_correction_rescores_records_whose_history_changed(
+    postgres_url: str, reference_url: str, predictor: TorchPredictor
+) -> None:
+    source = _source(2000, 0.0)
+    _ingest(postgres_url, source)
+    _score(postgres_url, predictor, "old-run")
+    corrected = _corrected(source, last_of_account=False, count=50)
+    _ingest(postgres_url, corrected)
+    _score(postgres_url, predictor, "rerun")
+    _ingest(reference_url, corrected)
+    _score(reference_url, predictor, "clean-run")
+    rerun, clean = prediction_facts(postgres_url, KEY), prediction_facts(reference_url, KEY)
+    stale = [a["transaction_id"] for a, b in zip(rerun, clean, strict=True) if a["score"] != b["score"]]
+    MEASURED["stale_history_after_correction"] = {"corrected": 50, "stale_scores_after_rerun": len(stale)}
+    assert not stale, f"{len(stale)} rows keep a score computed from the uncorrected history"
+
+
+# ------------------------------------------------------------------ connection cut mid-partition
+class Killer(threading.Thread):
+    """Terminates the run's writer backend once, as soon as it is seen writing predictions."""
+
+    MARKERS = ("staging_predictions", "INSERT INTO predictions", "rejected_records")
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.database = database_name(url)
+        self.stop = threading.Event()
+        self.killed: dict[str, Any] | None = None
+
+    def run(self) -> None:
+        while not self.stop.is_set() and self.killed is None:
+            for backend in backends(self.url, self.database):
+                if backend["xact_start"] and any(m in (backend["query"] or "") for m in self.MARKERS):
+                    with psycopg.connect(self.url, autocommit=True) as admin:
+                        admin.execute("SELECT pg_terminate_backend(%s)", (backend["pid"],))
+                    self.killed = {**backend, "at": time.perf_counter()}
+                    return
+            time.sleep(0.01)
+
+
+class Reader(threading.Thread):
+    """Polls the partition's prediction count from its own connection for the whole run."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.stop = threading.Event()
+        self.seen: list[int] = []
+
+    def run(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self.stop.is_set():
+                row = conn.execute("SELECT count(*) FROM predictions WHERE partition_key = %s", (KEY,)).fetchone()
+                self.seen.append(int(row[0]) if row else -1)
+                time.sleep(0.005)
+
+
+def test_connection_dropped_mid_partition_is_retried_and_readers_never_see_half(
+    postgres_url: str, reliability_model: str
+) -> None:
+    _ingest(postgres_url, _source())
+    expected = _valid_stored_rows(postgres_url)
+    killer, reader = Killer(postgres_url), Reader(postgres_url)
+    reader.start()
+    killer.start()
+    started = time.perf_counter()
+    try:
+        with DagsterInstance.ephemeral() as instance:
+            result = materialize_predictions(batch_assets(), batch_resources(postgres_url), instance, KEY)
+    finally:
+        killer.stop.set()
+        reader.stop.set()
+        killer.join(5)
+        reader.join(5)
+    took = time.perf_counter() - started
+
+    assert killer.killed is not None, "the writer was never seen mid-partition"
+    assert result.success
+    retries = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+    assert len(retries) == 1, "the dropped connection is a transient error, retried by the RetryPolicy"
+    error = retries[0].event_specific_data.error  # type: ignore[union-attr]
+    assert "OperationalError" in str(error), error
+    assert {e.event_type for e in result.all_events}.isdisjoint({DagsterEventType.STEP_FAILURE})
+    assert set(reader.seen) <= {0, expected}, f"a reader saw a partial partition: {sorted(set(reader.seen))}"
+    assert reader.seen[-1] == expected
+    assert _count(postgres_url, "SELECT count(*) FROM predictions WHERE partition_key = %s", KEY) == expected
+    checks = {c.check_name: c.passed for c in result.get_asset_check_evaluations()}
+    assert checks["rows_accounted_for"] and checks["no_duplicate_keys"], checks
+    MEASURED["connection_dropped"] = {
+        "killed_backend_state": killer.killed["state"],
+        "killed_during": (killer.killed["query"] or "")[:40],
+        "step_retries": len(retries),
+        "reader_polls": len(reader.seen),
+        "distinct_counts_seen": sorted(set(reader.seen)),
+        "run_seconds": round(took, 1),
+    }
+
+
+# ------------------------------------------------------------------ poison
+def test_partition_with_five_percent_poison_lands_with_every_poison_row_quarantined(
+    postgres_url: str, reliability_model: str
+) -> None:
+    rows, rate = 4000, 0.05
+    source = _source(rows, rate)
+    poison = source.filter(pl.col("poison_kind").is_not_null())
+    assert poison.height == rows * rate
+    with DagsterInstance.ephemeral() as instance:
+        result = materialize_partition(
+            batch_assets(), batch_resources(postgres_url, rows_per_day=rows, poison_rate=rate), instance, KEY
+        )
+    assert result.success, "poison is quarantined, never a failed partition"
+
+    expected = sorted(
+        (tx, EXPECTED_REASON[PoisonKind(kind)].value)
+        for tx, kind in zip(poison["transaction_id"], poison["poison_kind"], strict=True)
+    )
+    with psycopg.connect(postgres_url) as conn:
+        quarantined = sorted(
+            (str(tx), str(reason))
+            for tx, reason in conn.execute(
+                "SELECT transaction_id, reason FROM rejected_records WHERE partition_key = %s AND NOT resolved", (KEY,)
+            )
+        )
+        scored_poison = conn.execute(
+            "SELECT count(*) FROM predictions p JOIN transactions t USING (transaction_id) "
+            "WHERE p.partition_key = %s AND t.reject_reason IS NOT NULL",
+            (KEY,),
+        ).fetchone()
+    assert quarantined == expected, "every poison row, and nothing else, is quarantined with its reason"
+    assert scored_poison == (0,)
+    (materialization,) = result.asset_materializations_for_node("predictions")
+    scored = materialization.metadata["scored"].value
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    assert checks["rows_accounted_for"].passed
+    assert not checks["reject_rate_bounded"].passed and checks["reject_rate_bounded"].severity.value == "WARN"
+    MEASURED["poison_5_percent"] = {
+        "rows": rows,
+        "poison_rows": poison.height,
+        "quarantined": len(quarantined),
+        "scored": scored,
+        "run_succeeded": True,
+    }
+
+
+# ------------------------------------------------------------------ two runs at once
+def test_two_runs_materializing_one_partition_at_once_agree_without_duplicates(
+    postgres_url: str, reference_url: str, predictor: TorchPredictor
+) -> None:
+    _ingest(postgres_url, _source())
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.reliability.batch_child", "materialize", postgres_url, KEY],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs: list[list[str]] = [[], []]
+    ready = [threading.Event(), threading.Event()]
+
+    def watch(index: int) -> None:
+        stdout = children[index].stdout
+        assert stdout is not None
+        for line in stdout:
+            outputs[index].append(line)
+            if line.startswith("READY"):
+                ready[index].set()
+
+    for index in range(2):
+        threading.Thread(target=watch, args=(index,), daemon=True).start()
+    try:
+        for index in range(2):
+            assert ready[index].wait(180), "".join(outputs[index][-30:])
+        for child in children:  # the same moment: both runs race from the first chunk
+            assert child.stdin is not None
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        for child in children:
+            child.wait(timeout=240)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait(timeout=30)
+    runs = []
+    for index, child in enumerate(children):
+        log = "".join(outputs[index][-40:])
+        assert child.returncode == 0, log
+        (line,) = [line for line in outputs[index] if line.startswith("RUN ")]
+        _, start, end, status = line.split()
+        assert status == "SUCCESS", log
+        runs.append((float(start), float(end)))
+    overlap = min(end for _, end in runs) - max(start for start, _ in runs)
+    assert overlap > 0, f"the two runs did not overlap: {runs}"
+
+    _ingest(reference_url, _source())
+    _score(reference_url, predictor, "clean-run")
+    raced, clean = prediction_facts(postgres_url, KEY), prediction_facts(reference_url, KEY)
+    assert raced == clean, "two racing runs leave exactly what one clean run leaves"
+    with psycopg.connect(postgres_url) as conn:
+        duplicates = conn.execute(
+            "SELECT count(*) FROM (SELECT transaction_id, reason, input_hash FROM rejected_records "
+            "WHERE partition_key = %s GROUP BY 1, 2, 3 HAVING count(*) > 1) AS d",
+            (KEY,),
+        ).fetchone()
+    assert duplicates == (0,)
+    assert rejection_facts(postgres_url, KEY) == rejection_facts(reference_url, KEY)
+    MEASURED["two_runs_at_once"] = {
+        "rows": len(clean),
+        "overlap_s": round(overlap, 1),
+        "both_succeeded": True,
+        "duplicates": 0,
+    }

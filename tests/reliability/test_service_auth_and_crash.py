@@ -1,0 +1,188 @@
+"""A second real server, started with TANDEM_SERVING_AUTH_TOKEN: the bearer token, then the
+scoring process SIGKILLed under load (last: it takes the server's scoring capacity with it)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import date
+from typing import Any
+
+import httpx
+import pytest
+
+from inference.batch import ingest_day
+from inference.migrate import upgrade
+from inference.store import make_engine
+from tests.reliability.support import (
+    LiveServer,
+    create_secret_database,
+    drop_secret_database,
+    history_day_frame,
+    start_server,
+    stop_server,
+)
+
+pytestmark = [pytest.mark.reliability, pytest.mark.live, pytest.mark.postgres]
+
+HISTORY_DAY = date(2026, 11, 1)
+REQUEST_DAY = date(2026, 11, 2)
+TOKEN = f"tok-{uuid.uuid4().hex}"
+CLIENT_TIMEOUT_S = 10.0
+RATE = 50  # requests per second, open loop, across the kill
+MEASURED: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def server(
+    postgres_admin_url: str, reliability_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    db = create_secret_database(postgres_admin_url)
+    engine = make_engine(db.url)
+    upgrade(engine)
+    ingest_day(engine, history_day_frame(HISTORY_DAY, 600, 60), HISTORY_DAY)
+    engine.dispose()
+    requests = history_day_frame(REQUEST_DAY, 600, 60)
+    live = start_server(
+        db, reliability_model, requests, tmp_path_factory.mktemp("serving-auth"), {"TANDEM_SERVING_AUTH_TOKEN": TOKEN}
+    )
+    try:
+        yield live
+    finally:
+        stop_server(live)
+        drop_secret_database(db)
+        print(f"\nmeasured (auth and crash): {MEASURED}")
+
+
+def _post(server: LiveServer, rows: list[dict[str, Any]], headers: dict[str, str]) -> httpx.Response:
+    return httpx.post(f"{server.url}/score", json={"transactions": rows}, headers=headers, timeout=10)
+
+
+def test_score_needs_the_bearer_token(server: LiveServer) -> None:
+    row = server.take(1)[0]
+    refused = {
+        "no header": {},
+        "wrong token": {"Authorization": "Bearer not-the-token"},
+        "token prefix": {"Authorization": f"Bearer {TOKEN[:-1]}"},
+        "wrong scheme": {"Authorization": f"Basic {TOKEN}"},
+        "bare scheme": {"Authorization": "Bearer"},
+    }
+    for name, headers in refused.items():
+        response = _post(server, [row], headers)
+        assert response.status_code == 401, (name, response.status_code, response.text)
+        assert response.headers["WWW-Authenticate"].startswith("Bearer"), name
+        body = response.json()
+        assert body["error"] == "unauthorized" and body["detail"], (name, body)
+        assert TOKEN not in response.text
+    accepted = _post(server, [row], {"Authorization": f"Bearer {TOKEN}"})
+    assert accepted.status_code == 200, accepted.text
+    assert accepted.json()["results"][0]["status"] == "scored"
+    # The scheme name is case-insensitive (RFC 7235).
+    assert _post(server, server.take(1), {"Authorization": f"bearer {TOKEN}"}).status_code == 200
+    # Refused before the body is read: an unauthenticated client cannot make the server parse anything.
+    assert httpx.post(f"{server.url}/score", content=b"x" * (2 * 1024 * 1024), timeout=10).status_code == 401
+    MEASURED["auth"] = {"refused_401": len(refused) + 1, "accepted_200": 2}
+
+
+def test_lineage_needs_the_token_and_probes_do_not(server: LiveServer) -> None:
+    assert httpx.get(f"{server.url}/lineage/anything", timeout=10).status_code == 401
+    with_token = httpx.get(f"{server.url}/lineage/no-such-id", headers=server.auth(), timeout=10)
+    assert with_token.status_code == 404
+    # Probes, metrics and the API description stay open: orchestrators and scrapers hold no token.
+    for path in ("/readyz", "/livez", "/metrics", "/openapi.json"):
+        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 200, path
+    document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert document["paths"]["/score"]["post"]["security"] == [{"bearer": []}]
+    assert "401" in document["paths"]["/lineage/{transaction_id}"]["get"]["responses"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    sent: float
+    seconds: float
+    status: int | None
+    body: dict[str, Any] | None
+    error: str | None = None
+
+
+def test_scoring_process_sigkilled_under_load_fails_fast_and_reports_not_alive(server: LiveServer) -> None:
+    (scoring,) = server.scoring_processes()
+    rows = server.take(150)
+    outcomes: list[Outcome] = []
+    killed_at: list[float] = []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, headers=server.auth()) as client:
+
+            async def one(row: dict[str, Any]) -> None:
+                sent = time.perf_counter()
+                try:
+                    response = await client.post(
+                        f"{server.url}/score", json={"transactions": [row]}, headers={"X-Deadline-Ms": "5000"}
+                    )
+                except httpx.HTTPError as error:
+                    outcomes.append(Outcome(sent, time.perf_counter() - sent, None, None, type(error).__name__))
+                    return
+                outcomes.append(Outcome(sent, time.perf_counter() - sent, response.status_code, response.json()))
+
+            async def kill() -> None:
+                await asyncio.sleep(1.0)
+                os.kill(scoring.pid, signal.SIGKILL)
+                killed_at.append(time.perf_counter())
+
+            tasks = []
+            start = time.perf_counter()
+            killer = asyncio.create_task(kill())
+            for index, row in enumerate(rows):
+                await asyncio.sleep(max(0.0, start + index / RATE - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(row)))
+            await asyncio.gather(killer, *tasks)
+
+    asyncio.run(run())
+
+    errors = [o.error for o in outcomes if o.error is not None]
+    assert not errors, f"clients saw transport errors or hung until their timeout: {errors[:5]}"
+    slowest = max(o.seconds for o in outcomes)
+    assert slowest < CLIENT_TIMEOUT_S / 2, f"a request took {slowest:.2f} s: someone waited on a dead process"
+    statuses = [o.status for o in outcomes]
+    assert set(statuses) <= {200, 503}, sorted(map(str, set(statuses)))
+    failed = [o.body for o in outcomes if o.status == 503]
+    assert failed, "requests after the kill must fail"
+    # Before the kill a 503 can only be admission shedding; from the kill on, "unavailable".
+    assert all(body and body["error"] in {"unavailable", "overloaded"} for body in failed), failed[:3]
+    for o in outcomes:
+        if o.status == 200:
+            assert o.body and o.body["results"][0]["status"] == "scored", o.body  # never an item-level internal error
+    after_kill = [o for o in outcomes if o.sent > killed_at[0] + 0.5]
+    assert after_kill and {o.status for o in after_kill} == {503}, "once the process is gone every request fails"
+    assert {o.body["error"] for o in after_kill if o.body} == {"unavailable"}
+    after_kill_slowest = max(o.seconds for o in after_kill)
+
+    # The service says so: liveness fails (an orchestrator restarts it), readiness too.
+    live = httpx.get(f"{server.url}/livez", timeout=5)
+    ready = httpx.get(f"{server.url}/readyz", timeout=5)
+    recovered = live.status_code == 200 and server.score(server.take(1)).status_code == 200
+    assert recovered or (live.status_code >= 500 and ready.status_code >= 500), (live.status_code, ready.status_code)
+    MEASURED["worker_kill"] = {
+        "requests": len(outcomes),
+        "status_counts": {str(s): statuses.count(s) for s in sorted(set(statuses), key=str)},
+        "slowest_s": round(slowest, 3),
+        "slowest_after_kill_s": round(after_kill_slowest, 3),
+        "livez": live.status_code,
+        "readyz": ready.status_code,
+        "recovered": recovered,
+    }
+
+
+def test_the_token_and_the_database_password_never_reach_the_log(server: LiveServer) -> None:
+    log = server.log_text()
+    assert "scoring process died" in log, "the crash was logged (so the check below means something)"
+    assert TOKEN not in log
+    assert server.db.password not in log
+    assert server.listening_addresses() == {"127.0.0.1"}
