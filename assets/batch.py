@@ -180,7 +180,7 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
             model=model, model_version=version, history_length=history_length, forward_batch_size=config.chunk_rows
         )
         producer = BatchProducer(
-            run_id=context.run_id, partition_key=context.partition_key, code_version=code_version()
+            run_id=context.run.run_id, partition_key=context.partition_key, code_version=code_version()
         )
 
         def progress(chunk: ChunkProgress) -> None:

@@ -1,0 +1,164 @@
+"""Sensors: each change requests exactly the affected partitions, once, with keys that carry the
+model version and the change's watermark."""
+
+from __future__ import annotations
+
+from datetime import date
+
+import polars as pl
+import pytest
+from dagster import AssetObservation, DagsterInstance, SensorDefinition, SensorResult, SkipReason, build_sensor_context
+
+from inference.demo import DemoConfig, generate_day
+from inference.records import EVENT_TS_DTYPE, validate
+from inference.store import (
+    make_engine,
+    mark_rejections_fixed,
+    rejected_records,
+    upsert_predictions,
+    upsert_transactions,
+    utc_now,
+)
+from orchestration.resources import DatabaseResource, ModelStoreResource
+from orchestration.sensors import SensorSettings, build_online_observer, build_sensors
+from tests.orchestration.support import DEMO_SEED, batch_resources, run_partition
+from tests.shared import register_untrained_model
+
+DAYS = ("2026-11-02", "2026-11-03")
+ROWS = 600
+SENSOR_MODEL = "risk_model_sensor_tests"
+
+
+@pytest.fixture
+def scored(database_url: str, assets: list, instance: DagsterInstance) -> str:
+    """Two scored partitions under a model name of this module's own (promotions happen here)."""
+    register_untrained_model(SENSOR_MODEL)
+    resources = batch_resources(database_url, rows_per_day=ROWS, poison_rate=0.02, model_name=SENSOR_MODEL)
+    for key in DAYS:
+        run_partition(
+            assets,
+            resources,
+            instance,
+            partition_key=key,
+            run_config={"ops": {"predictions": {"config": {"parity_sample": 0}}}},
+        )
+    return database_url
+
+
+def _sensors() -> dict[str, SensorDefinition]:
+    settings = SensorSettings(interval_seconds=5, promotion_rescore_partitions=1)
+    return {s.name: s for s in [*build_sensors(settings), build_online_observer(settings)]}
+
+
+def _tick(sensor: SensorDefinition, url: str, cursor: str | None = None) -> SensorResult | SkipReason:
+    resources = {"database": DatabaseResource(url=url), "model_store": ModelStoreResource(model_name=SENSOR_MODEL)}
+    with build_sensor_context(resources=resources, cursor=cursor) as context:
+        result = sensor(context)
+    assert isinstance(result, SensorResult | SkipReason)
+    return result
+
+
+def _correct_records(url: str, day: str, count: int) -> None:
+    frame = generate_day(date.fromisoformat(day), DemoConfig(seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.02))
+    clean = frame.filter(pl.col("poison_kind").is_null()).head(count)
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        upsert_transactions(conn, validate(clean.with_columns(amount=pl.col("amount") + 1.0)), date.fromisoformat(day))
+    engine.dispose()
+
+
+def test_late_records_rerun_exactly_the_changed_partitions_once(
+    scored: str, assets: list, instance: DagsterInstance
+) -> None:
+    sensor = _sensors()["late_records_sensor"]
+    assert isinstance(_tick(sensor, scored), SkipReason)
+
+    for day in DAYS:  # several partitions changing within one interval are all seen
+        _correct_records(scored, day, 3)
+    first = _tick(sensor, scored)
+    assert isinstance(first, SensorResult)
+    assert sorted(r.partition_key for r in first.run_requests) == list(DAYS)
+    for request in first.run_requests:
+        assert request.run_key.startswith(f"late:{request.partition_key}:{SENSOR_MODEL}:")
+    # The next tick looks back past its watermark but asks with the same keys: Dagster runs each once.
+    again = _tick(sensor, scored, first.cursor)
+    assert isinstance(again, SensorResult)
+    assert {r.run_key for r in again.run_requests} == {r.run_key for r in first.run_requests}
+    assert again.cursor == first.cursor
+
+    resources = batch_resources(scored, rows_per_day=ROWS, poison_rate=0.02, model_name=SENSOR_MODEL)
+    run_partition(
+        assets,
+        resources,
+        instance,
+        partition_key=DAYS[0],
+        selection=["predictions"],
+        run_config={"ops": {"predictions": {"config": {"parity_sample": 0}}}},
+    )
+    after = _tick(sensor, scored, first.cursor)
+    assert isinstance(after, SensorResult)
+    assert [r.partition_key for r in after.run_requests] == [DAYS[1]]
+
+
+def test_rejections_marked_fixed_rerun_their_partition(scored: str) -> None:
+    sensor = _sensors()["fixed_rejects_sensor"]
+    assert isinstance(_tick(sensor, scored), SkipReason)
+    engine = make_engine(scored)
+    with engine.begin() as conn:
+        rejection_id = (
+            conn.execute(rejected_records.select().where(rejected_records.c.partition_key == DAYS[1]).limit(1))
+            .mappings()
+            .one()["rejection_id"]
+        )
+        assert mark_rejections_fixed(conn, [rejection_id]) == 1
+    engine.dispose()
+    result = _tick(sensor, scored)
+    assert isinstance(result, SensorResult)
+    assert [r.partition_key for r in result.run_requests] == [DAYS[1]]
+    assert result.run_requests[0].run_key.startswith(f"fixed:{DAYS[1]}:")
+    assert isinstance(_tick(sensor, scored, result.cursor), SensorResult)  # same key again: a no-op for Dagster
+
+
+def test_a_promoted_model_reruns_the_last_partitions_under_its_version(scored: str) -> None:
+    sensor = _sensors()["model_promotion_sensor"]
+    first = _tick(sensor, scored)
+    assert isinstance(first, SensorResult) and not first.run_requests  # remembers, rescoring nothing
+    assert isinstance(_tick(sensor, scored, first.cursor), SkipReason)
+
+    promoted = register_untrained_model(SENSOR_MODEL, seed=1)
+    result = _tick(sensor, scored, first.cursor)
+    assert isinstance(result, SensorResult)
+    assert [(r.partition_key, r.run_key) for r in result.run_requests] == [(DAYS[1], f"promoted:{DAYS[1]}:{promoted}")]
+    assert result.cursor == promoted
+
+
+def test_online_results_are_observed_as_online_predictions(scored: str) -> None:
+    sensor = _sensors()["online_predictions_observer"]
+    assert isinstance(_tick(sensor, scored), SkipReason)
+    row = {
+        "transaction_id": "online-1",
+        "model_version": "v-online",
+        "score": 0.25,
+        "path": "online",
+        "run_id": None,
+        "partition_key": None,
+        "request_id": "req-1",
+        "batch_id": "batch-1",
+        "code_version": "test",
+        "input_hash": "h",
+        "idempotency_key": "online-1:v-online",
+        "produced_at": utc_now(),
+        "latency_ms": 12.5,
+    }
+    engine = make_engine(scored)
+    with engine.begin() as conn:
+        upsert_predictions(conn, pl.DataFrame([row], schema_overrides={"produced_at": EVENT_TS_DTYPE}))
+    engine.dispose()
+    result = _tick(sensor, scored)
+    assert isinstance(result, SensorResult)
+    (observation,) = result.asset_events
+    assert isinstance(observation, AssetObservation)
+    assert observation.asset_key.path == ["online_predictions"]
+    assert observation.metadata["rows"].value == 1
+    assert observation.metadata["model_versions"].value == {"v-online": 1}
+    assert isinstance(_tick(sensor, scored, result.cursor), SkipReason)
