@@ -451,6 +451,7 @@ def _burst(url: str, body: Callable[[int], tuple[dict[str, Any], bool]]) -> dict
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few minutes: smaller partitions, shorter load")
+    parser.add_argument("--batch-only", action="store_true", help="raw forward and the batch path, no services")
     args = parser.parse_args()
     quick = args.quick
     started = time.perf_counter()
@@ -460,6 +461,8 @@ def main() -> int:
         _write("raw_forward", raw)
         batch = bench_batch_path(bench, [20_000, 100_000] if quick else [100_000, 1_000_000])
         _write("batch_path", batch)
+        if args.batch_only:
+            return 0
         rates = [50, 100, 200] if quick else [50, 100, 200, 300, 400, 600, 800]
         online = bench_online(bench, rates, 5.0 if quick else 10.0, quick)
         from bench.report import write_report
