@@ -74,6 +74,23 @@ def _advance(cursor: str | None, changes: list[PartitionChange]) -> str:
     return _cursor(max(moments))
 
 
+def _rerun(
+    changes: list[PartitionChange], *, trigger: str, key_prefix: str, version: str, cursor: str | None
+) -> SensorResult:
+    """One run per changed partition, keyed by partition, model version and change watermark."""
+    return SensorResult(
+        run_requests=[
+            RunRequest(
+                run_key=f"{key_prefix}:{change.partition_key}:{version}:{change.watermark.isoformat()}",
+                partition_key=change.partition_key,
+                tags={"tandem/trigger": trigger, "tandem/model_version": version},
+            )
+            for change in changes
+        ],
+        cursor=_advance(cursor, changes),
+    )
+
+
 def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
     @sensor(
         job_name=RESCORE_JOB,
@@ -91,17 +108,7 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
             changes = stale_scored_partitions(conn, changed_after=_look_back_from(context.cursor))
         if not changes:
             return SkipReason("no changed records in scored partitions")
-        return SensorResult(
-            run_requests=[
-                RunRequest(
-                    run_key=f"late:{change.partition_key}:{version}:{change.watermark.isoformat()}",
-                    partition_key=change.partition_key,
-                    tags={"tandem/trigger": "late_records", "tandem/model_version": version},
-                )
-                for change in changes
-            ],
-            cursor=_advance(context.cursor, changes),
-        )
+        return _rerun(changes, trigger="late_records", key_prefix="late", version=version, cursor=context.cursor)
 
     @sensor(
         job_name=DAILY_JOB,
@@ -117,17 +124,7 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
             changes = fixed_rejection_partitions(conn, resolved_after=_look_back_from(context.cursor))
         if not changes:
             return SkipReason("no rejections marked fixed")
-        return SensorResult(
-            run_requests=[
-                RunRequest(
-                    run_key=f"fixed:{change.partition_key}:{version}:{change.watermark.isoformat()}",
-                    partition_key=change.partition_key,
-                    tags={"tandem/trigger": "fixed_rejects", "tandem/model_version": version},
-                )
-                for change in changes
-            ],
-            cursor=_advance(context.cursor, changes),
-        )
+        return _rerun(changes, trigger="fixed_rejects", key_prefix="fixed", version=version, cursor=context.cursor)
 
     @sensor(
         job_name=RESCORE_JOB,
