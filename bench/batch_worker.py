@@ -7,6 +7,7 @@ import json
 import resource
 import time
 from datetime import date
+from pathlib import Path
 
 import torch
 
@@ -14,6 +15,15 @@ from inference.batch import BatchProducer, score_partition
 from inference.contract import TorchPredictor
 from inference.store import make_engine
 from tandem import modelstore
+
+
+def _peak_rss_mb() -> float:
+    """VmHWM of this process image. Not ru_maxrss: Linux keeps that across exec, so a worker
+    started by a parent that had just ingested 1M rows would report the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> None:
@@ -55,7 +65,7 @@ def main() -> None:
                 "seconds": wall,
                 "rows_per_second": report.rows_in / wall,
                 "cpu_ms_per_record": cpu * 1000 / max(report.rows_in, 1),
-                "peak_rss_mb": after.ru_maxrss / 1024,
+                "peak_rss_mb": _peak_rss_mb(),
             }
         )
     )
