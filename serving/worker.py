@@ -79,4 +79,7 @@ def discard_pool(pool: Executor) -> None:
     for process in processes:
         if process.is_alive():
             process.terminate()
-        process.join(timeout=10)
+        process.join(timeout=5)
+        if process.is_alive():  # SIGTERM can land before the child's interpreter is up; SIGKILL cannot miss
+            process.kill()
+            process.join(timeout=5)

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 import polars as pl
+import psutil
 import psycopg
 import pytest
 import torch
@@ -398,6 +399,13 @@ def test_polling_follows_promotion_and_rollback(sqlite_engine: Engine, tmp_path:
     asyncio.run(scenario())
 
 
+def _running(pid: int | None) -> bool:
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_discarding_a_pool_stops_a_process_stuck_in_its_load() -> None:
     pool = ProcessPoolExecutor(
         max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=time.sleep, initargs=(600,)
@@ -407,8 +415,10 @@ def test_discarding_a_pool_stops_a_process_stuck_in_its_load() -> None:
     assert processes and all(process.is_alive() for process in processes)
     started = time.monotonic()
     discard_pool(pool)
-    assert time.monotonic() - started < 5
-    assert not any(process.is_alive() for process in processes)
+    assert time.monotonic() - started < 12
+    # By pid, not is_alive(): the pool's manager thread may reap the child first, and then
+    # Process.is_alive() still says True for a process that no longer exists.
+    assert not any(_running(process.pid) for process in processes)
     # Cancelled if the pool had not yet handed it to the process, else failed with the process.
     with pytest.raises((BrokenProcessPool, CancelledError)):
         pending.result(timeout=5)
