@@ -120,7 +120,7 @@ def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySetti
             return _error(
                 422, "invalid_request", request_id, f"transaction_id must be 1-{ID_MAX_LENGTH} characters, no NUL"
             )
-        engine = get_scorer().writer.engine
+        engine = get_scorer().engine
         try:
             # A blocking query: off the event loop, which keeps answering /score meanwhile.
             found = await asyncio.to_thread(explain, engine, transaction_id, dagster_ui_url=edge.dagster_ui_url)

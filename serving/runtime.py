@@ -150,6 +150,7 @@ class OnlineScorer:
         """`process` scores a batch on `executor` (the scoring process in production, a thread in
         tests); `engine` is the server process's own, for writes."""
         self.settings = settings
+        self.engine = engine
         self.metrics = metrics
         self.outbox = outbox
         self.process = process

@@ -2,8 +2,10 @@
 
 `bentoml serve serving.service:RiskScorer` (port 3001 on 127.0.0.1; Dagster has 3000).
 
-One worker: on two cores one runs the event loop (HTTP, admission) and one the scoring thread;
-a second worker would load a second model and fight both for the same cores.
+One worker by default (TANDEM_SERVING_WORKERS): on two cores one runs the event loop (HTTP,
+admission) and one the scoring process; each further worker loads another model copy and competes
+for the same cores (the benchmark measures goodput against workers). Workers share the outbox file
+and, under `bentoml serve`, the Prometheus values.
 
 The class-scope model is the one served at start; a promotion or rollback later is picked up by
 `serving.lifecycle.ModelWatcher` without a restart (unless TANDEM_SERVING_MODEL_TAG pins a version).
@@ -58,7 +60,7 @@ def _current_scorer() -> OnlineScorer:
 
 @bentoml.asgi_app(build_app(_current_scorer), path="/")
 @bentoml.service(
-    workers=1,
+    workers=ServingSettings().workers,
     http={"host": "127.0.0.1", "port": 3001},
     # BentoML's own metrics middleware and access log cost more per request than the model's
     # share on this hardware; /metrics is served by the scoring app instead.

@@ -9,6 +9,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class ServingSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_SERVING_", extra="ignore")
 
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Server processes, each with its own event loop, scoring process and model copy. "
+        "Read when the service module loads.",
+    )
     p99_target_ms: float = Field(default=50.0, gt=0, description="Declared p99 latency target; drives shedding.")
     max_batch_size: int = Field(default=64, ge=1, le=4096, description="Items per adaptive batch at most.")
     queue_capacity: int = Field(
