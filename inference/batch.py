@@ -17,8 +17,9 @@ import polars as pl
 from sqlalchemy.engine import Engine
 
 from inference.contract import FrameHistory, Predictor
-from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, RejectReason, validate
+from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RejectReason, validate
 from inference.store import (
+    HISTORY_SCHEMA,
     RejectStage,
     ResultPath,
     delete_batch_predictions,
@@ -101,13 +102,13 @@ def score_partition(
     """Score every stored row of one day and write predictions + rejections in one transaction."""
     report = PartitionReport()
     started = time.perf_counter()
-    carry = pl.DataFrame(schema={**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE})
+    carry = pl.DataFrame(schema=HISTORY_SCHEMA)
     with engine.begin() as write:
         for chunk in stream_partition_rows(engine, partition_date, chunk_rows):
             accounts = chunk["account_id"].drop_nulls().unique().to_list()
             with engine.connect() as read:
                 before = prior_history(read, accounts, partition_date, history_length)
-            history = FrameHistory(pl.concat([before, carry, chunk.select(*RAW_COLUMNS, "event_ts")]))
+            history = FrameHistory(pl.concat([before, carry, chunk.select(*HISTORY_SCHEMA)]))
             results = predictor.predict(chunk.select(RAW_COLUMNS), history)
             scored = results.filter(pl.col("reject_reason").is_null())
             rejected = (
@@ -132,7 +133,7 @@ def score_partition(
                 transaction_ids=rejected["transaction_id"].drop_nulls().to_list(),
             )
             carry = (
-                history.valid_rows.select(*RAW_COLUMNS, "event_ts")
+                history.valid_rows.select(*HISTORY_SCHEMA)
                 .filter(pl.col("account_id") == chunk["account_id"][-1])
                 .tail(history_length)
             )
@@ -162,6 +163,7 @@ def _prediction_rows(scored: pl.DataFrame, predictor: Predictor, producer: Batch
         pl.lit(None, dtype=pl.String).alias("batch_id"),
         pl.lit(producer.code_version).alias("code_version"),
         "input_hash",
+        "history_hash",
         pl.lit(None, dtype=pl.String).alias("idempotency_key"),
         pl.lit(utc_now(), dtype=EVENT_TS_DTYPE).alias("produced_at"),
         pl.lit(None, dtype=pl.Float64).alias("latency_ms"),

@@ -25,6 +25,8 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "reject_reason": pl.String(),
     "reject_detail": pl.String(),
     "input_hash": pl.String(),
+    # Digest of the stored records the features read as history; null for a rejected row.
+    "history_hash": pl.String(),
 }
 
 
@@ -42,7 +44,9 @@ class FrameHistory:
 
     def __init__(self, frame: pl.DataFrame) -> None:
         checked = frame if "reject_reason" in frame.columns else validate(frame)
-        self.valid_rows = checked.filter(pl.col("reject_reason").is_null())
+        valid = checked.filter(pl.col("reject_reason").is_null())
+        # Stored rows carry their hash already; a frame from elsewhere gets the same one computed.
+        self.valid_rows = valid if "input_hash" in valid.columns else valid.with_columns(hash_inputs(valid))
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         return self.valid_rows
@@ -82,6 +86,7 @@ class TorchPredictor:
         checked = validate(frame)
         checked = checked.with_columns(hash_inputs(checked))
         scores = np.full(checked.height, np.nan)
+        history_hashes: list[str | None] = [None] * checked.height
         reasons: list[str | None] = checked["reject_reason"].to_list()
         details: list[str | None] = [
             None if reason is None else describe_rejection(reason, row)
@@ -91,6 +96,10 @@ class TorchPredictor:
         if valid_positions.size:
             valid = checked[valid_positions]
             features = build_features(valid, history.history_for(valid, self.history_length), self.history_length)
+            if features.history_digests is None:
+                raise ValueError("history rows carry no input_hash; the score's inputs could not be recorded")
+            for position, digest in zip(valid_positions.tolist(), features.history_digests, strict=True):
+                history_hashes[position] = digest
             for start in range(0, len(features), self.forward_batch_size):
                 part = features.slice(start, start + self.forward_batch_size)
                 part_scores, failures = self.score_isolated(part)
@@ -106,9 +115,13 @@ class TorchPredictor:
                 "reject_reason": pl.Series(reasons, dtype=pl.String),
                 "reject_detail": pl.Series(details, dtype=pl.String),
                 "input_hash": checked["input_hash"],
+                "history_hash": pl.Series(history_hashes, dtype=pl.String),
             },
             schema=RESULT_SCHEMA,
-        ).with_columns(score=pl.when(pl.col("reject_reason").is_null()).then(pl.col("score")))
+        ).with_columns(
+            score=pl.when(pl.col("reject_reason").is_null()).then(pl.col("score")),
+            history_hash=pl.when(pl.col("reject_reason").is_null()).then(pl.col("history_hash")),
+        )
 
     def score_isolated(self, features: FeatureBatch) -> tuple[np.ndarray, dict[int, tuple[RejectReason, str]]]:
         """Scores for a batch where one bad item fails only itself.

@@ -9,6 +9,7 @@ identical either way (a property test holds us to it).
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,16 @@ LOG_SECONDS_SCALE = 12.0
 # partition and a single record. Multiplying by the reciprocal ourselves gives the same bits always.
 _PER_LOG_SECOND = 1.0 / LOG_SECONDS_SCALE
 _SECONDS_PER_MICROSECOND = 1e-6
+_MAX_HISTORY = 256
+# One odd 64-bit weight per lag, derived from a fixed string so they never change with a library
+# version: the digest is stored, and a digest that changed by itself would rewrite every score.
+_LAG_WEIGHTS = np.array(
+    [
+        int.from_bytes(hashlib.sha256(f"tandem-history-lag-{i}".encode()).digest()[:8], "big") | 1
+        for i in range(_MAX_HISTORY)
+    ],
+    dtype=np.uint64,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,8 @@ class FeatureBatch:
     history_categorical: np.ndarray  # int64 [N, K, 2]
     history_numeric: np.ndarray  # float32 [N, K, 4]
     history_mask: np.ndarray  # bool [N, K]
+    # Per row, a digest of the stored records its history was built from (see `build_features`).
+    history_digests: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.transaction_ids)
@@ -64,6 +77,7 @@ class FeatureBatch:
             history_categorical=self.history_categorical[start:stop],
             history_numeric=self.history_numeric[start:stop],
             history_mask=self.history_mask[start:stop],
+            history_digests=None if self.history_digests is None else self.history_digests[start:stop],
         )
 
     def take(self, rows: np.ndarray) -> FeatureBatch:
@@ -74,6 +88,7 @@ class FeatureBatch:
             history_categorical=self.history_categorical[rows],
             history_numeric=self.history_numeric[rows],
             history_mask=self.history_mask[rows],
+            history_digests=None if self.history_digests is None else [self.history_digests[i] for i in rows],
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -111,6 +126,8 @@ class _LagPlan:
     cost more than the query itself on the single-record online path."""
 
     history_columns: tuple[pl.Expr, ...]
+    digest_columns: tuple[pl.Expr, ...]
+    digest_names: list[str]
     current_columns: dict[str, pl.Expr]
     valid_names: list[str]
     category_names: list[str]
@@ -127,6 +144,8 @@ def _lag_plan(k: int) -> _LagPlan:
     country_names: list[str] = []
     amount_names: list[str] = []
     delta_names: list[str] = []
+    digest_columns: list[pl.Expr] = []
+    digest_names: list[str] = []
     for back in range(1, k + 1):
         # Shifting the whole sorted timeline is a grouped shift once rows of other accounts are
         # masked out, and much cheaper than `.over(account_id)` on a million rows.
@@ -141,6 +160,10 @@ def _lag_plan(k: int) -> _LagPlan:
             .then((pl.col("epoch_s") - pl.col("epoch_s").shift(back)).clip(lower_bound=0.0).log1p() * _PER_LOG_SECOND)
             .alias(names[4]),
         ]
+        digest_names.append(f"h{back}_record")
+        digest_columns.append(
+            pl.when(valid).then(pl.col("record_number").shift(back)).otherwise(0).alias(digest_names[-1])
+        )
         for collection, name in zip(
             (valid_names, category_names, country_names, amount_names, delta_names), names, strict=True
         ):
@@ -170,7 +193,15 @@ def _lag_plan(k: int) -> _LagPlan:
         "has_history": has_history.cast(pl.Float64),
     }
     return _LagPlan(
-        tuple(history_columns), current_columns, valid_names, category_names, country_names, amount_names, delta_names
+        tuple(history_columns),
+        tuple(digest_columns),
+        digest_names,
+        current_columns,
+        valid_names,
+        category_names,
+        country_names,
+        amount_names,
+        delta_names,
     )
 
 
@@ -180,20 +211,34 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
     `history` holds valid rows of the same accounts; it may contain the targets themselves and
     rows after them. A target's history is the `history_length` rows of its account that sort
     before it by (event_ts, transaction_id).
+
+    When both frames carry `input_hash`, each row also gets a digest of the input hashes of the
+    records its history was built from, in order: the score depends on them as much as on the
+    record itself, so a corrected, late or removed record changes the digest of every later
+    record that read it.
     """
     k = history_length
+    if k > _MAX_HISTORY:
+        raise ValueError(f"history_length {k} exceeds {_MAX_HISTORY}")
     plan = _lag_plan(k)
-    wanted = targets.select(FEATURE_COLUMNS).with_columns(target_position=pl.int_range(pl.len(), dtype=pl.Int64))
+    with_digest = "input_hash" in targets.columns and "input_hash" in history.columns
+    columns = [*FEATURE_COLUMNS, "input_hash"] if with_digest else list(FEATURE_COLUMNS)
+    wanted = targets.select(columns).with_columns(target_position=pl.int_range(pl.len(), dtype=pl.Int64))
     accounts = wanted["account_id"].unique().implode()
     past = (
-        history.select(FEATURE_COLUMNS)
+        history.select(columns)
         .filter(pl.col("account_id").is_in(accounts))
         .join(wanted.select("transaction_id"), on="transaction_id", how="anti")
         .with_columns(target_position=pl.lit(None, dtype=pl.Int64))
     )
     timeline = _encoded(pl.concat([wanted, past])).sort(["account_id", "event_ts", "transaction_id"])
+    lag_columns = plan.history_columns
+    if with_digest:
+        # 60 bits of the record's sha256 (hex), enough to tell versions of one record apart.
+        timeline = timeline.with_columns(record_number=pl.col("input_hash").str.slice(0, 15).str.to_integer(base=16))
+        lag_columns = (*lag_columns, *plan.digest_columns)
     current = (
-        timeline.with_columns(plan.history_columns)
+        timeline.with_columns(lag_columns)
         .filter(pl.col("target_position").is_not_null())
         .with_columns(**plan.current_columns)
         .sort("target_position")
@@ -226,4 +271,13 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
         history_categorical=np.ascontiguousarray(np.stack([categories, countries], axis=2)),
         history_numeric=np.ascontiguousarray(history_numeric.astype(np.float32)),
         history_mask=np.ascontiguousarray(valid_mask),
+        history_digests=_history_digests(current, plan.digest_names) if with_digest else None,
     )
+
+
+def _history_digests(current: pl.DataFrame, names: list[str]) -> list[str]:
+    """A position-weighted sum of the history records' numbers, modulo 2**64 (numpy's uint64
+    arithmetic wraps): vectorised, and with odd weights one changed record always changes it."""
+    numbers = current.select(names).to_numpy().astype(np.uint64)
+    digests = (numbers * _LAG_WEIGHTS[: len(names)]).sum(axis=1, dtype=np.uint64)
+    return [f"{value:016x}" for value in digests.tolist()]

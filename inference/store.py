@@ -39,6 +39,11 @@ class Resolution(enum.StrEnum):
 class RejectStage(enum.StrEnum):
     INGEST = "ingest"  # could not even be stored as a source record (no id, repeated id)
     SCORE = "score"  # stored, then refused by validation or the model
+    WRITE = "write"  # scored, but the result store refused the result row itself (a data error)
+
+
+# The reason of a WRITE-stage rejection; validation reasons are `records.RejectReason`.
+UNWRITABLE_RESULT = "unwritable_result"
 
 
 transactions = sa.Table(
@@ -75,6 +80,12 @@ predictions = sa.Table(
     sa.Column("batch_id", sa.Text, nullable=True, comment="adaptive batch (online)"),
     sa.Column("code_version", sa.Text, nullable=False),
     sa.Column("input_hash", sa.Text, nullable=False),
+    sa.Column(
+        "history_hash",
+        sa.Text,
+        nullable=True,
+        comment="digest of the stored records the features read as history; null before migration 0004",
+    ),
     sa.Column("idempotency_key", sa.Text, nullable=True),
     sa.Column("produced_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("latency_ms", sa.Float, nullable=True, comment="online: service time of the producing request"),
@@ -113,6 +124,9 @@ rejected_records = sa.Table(
     sa.CheckConstraint("path IN ('batch', 'online')", name="ck_rejected_records_path"),
     sa.Index("ix_rejected_records_partition", "partition_key", "stage"),
 )
+
+# Stored rows as history for features: the record, its parsed time, and its hash (for the digest).
+HISTORY_SCHEMA: dict[str, pl.DataType] = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "input_hash": pl.String()}
 
 CROSS_PATH_COLUMNS = ("cross_path", "cross_path_score", "cross_path_producer", "cross_checked_at")
 # What a writer supplies; the cross-path columns are filled by the merge itself.
@@ -222,10 +236,10 @@ def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) 
     """For each target (account_id, event_ts, transaction_id): the valid stored rows of its account
     that sort before it, at most `history_length` each. One indexed LIMIT query per target, so
     the cost follows the request, never the account's total history."""
-    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE}
+    schema = HISTORY_SCHEMA
     if targets.is_empty():
         return pl.DataFrame(schema=schema)
-    columns = [*(transactions.c[name] for name in RAW_COLUMNS), transactions.c.event_ts]
+    columns = [*(transactions.c[name] for name in RAW_COLUMNS), transactions.c.event_ts, transactions.c.input_hash]
     t = transactions.c
     per_target = []
     for account_id, moment, transaction_id in targets.select("account_id", "event_ts", "transaction_id").iter_rows():
@@ -251,7 +265,7 @@ def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) 
 
 def prior_history(conn: Connection, account_ids: Sequence[str], before: date, history_length: int) -> pl.DataFrame:
     """The last `history_length` valid rows per account from days before `before` (batch path)."""
-    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE}
+    schema = HISTORY_SCHEMA
     t = transactions.c
     frames = []
     for chunk in _chunks(list(account_ids), 1000):
@@ -259,6 +273,7 @@ def prior_history(conn: Connection, account_ids: Sequence[str], before: date, hi
             sa.select(
                 *(t[name] for name in RAW_COLUMNS),
                 t.event_ts,
+                t.input_hash,
                 sa.func.row_number()
                 .over(partition_by=t.account_id, order_by=(t.event_ts.desc(), t.transaction_id.desc()))
                 .label("recency"),
@@ -266,9 +281,7 @@ def prior_history(conn: Connection, account_ids: Sequence[str], before: date, hi
             .where(t.account_id.in_(chunk), t.partition_date < before, t.reject_reason.is_(None))
             .subquery()
         )
-        stmt = sa.select(*(ranked.c[name] for name in (*RAW_COLUMNS, "event_ts"))).where(
-            ranked.c.recency <= history_length
-        )
+        stmt = sa.select(*(ranked.c[name] for name in HISTORY_SCHEMA)).where(ranked.c.recency <= history_length)
         frames.append(_frame_from_rows(conn.execute(stmt).all(), schema))
     return pl.concat(frames) if frames else pl.DataFrame(schema=schema)
 
@@ -279,7 +292,8 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame) -> int:
 
     Keyed by (transaction_id, model_version), and deterministic whichever path writes first:
     - a new key is inserted;
-    - the same key with a different input (a corrected record) is rewritten;
+    - the same key with a different input (a corrected record, or a changed history: a late or
+      corrected earlier record of the account) is rewritten;
     - the same key and input from the same path is a no-op (retries, reruns, duplicates);
     - the same key and input from the other path records that path's score and producer in the
       cross_path columns (once), leaving the first writer's row untouched, so batch/online parity
@@ -293,7 +307,8 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame) -> int:
 
 def _prediction_conflict(excluded: Any) -> tuple[dict[str, Any], Any]:
     p = predictions.c
-    changed = p.input_hash != excluded.input_hash
+    # The score is a function of the record and of the history it read: either changing rewrites it.
+    changed = sa.or_(p.input_hash != excluded.input_hash, p.history_hash.is_distinct_from(excluded.history_hash))
     other_path = sa.and_(p.path != excluded.path, p.cross_path.is_(None))
     producer = sa.case(
         (
@@ -345,6 +360,43 @@ def read_predictions(conn: Connection, **equal_to: Any) -> pl.DataFrame:
 
 
 # ------------------------------------------------------------------ quarantine
+def quarantine_unwritable_result(conn: Connection, row: dict[str, Any], error: str, *, path: ResultPath) -> None:
+    """Keep a result row the store refused (a data error, not an outage) as a rejection, so it is
+    seen and kept instead of blocking the rows behind it. Text is made storable first (PostgreSQL
+    text cannot hold NUL), because the payload must land even when the original could not."""
+
+    def storable(value: Any) -> Any:
+        return value.replace("\x00", "\\x00") if isinstance(value, str) else value
+
+    # json.dumps writes NUL as the six characters \u0000, which text columns hold.
+    payload = json.dumps(row, sort_keys=True, default=str, allow_nan=True)
+    transaction_id = storable(row.get("transaction_id"))
+    digest = hashlib.sha256(payload.encode()).hexdigest()[:32]
+    key = "|".join([path.value, RejectStage.WRITE.value, str(transaction_id), digest])
+    now = utc_now()
+    insert = _insert_for(conn, rejected_records)
+    conn.execute(
+        insert.values(
+            rejection_key=hashlib.sha256(key.encode()).hexdigest()[:40],
+            transaction_id=transaction_id,
+            path=path.value,
+            stage=RejectStage.WRITE.value,
+            request_id=storable(row.get("request_id")),
+            reason=UNWRITABLE_RESULT,
+            detail=storable(error)[:500],
+            payload=payload,
+            input_hash=storable(str(row.get("input_hash"))),
+            first_seen=now,
+            last_seen=now,
+            seen_count=1,
+            resolved=False,
+        ).on_conflict_do_update(
+            index_elements=["rejection_key"],
+            set_={"last_seen": insert.excluded.last_seen, "seen_count": rejected_records.c.seen_count + 1},
+        )
+    )
+
+
 def quarantine(
     conn: Connection,
     rejected: pl.DataFrame,
@@ -534,11 +586,11 @@ def stream_partition_rows(engine: Engine, partition_date: date, chunk_rows: int)
     """
     t = transactions.c
     stmt = (
-        sa.select(*(t[name] for name in RAW_COLUMNS), t.event_ts, t.label_fraud)
+        sa.select(*(t[name] for name in RAW_COLUMNS), t.event_ts, t.label_fraud, t.input_hash)
         .where(t.partition_date == partition_date)
         .order_by(t.account_id, t.event_ts, t.transaction_id)
     )
-    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16()}
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16(), "input_hash": pl.String()}
     with engine.connect() as conn:
         result = conn.execution_options(stream_results=True, yield_per=chunk_rows).execute(stmt)
         for rows in result.partitions(chunk_rows):
@@ -638,31 +690,76 @@ def _aware(moment: Any) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
-def stale_scored_partitions(conn: Connection, *, changed_after: datetime | None) -> list[PartitionChange]:
-    """Partitions already scored by the batch path that hold records changed (late or corrected)
-    after `changed_after` whose current contents have no result yet: no prediction and no open
-    rejection for the record's current input hash. Every such partition, however many changed in
-    the same interval, is returned."""
+def stale_scored_partitions(
+    conn: Connection, *, changed_after: datetime | None, history_length: int
+) -> list[PartitionChange]:
+    """Partitions already scored by the batch path whose scores a change made stale.
+
+    A change is a record changed (late or corrected) after `changed_after` whose current contents
+    have no result yet: no prediction and no open rejection for its current input hash. Stale are
+    the change's own partition and the partitions of the account's next `history_length` valid
+    records, whose features read (or, for a record now invalid, read) the changed one as history.
+    Every such partition, however many changed in the same interval, is returned, with the newest
+    change that touched it.
+
+    Not covered: a correction that moves a record's event time leaves the records that followed
+    its old position unscheduled (the old position is no longer stored).
+    """
     t, p, r = transactions.c, predictions.c, rejected_records.c
-    partition_key = sa.cast(t.partition_date, sa.String)
-    stmt = (
-        sa.select(t.partition_date, sa.func.max(t.ingested_at))
-        .where(
-            sa.select(p.transaction_id)
-            .where(p.partition_key == partition_key, p.path == ResultPath.BATCH.value)
-            .exists(),
-            ~sa.select(p.transaction_id)
-            .where(p.transaction_id == t.transaction_id, p.input_hash == t.input_hash)
-            .exists(),
-            ~sa.select(r.rejection_id)
-            .where(r.transaction_id == t.transaction_id, r.input_hash == t.input_hash, r.resolved.is_(False))
-            .exists(),
-        )
-        .group_by(t.partition_date)
-        .order_by(t.partition_date)
-    )
+    changed_filter = [
+        ~sa.select(p.transaction_id).where(p.transaction_id == t.transaction_id, p.input_hash == t.input_hash).exists(),
+        ~sa.select(r.rejection_id)
+        .where(r.transaction_id == t.transaction_id, r.input_hash == t.input_hash, r.resolved.is_(False))
+        .exists(),
+    ]
     if changed_after is not None:
-        stmt = stmt.where(t.ingested_at > changed_after)
+        changed_filter.append(t.ingested_at > changed_after)
+    changed = (
+        sa.select(t.transaction_id, t.account_id, t.partition_date, t.ingested_at).where(*changed_filter).cte("changed")
+    )
+    # The affected accounts' records in history order: valid ones (what features read) and the
+    # changed ones themselves, numbered per account.
+    timeline = (
+        sa.select(
+            t.transaction_id,
+            t.account_id,
+            t.partition_date,
+            sa.func.row_number()
+            .over(partition_by=t.account_id, order_by=(t.event_ts, t.transaction_id))
+            .label("position"),
+        )
+        .where(
+            t.account_id.in_(sa.select(changed.c.account_id)),
+            sa.or_(t.reject_reason.is_(None), t.transaction_id.in_(sa.select(changed.c.transaction_id))),
+        )
+        .cte("timeline")
+    )
+    at, later = timeline.alias("at_change"), timeline.alias("later")
+    downstream = (
+        sa.select(later.c.partition_date, changed.c.ingested_at)
+        .select_from(changed)
+        .join(at, at.c.transaction_id == changed.c.transaction_id)
+        .join(
+            later,
+            sa.and_(
+                later.c.account_id == at.c.account_id,
+                later.c.position > at.c.position,
+                later.c.position <= at.c.position + history_length,
+            ),
+        )
+    )
+    touched = sa.union_all(sa.select(changed.c.partition_date, changed.c.ingested_at), downstream).subquery("touched")
+    batch_scored = (
+        sa.select(p.transaction_id)
+        .where(p.partition_key == sa.cast(touched.c.partition_date, sa.String), p.path == ResultPath.BATCH.value)
+        .exists()
+    )
+    stmt = (
+        sa.select(touched.c.partition_date, sa.func.max(touched.c.ingested_at))
+        .where(batch_scored)
+        .group_by(touched.c.partition_date)
+        .order_by(touched.c.partition_date)
+    )
     return [PartitionChange(str(day), _aware(moment)) for day, moment in conn.execute(stmt)]
 
 

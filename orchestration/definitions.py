@@ -65,7 +65,10 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         assets=[*batch_assets, online_predictions],
         jobs=[daily_job, rescore_job],
         schedules=[nightly],
-        sensors=[*build_sensors(sensor_settings), build_online_observer(sensor_settings)],
+        sensors=[
+            *build_sensors(sensor_settings, history_length=settings.history_length),
+            build_online_observer(sensor_settings),
+        ],
         resources={
             "database": DatabaseResource(),
             "model_store": ModelStoreResource(),

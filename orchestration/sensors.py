@@ -91,12 +91,13 @@ def _rerun(
     )
 
 
-def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
+def build_sensors(settings: SensorSettings, *, history_length: int) -> list[SensorDefinition]:
     @sensor(
         job_name=RESCORE_JOB,
         minimum_interval_seconds=settings.interval_seconds,
         default_status=DefaultSensorStatus.RUNNING,
-        description="Late or corrected source records in partitions already scored -> rescore those partitions.",
+        description="Late or corrected source records -> rescore their partitions and those of the "
+        "records whose history they are (already scored partitions only).",
     )
     def late_records_sensor(
         context: SensorEvaluationContext, database: DatabaseResource, model_store: ModelStoreResource
@@ -105,7 +106,9 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
         if version is None:
             return SkipReason("no production model yet")
         with database.engine.connect() as conn:
-            changes = stale_scored_partitions(conn, changed_after=_look_back_from(context.cursor))
+            changes = stale_scored_partitions(
+                conn, changed_after=_look_back_from(context.cursor), history_length=history_length
+            )
         if not changes:
             return SkipReason("no changed records in scored partitions")
         return _rerun(changes, trigger="late_records", key_prefix="late", version=version, cursor=context.cursor)

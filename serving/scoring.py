@@ -17,8 +17,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import Predictor
-from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, hash_inputs, raw_frame, validate
-from inference.store import PREDICTION_COLUMNS, ResultPath, fetch_history, predictions, utc_now
+from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, hash_inputs, raw_frame, validate
+from inference.store import HISTORY_SCHEMA, PREDICTION_COLUMNS, ResultPath, fetch_history, predictions, utc_now
 from serving.breaker import CircuitBreaker
 from serving.schemas import ItemError, ItemResult
 
@@ -70,7 +70,7 @@ class GuardedHistory:
                 self.breaker.record_success()
                 return history
         self.degraded = True
-        return pl.DataFrame(schema={**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE})
+        return pl.DataFrame(schema=HISTORY_SCHEMA)
 
 
 class ScoringCore:
@@ -156,6 +156,8 @@ class ScoringCore:
                 "batch_id": batch_id,
                 "code_version": self.code_version,
                 "input_hash": stored_hash,
+                # Unknown when degraded: the empty history scored is not the account's history.
+                "history_hash": None if outcome.degraded else row["history_hash"],
                 "idempotency_key": item.key,
                 "produced_at": produced_at,
             }

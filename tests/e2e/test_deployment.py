@@ -1,7 +1,7 @@
 """Issue #6: the Dagster deployment end to end, as an operator drives it.
 
 A 7-day backfill launched through the GraphQL API the UI uses scores every partition and quarantines
-the poison; corrected source records make the late-records sensor rescore exactly their partitions;
+the poison; corrected source records make the late-records sensor rescore exactly the partitions they touch;
 the asset graph, in a real browser, shows one model feeding both the batch and the online path.
 """
 
@@ -35,6 +35,7 @@ from inference.store import (
     upsert_transactions,
 )
 from orchestration.sensors import DAILY_JOB, RESCORE_JOB
+from orchestration.settings import OrchestrationSettings
 from tests.e2e.deployment import SENSOR_INTERVAL_SECONDS, Deployment
 
 # The module's deployment and backfill are set up inside the first test's budget.
@@ -297,6 +298,26 @@ def _correct_records(engine: Engine, partition: str, count: int) -> dict[str, st
     return dict(zip(corrected["transaction_id"].to_list(), hash_inputs(corrected).to_list(), strict=True))
 
 
+def _history_readers(engine: Engine, corrected: set[str], history_length: int) -> dict[str, str]:
+    """Records whose features read a corrected record as history: the account's next
+    `history_length` valid records. Returns transaction id -> partition."""
+    t = transactions.c
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(t.transaction_id, t.account_id, t.partition_date)
+            .where(t.reject_reason.is_(None))
+            .order_by(t.account_id, t.event_ts, t.transaction_id)
+        ).all()
+    readers: dict[str, str] = {}
+    for position, (transaction_id, account_id, _) in enumerate(rows):
+        if transaction_id not in corrected:
+            continue
+        for later_id, later_account, later_day in rows[position + 1 : position + 1 + history_length]:
+            if later_account == account_id:
+                readers[later_id] = str(later_day)
+    return readers
+
+
 # ------------------------------------------------------------------ the tests
 def test_backfill_scores_every_partition_and_quarantines_the_poison(
     deployment: Deployment, backfill: BackfillOutcome, engine: Engine
@@ -341,9 +362,11 @@ def test_backfill_scores_every_partition_and_quarantines_the_poison(
             assert set(reasons) == {reason.value for reason in EXPECTED_REASON.values()}, f"{partition}: {reasons}"
 
 
-def test_corrected_records_rescore_exactly_their_partitions(
+def test_corrected_records_rescore_exactly_the_partitions_they_touch(
     deployment: Deployment, backfill: BackfillOutcome, repository: Repository, engine: Engine
 ) -> None:
+    """A correction makes stale its own score and the scores of the records that read it as
+    history; the sensor reruns exactly those records' partitions, and only they are rewritten."""
     sensor = "late_records_sensor"
     assert repository.sensors.get(sensor) == "RUNNING", repository.sensors
     assert not _runs(deployment, tags=[{"key": "tandem/trigger", "value": "late_records"}]), "runs before any change"
@@ -351,13 +374,16 @@ def test_corrected_records_rescore_exactly_their_partitions(
     new_hashes = {
         partition: _correct_records(engine, partition, CORRECTIONS_PER_PARTITION) for partition in CORRECTED_PARTITIONS
     }
+    corrected = {tid for hashes in new_hashes.values() for tid in hashes}
+    readers = _history_readers(engine, corrected, OrchestrationSettings().history_length)
+    touched = sorted(set(CORRECTED_PARTITIONS) | set(readers.values()))
 
     def rescored() -> list[dict[str, Any]] | None:
         runs = _runs(deployment, tags=[{"key": "tandem/trigger", "value": "late_records"}])
         _raise_for_failed_runs(deployment, runs, "late-records rescoring")
         partitions = {_tags(run).get("dagster/partition") for run in runs}
         done = all(run["status"] == "SUCCESS" for run in runs)
-        return runs if done and partitions >= set(CORRECTED_PARTITIONS) else None
+        return runs if done and partitions >= set(touched) else None
 
     runs = deployment.wait_until("late-records runs", rescored, timeout=SENSOR_RUNS_TIMEOUT_S)
 
@@ -378,8 +404,8 @@ def test_corrected_records_rescore_exactly_their_partitions(
 
     runs = _runs(deployment, tags=[{"key": "tandem/trigger", "value": "late_records"}])
     by_partition = {_tags(run)["dagster/partition"]: run for run in runs}
-    assert sorted(by_partition) == sorted(CORRECTED_PARTITIONS), [_tags(run) for run in runs]
-    assert len(runs) == len(CORRECTED_PARTITIONS), "one run per corrected partition"
+    assert sorted(by_partition) == touched, [_tags(run) for run in runs]
+    assert len(runs) == len(touched), "one run per touched partition"
     for run in runs:
         assert run["jobName"] == RESCORE_JOB
         assert run["status"] == "SUCCESS"
@@ -396,13 +422,18 @@ def test_corrected_records_rescore_exactly_their_partitions(
                 )
             ).all()
             changed = new_hashes.get(partition, {})
-            writers = Counter(run_id for transaction_id, _, run_id in rows if transaction_id not in changed)
-            # Unchanged records keep the backfill's result: a rerun rewrites only what changed.
+            stale = {tid for tid, day in readers.items() if day == partition} | set(changed)
+            writers = Counter(run_id for transaction_id, _, run_id in rows if transaction_id not in stale)
+            # Untouched records keep the backfill's result: a rerun rewrites only what changed.
             assert set(writers) == {backfill.run_ids[partition]}, f"{partition}: {writers}"
             rescored_rows = {tid: (input_hash, run_id) for tid, input_hash, run_id in rows if tid in changed}
             assert rescored_rows == {
                 tid: (input_hash, by_partition[partition]["runId"]) for tid, input_hash in changed.items()
             }, f"{partition}: corrected records not rescored with their new input"
+            rescored_readers = {run_id for tid, _, run_id in rows if tid in stale and tid not in changed}
+            assert rescored_readers <= {by_partition.get(partition, {}).get("runId")}, (
+                f"{partition}: records that read a corrected record as history kept stale scores"
+            )
 
 
 def _chromium() -> str:

@@ -45,6 +45,7 @@ def prediction_rows(
         "partition_key": ["2026-11-01"] * n,
         "code_version": ["test"] * n,
         "input_hash": [input_hash] * n,
+        "history_hash": ["0" * 16] * n,
         "produced_at": [produced_at] * n,
     }
     return pl.DataFrame({name: given.get(name, [None] * n) for name in PREDICTION_COLUMNS}, schema=PREDICTION_SCHEMA)

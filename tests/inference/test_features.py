@@ -28,7 +28,7 @@ from inference.features import (
     build_features,
 )
 from inference.migrate import upgrade
-from inference.records import split_valid
+from inference.records import hash_inputs, split_valid
 from inference.store import StoreHistory, make_engine
 from tests.inference.support import DAY, postgres_database
 
@@ -45,7 +45,7 @@ def demo_config(seed: int) -> DemoConfig:
 @functools.cache
 def partition_valid(seed: int) -> pl.DataFrame:
     valid, _ = split_valid(generate_days(DAYS[0], len(DAYS), demo_config(seed)))
-    return valid
+    return valid.with_columns(hash_inputs(valid))
 
 
 @functools.cache
@@ -56,6 +56,8 @@ def partition_features(seed: int, k: int) -> FeatureBatch:
 
 def assert_same_features(left: FeatureBatch, right: FeatureBatch) -> None:
     assert left.transaction_ids == right.transaction_ids
+    assert left.history_digests is not None
+    assert left.history_digests == right.history_digests
     for name in ARRAYS:
         a, b = getattr(left, name), getattr(right, name)
         assert a.dtype == b.dtype, name
@@ -144,3 +146,27 @@ def test_frame_history_and_store_history_agree_for_a_whole_day(stores: dict[int,
     from_store = build_features(last_day, StoreHistory(stores[seed]).history_for(last_day, k), k)
     assert_same_features(in_memory, from_store)
     assert_same_features(in_memory, partition_features(seed, k).slice(valid.height - last_day.height, valid.height))
+
+
+def test_a_changed_history_record_changes_the_digest_of_exactly_the_records_that_read_it() -> None:
+    seed, k = SEEDS[0], 4
+    valid = partition_valid(seed).sort("account_id", "event_ts", "transaction_id")
+    account = valid["account_id"][0]
+    own = valid.filter(pl.col("account_id") == account)
+    assert own.height > k + 2
+    changed_id = own["transaction_id"][1]
+    corrected = valid.with_columns(
+        amount=pl.when(pl.col("transaction_id") == changed_id).then(pl.col("amount") + 1).otherwise(pl.col("amount"))
+    ).drop("input_hash")
+    corrected = corrected.with_columns(hash_inputs(corrected))
+
+    before, after = build_features(valid, valid, k), build_features(corrected, corrected, k)
+    assert before.history_digests is not None and after.history_digests is not None
+    differing = {
+        tid
+        for tid, old, new in zip(before.transaction_ids, before.history_digests, after.history_digests, strict=True)
+        if old != new
+    }
+    assert differing == set(own["transaction_id"][2 : 2 + k])
+    # Features without hashes (training) carry no digest.
+    assert build_features(valid.drop("input_hash"), valid.drop("input_hash"), k).history_digests is None

@@ -33,6 +33,7 @@ def _row(path: str, score: float, input_hash: str) -> dict[str, Any]:
         "batch_id": None if batch else "batch-9",
         "code_version": "test",
         "input_hash": input_hash,
+        "history_hash": "0" * 16,
         "idempotency_key": None,
         "produced_at": utc_now(),
         "latency_ms": None if batch else 7.0,

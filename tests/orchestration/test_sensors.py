@@ -14,6 +14,7 @@ from inference.records import EVENT_TS_DTYPE, validate
 from inference.store import (
     make_engine,
     mark_rejections_fixed,
+    predictions,
     rejected_records,
     upsert_predictions,
     upsert_transactions,
@@ -47,7 +48,7 @@ def scored(database_url: str, assets: list, instance: DagsterInstance) -> str:
 
 def _sensors() -> dict[str, SensorDefinition]:
     settings = SensorSettings(interval_seconds=5, promotion_rescore_partitions=1)
-    return {s.name: s for s in [*build_sensors(settings), build_online_observer(settings)]}
+    return {s.name: s for s in [*build_sensors(settings, history_length=16), build_online_observer(settings)]}
 
 
 def _tick(sensor: SensorDefinition, url: str, cursor: str | None = None) -> SensorResult | SkipReason:
@@ -146,6 +147,7 @@ def test_online_results_are_observed_as_online_predictions(scored: str) -> None:
         "batch_id": "batch-1",
         "code_version": "test",
         "input_hash": "h",
+        "history_hash": "0" * 16,
         "idempotency_key": "online-1:v-online",
         "produced_at": utc_now(),
         "latency_ms": 12.5,
@@ -162,3 +164,60 @@ def test_online_results_are_observed_as_online_predictions(scored: str) -> None:
     assert observation.metadata["rows"].value == 1
     assert observation.metadata["model_versions"].value == {"v-online": 1}
     assert isinstance(_tick(sensor, scored, result.cursor), SkipReason)
+
+
+def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
+    scored: str, assets: list, instance: DagsterInstance
+) -> None:
+    """A corrected record on day 1 is history for its account's next records on day 2: those
+    scores are stale too, so both partitions are rerun, and day 2's rows are rewritten."""
+    engine = make_engine(scored)
+    first_day, second_day = (
+        generate_day(date.fromisoformat(day), DemoConfig(seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.02))
+        .filter(pl.col("poison_kind").is_null())
+        .sort("event_time")
+        for day in DAYS
+    )
+    # The last day-1 record of an account that comes back on day 2, so day 2 reads it as history.
+    returning = first_day.filter(pl.col("account_id").is_in(second_day["account_id"].implode()))
+    corrected = returning.group_by("account_id").last().head(1)
+    account = corrected["account_id"][0]
+    with engine.begin() as conn:
+        upsert_transactions(
+            conn, validate(corrected.with_columns(amount=pl.col("amount") * 3 + 1)), date.fromisoformat(DAYS[0])
+        )
+
+    later_ids = second_day.filter(pl.col("account_id") == account)["transaction_id"].to_list()
+
+    def day_two_rows() -> dict[str, tuple[float, str]]:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                predictions.select()
+                .where(predictions.c.partition_key == DAYS[1])
+                .where(predictions.c.transaction_id.in_(later_ids))
+            ).mappings()
+            return {row["transaction_id"]: (row["score"], row["history_hash"]) for row in rows}
+
+    before = day_two_rows()
+    assert before
+    result = _tick(_sensors()["late_records_sensor"], scored)
+    assert isinstance(result, SensorResult)
+    assert sorted(r.partition_key for r in result.run_requests) == list(DAYS)
+
+    resources = batch_resources(scored, rows_per_day=ROWS, poison_rate=0.02, model_name=SENSOR_MODEL)
+    for key in DAYS:
+        run_partition(
+            assets,
+            resources,
+            instance,
+            partition_key=key,
+            selection=["predictions"],
+            run_config={"ops": {"predictions": {"config": {"parity_sample": 0}}}},
+        )
+    after = day_two_rows()
+    # The account's first day-2 record reads the corrected one as its latest history.
+    next_record = second_day.filter(pl.col("account_id") == account)["transaction_id"][0]
+    assert after.keys() == before.keys()
+    assert after[next_record][1] != before[next_record][1]
+    assert after[next_record][0] != before[next_record][0]
+    engine.dispose()

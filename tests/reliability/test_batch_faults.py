@@ -204,11 +204,6 @@ def test_sigkill_after_the_last_chunk_before_commit_then_rerun_equals_a_clean_ru
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: input_hash covers the record, not its history, so a rerun after a correction keeps "
-    "stale scores for the account's later records (same input hash -> no-op upsert); see docs/reliability.md",
-)
 def test_rerun_after_a_correction_rescores_records_whose_history_changed(
     postgres_url: str, reference_url: str, predictor: TorchPredictor
 ) -> None:
