@@ -13,12 +13,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
+import psycopg
 import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from inference.records import raw_frame
-from inference.store import RejectStage, ResultPath, predictions, quarantine, upsert_predictions
+from inference.store import (
+    RejectStage,
+    ResultPath,
+    predictions,
+    quarantine,
+    quarantine_unwritable_result,
+    upsert_predictions,
+)
 from serving.breaker import CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
@@ -61,6 +70,31 @@ def write_prediction_rows(conn: Connection, rows: list[dict[str, Any]]) -> int:
             )
         ]
     return upsert_predictions(conn, prediction_frame(rows)) if rows else 0
+
+
+# Errors that say the database is unreachable or overloaded, as opposed to refusing the data.
+_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    sa_exc.OperationalError,
+    sa_exc.InterfaceError,
+    sa_exc.DisconnectionError,
+    sa_exc.TimeoutError,
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    OSError,
+)
+
+
+def is_outage(error: BaseException) -> bool:
+    """An unreachable database (retry later) rather than a refused row (quarantine it)."""
+    if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, _OUTAGE_ERRORS)
+
+
+class StoreOutage(Exception):
+    def __init__(self, unwritten: list[dict[str, Any]]) -> None:
+        super().__init__(f"{len(unwritten)} rows not written")
+        self.unwritten = unwritten
 
 
 class ResultWriter:
@@ -132,32 +166,65 @@ class ResultWriter:
     def _write(self, rows: list[dict[str, Any]]) -> None:
         if self.breaker.allow():
             try:
-                with self.engine.begin() as conn:
-                    write_prediction_rows(conn, rows)
-            except SQLAlchemyError as error:
+                self.store(rows)
+            except StoreOutage as outage:
                 self.breaker.record_failure()
-                logger.warning("prediction write failed; %d rows to the outbox: %s", len(rows), error)
+                rows = outage.unwritten
+                logger.warning("prediction write failed; %d rows to the outbox: %s", len(rows), outage.__cause__)
             else:
                 self.breaker.record_success()
                 return
         self.outbox.append(rows)
         self._set_depth(self._outbox_depth + len(rows))
 
+    def store(self, rows: list[dict[str, Any]]) -> None:
+        """Upsert `rows`; a row the database refuses as data is quarantined on its own.
+
+        Bisects a refused write down to the refused rows, so they cost O(k log n) extra
+        transactions and never hold back the others (in the outbox they would block every row
+        behind them forever). Raises StoreOutage, naming the rows not yet written, when the
+        database cannot be reached: those are retried, not quarantined.
+        """
+        pending = [rows]
+        while pending:
+            part = pending.pop()
+            try:
+                with self.engine.begin() as conn:
+                    write_prediction_rows(conn, part)
+            except Exception as error:
+                if is_outage(error):
+                    raise StoreOutage([row for chunk in (*pending, part) for row in chunk]) from error
+                if len(part) > 1:
+                    middle = len(part) // 2
+                    pending += [part[middle:], part[:middle]]
+                    continue
+                self._quarantine_unwritable(part[0], error)
+
+    def _quarantine_unwritable(self, row: dict[str, Any], error: Exception) -> None:
+        detail = f"{type(error).__name__}: {error}".splitlines()[0]
+        try:
+            with self.engine.begin() as conn:
+                quarantine_unwritable_result(conn, row, detail, path=ResultPath.ONLINE)
+        except Exception as second:
+            if is_outage(second):
+                raise StoreOutage([row]) from second
+            # Nothing storable is left of it; dropping it beats holding back every later row.
+            logger.error(
+                "dropped an unwritable result row for %r: %s; then %s", row.get("transaction_id"), detail, second
+            )
+            return
+        logger.error("quarantined an unwritable result row for %r: %s", row.get("transaction_id"), detail)
+
     def drain(self) -> int:
         if not self._outbox_depth or not self.breaker.allow():
             self.metrics.breaker_state.set(int(self.breaker.state))
             return 0
-
-        def write(rows: list[dict[str, Any]]) -> None:
-            with self.engine.begin() as conn:
-                write_prediction_rows(conn, rows)
-
         drained = 0
         try:
-            drained = self.outbox.drain(write, self.drain_chunk)
-        except SQLAlchemyError as error:
+            drained = self.outbox.drain(self.store, self.drain_chunk)
+        except StoreOutage as outage:
             self.breaker.record_failure()
-            logger.warning("outbox drain stopped: %s", error)
+            logger.warning("outbox drain stopped: %s", outage.__cause__)
         else:
             self.breaker.record_success()
         self._set_depth(self.outbox.depth())

@@ -1,0 +1,114 @@
+"""The result writer tells a refused row (quarantine it, alone) from an unreachable database (keep
+every row in the outbox), on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from inference.store import UNWRITABLE_RESULT, RejectStage, make_engine, predictions, rejected_records, utc_now
+from serving.breaker import BreakerState, CircuitBreaker
+from serving.metrics import ServingMetrics
+from serving.outbox import Outbox
+from serving.writer import ResultWriter
+
+MODEL = "risk_model:writer"
+
+
+def rows(count: int, *, refused: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+    """Online result rows; those at `refused` positions name a path the table's CHECK refuses."""
+    now = utc_now()
+    return [
+        {
+            "transaction_id": f"w{i}",
+            "model_version": MODEL,
+            "score": 0.5,
+            "path": "sideways" if i in refused else "online",
+            "run_id": None,
+            "partition_key": None,
+            "request_id": "r",
+            "batch_id": "b",
+            "code_version": "test",
+            "input_hash": f"h{i}",
+            "history_hash": "0" * 16,
+            "idempotency_key": f"w{i}:{MODEL}",
+            "produced_at": now,
+        }
+        for i in range(count)
+    ]
+
+
+def writer_for(engine: Engine, tmp_path: Path) -> ResultWriter:
+    breaker = CircuitBreaker(failure_threshold=1, reset_s=0.01)
+    return ResultWriter(
+        engine, breaker, Outbox(tmp_path / "outbox.sqlite3"), ServingMetrics(), drain_interval_s=0.01, drain_chunk=50
+    )
+
+
+def stored(engine: Engine) -> tuple[set[str], list[dict[str, Any]]]:
+    with engine.connect() as conn:
+        ids = set(conn.execute(sa.select(predictions.c.transaction_id)).scalars())
+        rejections = [dict(row._mapping) for row in conn.execute(sa.select(rejected_records))]
+    return ids, rejections
+
+
+def test_a_refused_row_is_quarantined_alone_and_the_breaker_stays_closed(engine: Engine, tmp_path: Path) -> None:
+    writer = writer_for(engine, tmp_path)
+    writer.start()
+    writer.submit_rows(rows(40, refused=frozenset({7, 31})))
+    writer.flush()
+    writer.close()
+
+    ids, rejections = stored(engine)
+    assert ids == {f"w{i}" for i in range(40)} - {"w7", "w31"}
+    assert sorted(r["transaction_id"] for r in rejections) == ["w31", "w7"]
+    for rejection in rejections:
+        assert rejection["stage"] == RejectStage.WRITE.value
+        assert rejection["reason"] == UNWRITABLE_RESULT
+        assert "sideways" in rejection["payload"]
+        assert rejection["detail"]
+    assert writer.outbox_depth == 0
+    assert writer.breaker.state is BreakerState.CLOSED
+
+
+def test_a_refused_row_in_the_outbox_no_longer_holds_back_the_rows_behind_it(engine: Engine, tmp_path: Path) -> None:
+    # Rows spilled during an outage, one of them refused by the database once it is back.
+    outbox = Outbox(tmp_path / "outbox.sqlite3")
+    outbox.append(rows(30, refused=frozenset({0})))
+    outbox.close()
+    writer = writer_for(engine, tmp_path)
+    assert writer.outbox_depth == 30
+    writer.start()
+    deadline = time.monotonic() + 10
+    while writer.outbox_depth and time.monotonic() < deadline:
+        time.sleep(0.02)
+    writer.close()
+
+    ids, rejections = stored(engine)
+    assert writer.outbox_depth == 0
+    assert ids == {f"w{i}" for i in range(1, 30)}
+    assert [r["transaction_id"] for r in rejections] == ["w0"]
+
+
+def test_an_unreachable_database_keeps_every_row_for_later(engine: Engine, tmp_path: Path) -> None:
+    dead = make_engine(f"sqlite:///{tmp_path / 'missing' / 'nowhere.db'}")
+    writer = writer_for(dead, tmp_path)
+    writer.start()
+    writer.submit_rows(rows(12, refused=frozenset({3})))
+    writer.flush()
+    # Nothing is quarantined for an outage, the refused row included: it is only known once the store answers.
+    assert writer.outbox_depth == 12
+    assert writer.breaker.state is not BreakerState.CLOSED
+
+    writer.engine = engine
+    deadline = time.monotonic() + 10
+    while writer.outbox_depth and time.monotonic() < deadline:
+        time.sleep(0.02)
+    writer.close()
+    ids, rejections = stored(engine)
+    assert ids == {f"w{i}" for i in range(12)} - {"w3"}
+    assert [r["transaction_id"] for r in rejections] == ["w3"]
