@@ -36,7 +36,8 @@ lint: install
 test: lint
 	$(BIN)/pytest
 
-# Benchmarks print their numbers and write bench/results/*.json and bench/report.md (+ PNG plots).
+# Benchmarks print their numbers; `bench` writes bench/results/*.json and bench/report.md (+ PNG plots),
+# `bench-quick` the same into a temporary directory (it prints where).
 bench: install
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python -m bench.run

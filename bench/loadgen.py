@@ -18,6 +18,11 @@ import aiohttp
 import numpy as np
 
 
+def _percentile(values: list[float], q: float) -> float:
+    # NaN when nothing was measured (no request shed, say), without numpy's all-NaN warning.
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
 @dataclass
 class LoadResult:
     offered_rps: float
@@ -30,20 +35,18 @@ class LoadResult:
     collateral_failures: int = 0  # good requests that failed (only counted when poison is mixed in)
 
     def summary(self, target_ms: float) -> dict[str, Any]:
-        ok = np.array(self.latencies_ms) if self.latencies_ms else np.array([np.nan])
-        shed = np.array(self.shed_latencies_ms) if self.shed_latencies_ms else np.array([np.nan])
         within = int(np.sum(np.array(self.latencies_ms) <= target_ms)) if self.latencies_ms else 0
         return {
             "offered_rps": self.offered_rps,
             "sent": self.sent,
             "ok": len(self.latencies_ms),
             "statuses": self.statuses,
-            "p50_ms": float(np.nanpercentile(ok, 50)),
-            "p99_ms": float(np.nanpercentile(ok, 99)),
-            "p999_ms": float(np.nanpercentile(ok, 99.9)),
+            "p50_ms": _percentile(self.latencies_ms, 50),
+            "p99_ms": _percentile(self.latencies_ms, 99),
+            "p999_ms": _percentile(self.latencies_ms, 99.9),
             "goodput_rps": within / self.duration_s,
             "shed": sum(v for k, v in self.statuses.items() if k in ("503", "429")),
-            "shed_p99_ms": float(np.nanpercentile(shed, 99)),
+            "shed_p99_ms": _percentile(self.shed_latencies_ms, 99),
             "client_timeouts": self.client_timeouts,
             "collateral_failures": self.collateral_failures,
         }
@@ -105,6 +108,11 @@ async def _run(
 
         await asyncio.gather(*(one(i) for i in range(count)))
     return LoadResult(rate, duration_s, count, latencies, statuses, shed, timeouts, collateral)
+
+
+def best_goodput(sweep: list[dict[str, Any]], target_ms: float) -> float:
+    """The best goodput among the load levels of a sweep whose p99 met the target (0 when none did)."""
+    return max((s["goodput_rps"] for s in sweep if s["p99_ms"] <= target_ms), default=0.0)
 
 
 def run_load(

@@ -1,4 +1,4 @@
-"""bench/report.md and its plots, from the numbers one bench run measured."""
+"""report.md and its plots (bench/ for a full run), from the numbers one bench run measured."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only; this machine has no display
 import matplotlib.pyplot as plt
 
-BENCH = Path(__file__).resolve().parent
+from bench.loadgen import best_goodput
 
 
 def _max_goodput(service: dict[str, Any], target_ms: float) -> float:
-    """The best goodput among load levels whose p99 met the target (0 when none did)."""
-    within = [s["goodput_rps"] for s in service.get("sweep", []) if s["p99_ms"] <= target_ms]
-    return max(within, default=0.0)
+    return best_goodput(service.get("sweep", []), target_ms)
 
 
 def _verdict(ok: bool) -> str:
@@ -24,10 +22,21 @@ def _verdict(ok: bool) -> str:
 
 
 def write_report(
-    raw: dict[str, Any], batch: dict[str, Any], online: dict[str, Any], target_ms: float, *, quick: bool, seconds: float
+    raw: dict[str, Any],
+    batch: dict[str, Any],
+    online: dict[str, Any],
+    workers: dict[str, Any],
+    target_ms: float,
+    *,
+    out: Path,
+    quick: bool,
+    seconds: float,
+    phases: list[tuple[str, float, float]],
 ) -> None:
-    _plot_latency(online, target_ms)
-    _plot_batch(raw, batch)
+    """`phases`: (name, estimated seconds, measured seconds) of the phases run so far."""
+    _plot_latency(out, online, target_ms)
+    _plot_batch(out, raw, batch)
+    _plot_workers(out, workers, target_ms)
     forward = raw["items_per_second"]
     partitions = batch["partitions"]
     largest = max(partitions, key=int)
@@ -37,7 +46,8 @@ def write_report(
         "# Tandem benchmark report",
         "",
         f"One run on this machine ({'quick mode' if quick else 'full mode'}, {seconds / 60:.1f} min), every figure",
-        "measured side by side. Raw numbers: `bench/results/*.json`. Regenerate: `make bench` (or `make bench-quick`).",
+        "measured side by side. Raw numbers: `results/*.json` next to this file. Regenerate: `make bench`",
+        "(`make bench-quick` writes a quick run to a temporary directory instead).",
         "",
         "## Raw model forward (the limit)",
         "",
@@ -94,6 +104,7 @@ def write_report(
             ],
             "",
         ]
+    lines += _workers_section(workers, target_ms)
     tandem = online.get("tandem", {})
     stock = online.get("stock_bentoml", {})
     lines += ["## Overload, bursts, poison", ""]
@@ -168,10 +179,110 @@ def write_report(
     ]
     lines += [f"| {name} | {measured} | {_verdict(ok)} |" for name, measured, ok in rows]
     lines += ["", "Where a target is missed, the closing notes of the issue explain why with these numbers.", ""]
-    (BENCH / "report.md").write_text("\n".join(lines))
+    lines += [
+        "## Run time",
+        "",
+        "| phase | estimated | took |",
+        "| --- | ---: | ---: |",
+        *[f"| {name} | {estimate:.0f} s | {took:.0f} s |" for name, estimate, took in phases],
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
 
 
-def _plot_latency(online: dict[str, Any], target_ms: float) -> None:
+def _workers_section(workers: dict[str, Any], target_ms: float) -> list[str]:
+    counts = workers["workers"]
+    rates = workers["offered_rps"]
+    lines = [
+        "## Goodput against server processes (TANDEM_SERVING_WORKERS)",
+        "",
+        f"Tandem over the same sweep with {', '.join(counts)} workers on {workers['cpu_count']} cores; each "
+        "worker is a server process with its own scoring process and model copy. The 1-worker "
+        "row is the Tandem sweep above. RSS sums every process of the service.",
+        "",
+        "| workers | best goodput at p99 <= target | "
+        + " | ".join(f"p99 ms @ {r}" for r in rates)
+        + " | CPU ms / request (lowest load) | peak RSS MB |",
+        "| ---: | ---: | " + " | ".join("---:" for _ in rates) + " | ---: | ---: |",
+    ]
+    for n, entry in counts.items():
+        if "sweep" not in entry:
+            lines.append(f"| {n} | did not run: {entry.get('error')} | " + " | ".join("" for _ in rates) + " | | |")
+            continue
+        p99 = entry["p99_ms_by_rate"]
+        lines.append(
+            f"| {n} | {entry['goodput_rps']:,.0f} rps | "
+            + " | ".join(f"{p99[str(r)]:.1f}" if str(r) in p99 else "" for r in rates)
+            + f" | {entry['sweep'][0]['cpu_ms_per_request']:.2f} | {entry['rss_mb_peak']:,.0f} |"
+        )
+    lines += [
+        "",
+        "![goodput vs offered load per worker count](online_workers.png)",
+        "",
+        "Hollow markers: load levels whose p99 missed the target (not counted as capacity).",
+        "",
+        _workers_reading(workers),
+        "",
+    ]
+    return lines
+
+
+def _workers_reading(workers: dict[str, Any]) -> str:
+    """One sentence reading the scaling against the cores, whatever the numbers turned out to be."""
+    measured = {int(n): e for n, e in workers["workers"].items() if "sweep" in e}
+    cores = workers["cpu_count"]
+    if 1 not in measured or len(measured) < 2 or measured[1]["goodput_rps"] == 0:
+        return "Too few worker counts met the target to say how goodput scales with workers."
+    single = measured[1]["goodput_rps"]
+    scaling = ", ".join(f"{measured[n]['goodput_rps'] / single:.2f}x with {n}" for n in sorted(measured) if n > 1)
+    best_more = max(measured[n]["goodput_rps"] for n in measured if n > 1) / single
+    if best_more >= 1.15:
+        reading = "one worker left CPU idle, and extra workers turned it into goodput until the cores ran out"
+    elif best_more <= 0.87:
+        reading = (
+            "extra workers cost more than they add: the cores were already busy, and every worker brings "
+            "its own event loop, scoring process and model copy to compete for them"
+        )
+    else:
+        reading = "the cores, not the number of server processes, bound goodput"
+    memory = ", ".join(f"{measured[n]['rss_mb_peak']:,.0f} MB with {n}" for n in sorted(measured))
+    return (
+        f"One worker is already two busy processes (event loop and scoring process), one per core on this "
+        f"{cores}-core machine; relative to 1 worker, goodput was {scaling}, so {reading}. "
+        f"Each worker adds a model copy whatever the goodput: peak RSS {memory}."
+    )
+
+
+def _plot_workers(out: Path, workers: dict[str, Any], target_ms: float) -> None:
+    figure, axis = plt.subplots(figsize=(8, 5))
+    rates = workers["offered_rps"]
+    axis.plot(rates, rates, color="grey", linestyle=":", label="every request within target")
+    for n, entry in workers["workers"].items():
+        sweep = entry.get("sweep")
+        if not sweep:
+            continue
+        offered = [s["offered_rps"] for s in sweep]
+        (line,) = axis.plot(offered, [s["goodput_rps"] for s in sweep], marker="o", label=f"{n} worker(s)")
+        missed = [s for s in sweep if s["p99_ms"] > target_ms]
+        # Hollow markers: load levels whose p99 missed the target, so they cannot count as capacity.
+        axis.scatter(
+            [s["offered_rps"] for s in missed],
+            [s["goodput_rps"] for s in missed],
+            s=90,
+            facecolors="white",
+            edgecolors=line.get_color(),
+            zorder=3,
+        )
+    axis.set_xlabel("offered load (requests/s, open loop)")
+    axis.set_ylabel(f"goodput (responses within {target_ms:.0f} ms, per s)")
+    axis.set_title(f"Tandem goodput against offered load, by worker count ({workers['cpu_count']} cores)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "online_workers.png", dpi=110)
+    plt.close(figure)
+
+
+def _plot_latency(out: Path, online: dict[str, Any], target_ms: float) -> None:
     figure, axis = plt.subplots(figsize=(8, 5))
     for service in online.values():
         sweep = service.get("sweep")
@@ -185,11 +296,11 @@ def _plot_latency(online: dict[str, Any], target_ms: float) -> None:
     axis.set_title("Online p99 latency against offered load")
     axis.legend()
     figure.tight_layout()
-    figure.savefig(BENCH / "online_latency.png", dpi=110)
+    figure.savefig(out / "online_latency.png", dpi=110)
     plt.close(figure)
 
 
-def _plot_batch(raw: dict[str, Any], batch: dict[str, Any]) -> None:
+def _plot_batch(out: Path, raw: dict[str, Any], batch: dict[str, Any]) -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     labels = [f"raw forward\nbatch {k}" for k in raw["items_per_second"]] + [
         f"batch path\n{int(k):,} rows" for k in batch["partitions"]
@@ -200,5 +311,5 @@ def _plot_batch(raw: dict[str, Any], batch: dict[str, Any]) -> None:
     axis.set_title("Batch path end to end against the raw model limit")
     axis.tick_params(axis="x", labelsize=8)
     figure.tight_layout()
-    figure.savefig(BENCH / "batch_throughput.png", dpi=110)
+    figure.savefig(out / "batch_throughput.png", dpi=110)
     plt.close(figure)

@@ -1,7 +1,9 @@
 """`make bench` / `make bench-quick`: every measurement side by side in one run on this machine.
 
-Writes bench/results/<scenario>.json and bench/report.md (with PNG plots). Targets are reported,
-never asserted: a missed target is a finding, written down with the numbers.
+A full run writes bench/results/<scenario>.json and bench/report.md (with PNG plots); a quick run
+writes the same layout under a fresh temporary directory, so it never overwrites the committed
+full-run results (`--out` chooses either). Targets are reported, never asserted: a missed target
+is a finding, written down with the numbers.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,8 +23,8 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
@@ -30,8 +33,9 @@ import numpy as np
 import polars as pl
 import psutil
 
+from bench.loadgen import best_goodput, run_load
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 TARGET_P99_MS = float(os.environ.get("TANDEM_SERVING_P99_TARGET_MS", "50"))
 START_DAY = date(2026, 11, 1)
 
@@ -40,15 +44,100 @@ def _say(message: str) -> None:
     print(f"[bench] {message}", flush=True)
 
 
-def _write(scenario: str, data: Any) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{scenario}.json").write_text(json.dumps(data, indent=2, default=str))
+def _write(out: Path, scenario: str, data: Any) -> None:
+    results = out / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{scenario}.json").write_text(json.dumps(data, indent=2, default=str))
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+# ---------------------------------------------------------------- plan and phases
+# Rough rates for the duration estimates only, from earlier runs on this 2-core machine; nothing
+# is measured or judged against them.
+INGEST_ROWS_PER_S = 20_000
+SCORE_ROWS_PER_S = 9_000
+PROCESS_START_S = 8.0  # a batch worker or load-generator process: interpreter, torch, model
+SERVICE_START_S = 15.0  # start, readiness (model load + warm-up inference), the 2 s warm-up load, stop
+LOAD_SLACK_S = 1.0  # per load run: replies still in flight when the schedule ends
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures; quick mode is the same scenarios, smaller and shorter."""
+
+    quick: bool
+    rows_per_day: int
+    history_days: int
+    forward_seconds: float
+    partitions: list[int]
+    rates: list[int]
+    load_seconds: float
+    # Worker counts of the scaling scenario; 1 is the main Tandem sweep, not run again.
+    worker_counts: list[int]
+
+    @classmethod
+    def for_mode(cls, quick: bool) -> Plan:
+        if quick:
+            return cls(True, 2_000, 3, 1.0, [20_000, 100_000], [50, 100, 200], 5.0, [1, 2])
+        return cls(False, 5_000, 3, 3.0, [100_000, 1_000_000], [50, 100, 200, 300, 400, 600, 800], 10.0, [1, 2, 4])
+
+    def estimates(self, batch_only: bool) -> dict[str, float]:
+        load = self.load_seconds + LOAD_SLACK_S
+        sweep = len(self.rates) * load
+        phases = {
+            "environment": 2 + self.rows_per_day * self.history_days / INGEST_ROWS_PER_S,
+            "raw forward": 4 * self.forward_seconds + 2,
+            "batch path": sum(
+                PROCESS_START_S + rows / INGEST_ROWS_PER_S + rows / SCORE_ROWS_PER_S for rows in self.partitions
+            )
+            + 100_000 * 2 / INGEST_ROWS_PER_S,  # the upsert benchmark: insert, then replay
+        }
+        if batch_only:
+            return phases
+        drifted_rates = len([r for r in self.rates if r <= self.rates[1]])
+        phases["online services"] = (
+            5 * SERVICE_START_S
+            + 3 * sweep  # Tandem, unbatched Tandem, HTTP ceiling
+            + sweep  # stock BentoML
+            + drifted_rates * (load + 10)  # its replies run into the 10 s client timeout
+            + 2 * load  # 2% poison: Tandem and stock BentoML
+            + 2 * load  # Tandem: 64-request burst, then overload at 4x capacity
+        )
+        extra_workers = [n for n in self.worker_counts if n > 1]
+        phases["workers scaling"] = sum(SERVICE_START_S * (1 + n / 4) + sweep for n in extra_workers)
+        phases["report"] = 5.0
+        return phases
+
+
+@dataclass
+class Phases:
+    """Announces each phase with its estimate and records how long it took."""
+
+    estimates: dict[str, float]
+    took: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def run(self, name: str) -> Iterator[None]:
+        estimate = self.estimates[name]
+        _say(f"== {name}: estimated ~{_minutes(estimate)}")
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.took[name] = time.perf_counter() - started
+            _say(f"== {name}: took {_minutes(self.took[name])} (estimated ~{_minutes(estimate)})")
+
+    def table(self) -> list[tuple[str, float, float]]:
+        return [(name, self.estimates[name], took) for name, took in self.took.items()]
 
 
 # ---------------------------------------------------------------- environment
@@ -196,6 +285,7 @@ def _bench_upsert(engine: Any, rows: int = 100_000) -> dict[str, Any]:
             "batch_id": None,
             "code_version": "bench",
             "input_hash": [f"h{i}" for i in range(rows)],
+            "history_hash": [f"g{i}" for i in range(rows)],
             "idempotency_key": None,
             "produced_at": pl.Series([utc_now()] * rows, dtype=EVENT_TS_DTYPE),
             "latency_ms": None,
@@ -225,6 +315,19 @@ class ServiceSpec:
     argv: Callable[[int], list[str]]
     extra_env: dict[str, str]
     path: str = "/score"
+    workers: int = 1
+
+
+def tandem_spec(workers: int = 1) -> ServiceSpec:
+    bentoml = str(Path(sys.executable).parent / "bentoml")
+    return ServiceSpec(
+        "tandem" if workers == 1 else f"tandem_workers_{workers}",
+        "(1) Tandem" if workers == 1 else f"Tandem, {workers} workers",
+        lambda p: [bentoml, "serve", "serving.service:RiskScorer", "--port", str(p), "--host", "127.0.0.1"],
+        # Explicit even for 1, so a TANDEM_SERVING_WORKERS in the caller's environment cannot leak in.
+        {"TANDEM_SERVING_WORKERS": str(workers)},
+        workers=workers,
+    )
 
 
 def service_specs() -> list[ServiceSpec]:
@@ -232,17 +335,12 @@ def service_specs() -> list[ServiceSpec]:
     bentoml = str(bin_dir / "bentoml")
     uvicorn = str(bin_dir / "uvicorn")
     return [
-        ServiceSpec(
-            "tandem",
-            "(1) Tandem",
-            lambda p: [bentoml, "serve", "serving.service:RiskScorer", "--port", str(p), "--host", "127.0.0.1"],
-            {},
-        ),
+        tandem_spec(),
         ServiceSpec(
             "tandem_unbatched",
             "(2) Tandem, batching off",
             lambda p: [bentoml, "serve", "serving.service:RiskScorer", "--port", str(p), "--host", "127.0.0.1"],
-            {"TANDEM_SERVING_MAX_BATCH_SIZE": "1"},
+            {"TANDEM_SERVING_MAX_BATCH_SIZE": "1", "TANDEM_SERVING_WORKERS": "1"},
         ),
         ServiceSpec(
             "stock_bentoml",
@@ -293,30 +391,61 @@ def service_specs() -> list[ServiceSpec]:
     ]
 
 
+# BentoML logs this once per server process, after its __init__ (model load and warm-up) returns.
+_WORKER_STARTED = re.compile(r"\[entry_service:[^\]]*:(\d+)\] Service \S+ initialized")
+
+
+def _answers_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:  # refused, 503 (HTTPError) or timed out: not ready yet
+        return False
+
+
+def _started_workers(log: Path) -> int:
+    return len(set(_WORKER_STARTED.findall(log.read_text(errors="replace"))))
+
+
+def wait_until_ready(
+    process: subprocess.Popen[bytes], port: int, log: Path, *, workers: int = 1, timeout_s: float = 180
+) -> None:
+    """Return once the server answers /readyz and, with several workers, every worker has started.
+
+    One 200 proves only the worker that accepted the connection; the others may still be loading
+    their model, and a sweep started then would measure fewer workers than it names. So with
+    several workers, BentoML's log has to show each of them started as well.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"exited with status {process.returncode} before it was ready; see {log}")
+        if _answers_ready(f"http://127.0.0.1:{port}/readyz") and (workers == 1 or _started_workers(log) >= workers):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"not ready within {timeout_s:.0f} s; see {log}")
+
+
 class RunningService:
     def __init__(self, spec: ServiceSpec, bench: BenchEnv) -> None:
         self.spec = spec
         self.port = _free_port()
-        log = (bench.root / f"{spec.name}.log").open("w")
-        self.process = subprocess.Popen(
-            spec.argv(self.port),
-            cwd=ROOT,
-            env={**bench.env, **spec.extra_env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        log = bench.root / f"{spec.name}.log"
+        with log.open("w") as sink:
+            self.process = subprocess.Popen(
+                spec.argv(self.port),
+                cwd=ROOT,
+                env={**bench.env, **spec.extra_env},
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.url = f"http://127.0.0.1:{self.port}{spec.path}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{spec.name} did not become ready; see {bench.root / f'{spec.name}.log'}")
+        try:
+            wait_until_ready(self.process, self.port, log, workers=spec.workers)
+        except RuntimeError as error:
+            self.stop()
+            raise RuntimeError(f"{spec.name}: {error}") from error
 
     def cpu_seconds(self) -> float:
         total = 0.0
@@ -361,12 +490,42 @@ def request_bodies(bench: BenchEnv, count: int) -> tuple[list[dict[str, Any]], l
     )
 
 
-def bench_online(bench: BenchEnv, rates: list[int], seconds: float, quick: bool) -> dict[str, Any]:
-    from bench.loadgen import run_load
+Body = Callable[[int], tuple[dict[str, Any], bool]]
 
-    good, poison = request_bodies(bench, 20_000)
+
+def _sweep(service: RunningService, rates: list[int], seconds: float, body: Body) -> list[dict[str, Any]]:
+    """A warm-up, then one open-loop run per offered load, with the service's CPU and memory."""
+    run_load(service.url, 20, 2.0, body)
+    sweep = []
+    for rate in rates:
+        cpu_before = service.cpu_seconds()
+        result = run_load(service.url, rate, seconds, body)
+        cpu = service.cpu_seconds() - cpu_before
+        summary = result.summary(TARGET_P99_MS) | {
+            "cpu_ms_per_request": cpu * 1000 / max(result.sent, 1),
+            "rss_mb": service.rss_mb(),
+        }
+        sweep.append(summary)
+        _say(
+            f"{service.spec.name} @ {rate} rps: p50 {summary['p50_ms']:.1f} p99 {summary['p99_ms']:.1f} ms, "
+            f"goodput {summary['goodput_rps']:.0f}, shed {summary['shed']}, "
+            f"timeouts {summary['client_timeouts']}, CPU {summary['cpu_ms_per_request']:.2f} ms/req, "
+            f"RSS {summary['rss_mb']:.0f} MB"
+        )
+    return sweep
+
+
+def bench_online(
+    bench: BenchEnv,
+    out: Path,
+    rates: list[int],
+    seconds: float,
+    good: list[dict[str, Any]],
+    poison: list[dict[str, Any]],
+) -> dict[str, Any]:
     everything: dict[str, Any] = {}
     for spec in service_specs():
+        # At the higher rates every drifted request loads the model: minutes of timeouts, nothing learnt.
         service_rates = [r for r in rates if not (spec.name == "drifted" and r > rates[1])]
         _say(f"starting {spec.label}")
         try:
@@ -375,32 +534,13 @@ def bench_online(bench: BenchEnv, rates: list[int], seconds: float, quick: bool)
             everything[spec.name] = {"label": spec.label, "error": str(error)}
             _say(str(error))
             continue
-        sweep = []
         try:
-            # Every request carries a transaction the service has not seen, so no idempotency hit.
-            body = _fresh_bodies(good)
-
-            run_load(service.url, 20, 2.0, body)  # warm-up
-            for rate in service_rates:
-                cpu_before = service.cpu_seconds()
-                result = run_load(service.url, rate, seconds, body)
-                cpu = service.cpu_seconds() - cpu_before
-                summary = result.summary(TARGET_P99_MS) | {
-                    "cpu_ms_per_request": cpu * 1000 / max(result.sent, 1),
-                    "rss_mb": service.rss_mb(),
-                }
-                sweep.append(summary)
-                _say(
-                    f"{spec.name} @ {rate} rps: p50 {summary['p50_ms']:.1f} p99 {summary['p99_ms']:.1f} ms, "
-                    f"goodput {summary['goodput_rps']:.0f}, shed {summary['shed']}, "
-                    f"timeouts {summary['client_timeouts']}"
-                )
+            body = _fresh_bodies(good, spec.name)
+            sweep = _sweep(service, service_rates, seconds, body)
             extra: dict[str, Any] = {}
             if spec.name in ("tandem", "stock_bentoml"):
 
-                def mixed(
-                    i: int, fresh: Callable[[int], tuple[dict[str, Any], bool]] = body
-                ) -> tuple[dict[str, Any], bool]:
+                def mixed(i: int, fresh: Body = body) -> tuple[dict[str, Any], bool]:
                     return (poison[i % len(poison)], True) if i % 50 == 0 else fresh(i)
 
                 mixed_rate = rates[1]
@@ -422,25 +562,81 @@ def bench_online(bench: BenchEnv, rates: list[int], seconds: float, quick: bool)
             everything[spec.name] = {"label": spec.label, "sweep": sweep, **extra}
         finally:
             service.stop()
-        _write(f"online_{spec.name}", everything[spec.name])
+        _write(out, f"online_{spec.name}", everything[spec.name])
     return everything
 
 
-def _fresh_bodies(good: list[dict[str, Any]]) -> Callable[[int], tuple[dict[str, Any], bool]]:
+def bench_workers(
+    bench: BenchEnv,
+    out: Path,
+    rates: list[int],
+    seconds: float,
+    good: list[dict[str, Any]],
+    worker_counts: list[int],
+    single: dict[str, Any],
+) -> dict[str, Any]:
+    """Tandem over the same sweep with more server processes; `single` is the 1-worker Tandem result."""
+    counts: dict[str, Any] = {}
+    for workers in worker_counts:
+        if workers == 1:
+            # The main Tandem sweep, same rates and procedure: measuring it twice only costs time.
+            entry: dict[str, Any] = {"source": "online_tandem.json"} | (
+                {"sweep": single["sweep"]} if "sweep" in single else {"error": single.get("error", "no sweep")}
+            )
+        else:
+            spec = tandem_spec(workers)
+            _say(f"starting {spec.label}")
+            try:
+                service = RunningService(spec, bench)
+            except RuntimeError as error:
+                _say(str(error))
+                counts[str(workers)] = {"error": str(error)}
+                continue
+            try:
+                idle_rss = service.rss_mb()
+                entry = {
+                    "rss_mb_idle": idle_rss,
+                    "sweep": _sweep(service, rates, seconds, _fresh_bodies(good, spec.name)),
+                }
+            finally:
+                service.stop()
+        if "sweep" in entry:
+            sweep = entry["sweep"]
+            entry |= {
+                "goodput_rps": best_goodput(sweep, TARGET_P99_MS),
+                "p99_ms_by_rate": {str(int(s["offered_rps"])): s["p99_ms"] for s in sweep},
+                "cpu_ms_per_request_by_rate": {str(int(s["offered_rps"])): s["cpu_ms_per_request"] for s in sweep},
+                "rss_mb_peak": max((s["rss_mb"] for s in sweep), default=float("nan")),
+            }
+            _say(f"{workers} worker(s): goodput at p99 <= {TARGET_P99_MS:.0f} ms: {entry['goodput_rps']:.0f} rps")
+        counts[str(workers)] = entry
+    result = {
+        "target_p99_ms": TARGET_P99_MS,
+        "cpu_count": os.cpu_count(),
+        "offered_rps": rates,
+        "seconds_per_rate": seconds,
+        "workers": counts,
+    }
+    _write(out, "online_workers", result)
+    return result
+
+
+def _fresh_bodies(good: list[dict[str, Any]], run: str) -> Body:
+    """Every request a transaction no service of this run has seen: neither an idempotency hit nor,
+    since services share the database, a cheaper no-op upsert of a row an earlier service wrote."""
     sequence = itertools.count()
 
     def body(_: int) -> tuple[dict[str, Any], bool]:
         n = next(sequence)
         template = good[n % len(good)]["transactions"][0]
-        return {"transactions": [{**template, "transaction_id": f"{template['transaction_id']}-{n}"}]}, False
+        transaction_id = f"{template['transaction_id']}-{run}-{n}"
+        return {"transactions": [{**template, "transaction_id": transaction_id}]}, False
 
     return body
 
 
-def _burst(url: str, body: Callable[[int], tuple[dict[str, Any], bool]]) -> dict[str, Any]:
+def _burst(url: str, body: Body) -> dict[str, Any]:
     """64 requests leaving within one millisecond, below capacity on average: none may be shed."""
-    from bench.loadgen import run_load
-
     result = run_load(url, 64_000, 0.001, body)
     summary = result.summary(TARGET_P99_MS)
     _say(f"burst of 64: statuses {summary['statuses']}, p99 {summary['p99_ms']:.1f} ms")
@@ -452,26 +648,55 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few minutes: smaller partitions, shorter load")
     parser.add_argument("--batch-only", action="store_true", help="raw forward and the batch path, no services")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where results/*.json, report.md and the plots go; default bench/ for a full run "
+        "(the committed results), a new temporary directory for --quick",
+    )
     args = parser.parse_args()
-    quick = args.quick
+    plan = Plan.for_mode(args.quick)
+    out: Path = args.out or (Path(tempfile.mkdtemp(prefix="tandem-bench-quick-")) if plan.quick else ROOT / "bench")
+    phases = Phases(plan.estimates(args.batch_only))
+    _say(f"output: {out}; estimated ~{_minutes(sum(phases.estimates.values()))} in all")
     started = time.perf_counter()
-    bench = prepare_environment(rows_per_day=2_000 if quick else 5_000, days=3)
+    with phases.run("environment"):
+        bench = prepare_environment(plan.rows_per_day, plan.history_days)
     try:
-        raw = bench_raw_forward(1.0 if quick else 3.0)
-        _write("raw_forward", raw)
-        batch = bench_batch_path(bench, [20_000, 100_000] if quick else [100_000, 1_000_000])
-        _write("batch_path", batch)
+        with phases.run("raw forward"):
+            raw = bench_raw_forward(plan.forward_seconds)
+            _write(out, "raw_forward", raw)
+        with phases.run("batch path"):
+            batch = bench_batch_path(bench, plan.partitions)
+            _write(out, "batch_path", batch)
         if args.batch_only:
             return 0
-        rates = [50, 100, 200] if quick else [50, 100, 200, 300, 400, 600, 800]
-        online = bench_online(bench, rates, 5.0 if quick else 10.0, quick)
-        from bench.report import write_report
+        good, poison = request_bodies(bench, 20_000)
+        with phases.run("online services"):
+            online = bench_online(bench, out, plan.rates, plan.load_seconds, good, poison)
+        with phases.run("workers scaling"):
+            workers = bench_workers(
+                bench, out, plan.rates, plan.load_seconds, good, plan.worker_counts, online.get("tandem", {})
+            )
+        with phases.run("report"):
+            from bench.report import write_report
 
-        write_report(raw, batch, online, TARGET_P99_MS, quick=quick, seconds=time.perf_counter() - started)
-        _say(f"report: {ROOT / 'bench' / 'report.md'}")
+            write_report(
+                raw,
+                batch,
+                online,
+                workers,
+                TARGET_P99_MS,
+                out=out,
+                quick=plan.quick,
+                seconds=time.perf_counter() - started,
+                phases=phases.table(),
+            )
+        _say(f"report: {out / 'report.md'}")
     finally:
         bench.drop()
         shutil.rmtree(bench.root, ignore_errors=True)
+        _say(f"took {_minutes(time.perf_counter() - started)} in all")
     return 0
 
 

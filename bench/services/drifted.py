@@ -41,6 +41,7 @@ def _score_like_the_nightly_job(records: list[dict[str, object]]) -> list[dict[s
         pl.lit(request_id).alias("batch_id"),
         pl.lit(code_version()).alias("code_version"),
         "input_hash",
+        "history_hash",
         pl.lit(None, dtype=pl.String).alias("idempotency_key"),
         pl.lit(utc_now(), dtype=EVENT_TS_DTYPE).alias("produced_at"),
         pl.lit(None, dtype=pl.Float64).alias("latency_ms"),

@@ -38,6 +38,7 @@ class StockScorer:
     def score(self, transactions: list[dict[str, Any]]) -> list[dict[str, Any]]:
         records = [Transaction(**t).to_raw() for t in transactions]  # raises on poison: whole batch fails
         checked = validate(raw_frame(records)).drop("reject_reason")
+        checked = checked.with_columns(hash_inputs(checked))  # with it, the features digest the history read
         k = _SETTINGS.history_length
         features = build_features(checked, self.history.history_for(checked, k), k)
         scores = score_batch(self.model, features)
@@ -53,7 +54,8 @@ class StockScorer:
                 "request_id": request_id,
                 "batch_id": request_id,
                 "code_version": code_version(),
-                "input_hash": hash_inputs(checked),
+                "input_hash": checked["input_hash"],
+                "history_hash": features.history_digests,
                 "idempotency_key": None,
                 "produced_at": pl.Series([utc_now()] * checked.height, dtype=EVENT_TS_DTYPE),
                 "latency_ms": None,
@@ -61,6 +63,7 @@ class StockScorer:
             schema_overrides={
                 "run_id": pl.String,
                 "partition_key": pl.String,
+                "history_hash": pl.String,
                 "idempotency_key": pl.String,
                 "latency_ms": pl.Float64,
             },
