@@ -56,7 +56,8 @@ class Predictor(Protocol):
     model_version: str
 
     def predict(self, frame: pl.DataFrame, history: HistorySource) -> pl.DataFrame:
-        """Score a RAW_SCHEMA frame; returns RESULT_SCHEMA, one row per input row."""
+        """Score a RAW_SCHEMA frame (or `validate()`'s output of one, with or without
+        `input_hash`); returns RESULT_SCHEMA, one row per input row."""
         ...
 
 
@@ -83,8 +84,11 @@ class TorchPredictor:
         return score_batch(self.model, features)
 
     def predict(self, frame: pl.DataFrame, history: HistorySource) -> pl.DataFrame:
-        checked = validate(frame)
-        checked = checked.with_columns(hash_inputs(checked))
+        # A caller that validated and hashed the frame already (the service does, to look up
+        # stored answers first) passes validate()'s output with input_hash: not done twice.
+        checked = frame if "reject_reason" in frame.columns else validate(frame)
+        if "input_hash" not in checked.columns:
+            checked = checked.with_columns(hash_inputs(checked))
         scores = np.full(checked.height, np.nan)
         history_hashes: list[str | None] = [None] * checked.height
         reasons: list[str | None] = checked["reject_reason"].to_list()

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import Predictor
-from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, hash_inputs, raw_frame, validate
+from inference.records import EVENT_TS_DTYPE, hash_inputs, raw_frame, validate
 from inference.store import HISTORY_SCHEMA, PREDICTION_COLUMNS, ResultPath, fetch_history, predictions, utc_now
 from serving.breaker import CircuitBreaker
 from serving.schemas import ItemError, ItemResult
@@ -93,8 +93,9 @@ class ScoringCore:
 
     def score(self, items: list[ItemSpec], *, lookup: bool = True) -> BatchResult:
         cpu_started = time.thread_time()
-        frame = raw_frame([item.raw for item in items])
-        hashes: list[str] = hash_inputs(validate(frame)).to_list()
+        checked = validate(raw_frame([item.raw for item in items]))
+        checked = checked.with_columns(hash_inputs(checked))
+        hashes: list[str] = checked["input_hash"].to_list()
         answers: list[ItemResult | None] = [None] * len(items)
         if lookup:
             self._replay_stored(items, hashes, answers)
@@ -102,7 +103,7 @@ class ScoringCore:
         outcome = BatchResult(results=[])
         if pending:
             history = GuardedHistory(self.engine, self.breaker)
-            scored = self.predictor.predict(frame[pending].select(RAW_COLUMNS), history)
+            scored = self.predictor.predict(checked[pending], history)
             outcome.degraded = history.degraded
             batch_id = uuid.uuid4().hex
             produced_at = utc_now()
