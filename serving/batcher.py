@@ -27,6 +27,9 @@ from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
 
 logger = logging.getLogger(__name__)
+# The reason on items whose batch was lost with the scoring process: a server fault, never an
+# answer about the item (the HTTP layer turns it into 503).
+SCORING_PROCESS_DIED = "scoring_process_died"
 
 
 class Expired:
@@ -202,8 +205,11 @@ class AdaptiveBatcher:
             return await loop.run_in_executor(self.executor, self.process, specs)
         except BrokenExecutor:
             self.broken = True
-            logger.exception("the scoring process died; the service is no longer alive")
-            died = [_internal_error(spec, "scoring process died", self.model_version) for spec in specs]
+            logger.exception("the scoring process died; a new one will be started")
+            died = [
+                _internal_error(spec, "scoring process died", self.model_version, reason=SCORING_PROCESS_DIED)
+                for spec in specs
+            ]
             return BatchResult(results=died)
         except Exception:  # retried item by item below, so one bad item fails alone
             logger.exception("batch of %d failed outside the predictor; retrying items alone", len(specs))
@@ -222,7 +228,7 @@ class AdaptiveBatcher:
         return merged
 
 
-def _internal_error(spec: ItemSpec, detail: str, model_version: str) -> ItemResult:
+def _internal_error(spec: ItemSpec, detail: str, model_version: str, reason: str = "internal_error") -> ItemResult:
     return ItemResult(
         transaction_id=str(spec.raw["transaction_id"]),
         status="error",
@@ -230,5 +236,5 @@ def _internal_error(spec: ItemSpec, detail: str, model_version: str) -> ItemResu
         path="online",
         request_id=spec.request_id,
         produced_at=utc_now(),
-        error=ItemError(reason="internal_error", detail=detail[:500]),
+        error=ItemError(reason=reason, detail=detail[:500]),
     )

@@ -148,3 +148,85 @@ class ModelWatcher:
         # A version that cannot load costs a process start per try; doubling keeps that off the cores.
         backoff = min(self.interval_s * 2 ** (failures - 1), self.retry_max_s)
         self._retry_at[tag] = self.clock() + backoff
+
+
+class PoolSupervisor:
+    """Replaces a scoring process that died (OOM kill, segfault in a native library).
+
+    The batcher marks the pool broken when a batch finds its process gone; from then requests are
+    answered 503 at once. Within about one `interval_s` a new process for the serving version is
+    started, warmed up like a promoted one, and swapped in. Only after
+    `RESTORE_ATTEMPTS_BEFORE_RESTART` failed attempts in a row does `/livez` ask for a restart.
+    """
+
+    def __init__(
+        self,
+        scorer: OnlineScorer,
+        *,
+        load: LoadFn,
+        interval_s: float,
+        load_timeout_s: float,
+        discard: Callable[[Executor], None] = shutdown_now,
+        on_restored: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.scorer = scorer
+        self.load = load
+        self.interval_s = interval_s
+        self.load_timeout_s = load_timeout_s
+        self.discard = discard
+        self.on_restored = on_restored
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-pool-supervisor")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self.scorer.scoring_available():
+                continue
+            try:
+                await self.restore_once()
+            except Exception:  # the supervisor outlives any one failed attempt
+                logger.exception("restoring the scoring process failed")
+
+    async def restore_once(self) -> bool:
+        """Start, warm up and swap in a new scoring process for the serving version."""
+        tag = self.scorer.model_version
+        dead = self.scorer.executor
+        started = time.monotonic()
+        backend: ScoringBackend | None = None
+        swap: asyncio.Future[ScoringBackend] | None = None
+        try:
+            backend = await asyncio.to_thread(self.load, tag)
+            await asyncio.to_thread(
+                warm_up_backend,
+                backend.executor,
+                backend.process,
+                max_batch_size=self.scorer.settings.max_batch_size,
+                timeout_s=self.load_timeout_s,
+            )
+            swap = self.scorer.swap(backend)
+            await swap
+        except Exception:
+            self.scorer.restore_failures += 1
+            logger.exception(
+                "could not replace the dead scoring process of %s (attempt %d)", tag, self.scorer.restore_failures
+            )
+            return False
+        finally:
+            applied = swap is not None and swap.done() and not swap.cancelled()
+            if backend is not None and not applied:
+                await asyncio.shield(asyncio.to_thread(self.discard, backend.executor))
+        self.scorer.restore_failures = 0
+        # The dead pool's process is gone already; this only releases its bookkeeping.
+        await asyncio.to_thread(self.discard, dead)
+        self.on_restored()
+        logger.warning("replaced the dead scoring process of %s in %.1f s", tag, time.monotonic() - started)
+        return True

@@ -37,6 +37,8 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 SCHEMA_INVALID = "schema_invalid"
+# A scoring process that cannot be replaced this many times running is past in-process repair.
+RESTORE_ATTEMPTS_BEFORE_RESTART = 3
 # Deterministic per-item failures: a retry would fail the same way, so the answer is cached.
 _CACHEABLE_ERRORS = frozenset({"model_error", "nonfinite_score"})
 
@@ -170,6 +172,7 @@ class OnlineScorer:
         )
         self.cache = ResultCache(settings.idempotency_cache_size)
         self.in_flight: dict[str, WorkItem] = {}
+        self.restore_failures = 0  # consecutive failed attempts to replace a dead scoring process
         self.batcher: AdaptiveBatcher | None = None
         self.warm = False
         metrics.p99_target.set(settings.p99_target_ms / 1000)
@@ -239,6 +242,8 @@ class OnlineScorer:
         if self.batcher is not None:
             self.batcher.process = backend.process
             self.batcher.model_version = backend.model_version
+            # Every swap installs a warmed-up process: whatever broke the old one is behind us.
+            self.batcher.broken = False
         self.metrics.serving_model(backend.model_version)
         logger.info("now serving %s (was %s)", backend.model_version, previous.model_version)
         done.set_result(previous)
@@ -249,11 +254,17 @@ class OnlineScorer:
         await asyncio.to_thread(self.writer.close)
         self.outbox.close()
 
-    def alive(self) -> bool:
+    def scoring_available(self) -> bool:
+        """False from the moment the scoring process is found dead until a new one is swapped in."""
         return self.batcher is None or not self.batcher.broken
 
+    def alive(self) -> bool:
+        """Liveness: a dead scoring process is replaced in-process (`lifecycle.PoolSupervisor`);
+        only when that keeps failing does the server ask to be restarted."""
+        return self.scoring_available() or self.restore_failures < RESTORE_ATTEMPTS_BEFORE_RESTART
+
     def ready(self) -> bool:
-        if not self.warm or self.batcher is None or self.batcher.broken:
+        if not self.warm or not self.scoring_available():
             return False
         if self.breaker.state is BreakerState.CLOSED:
             return True

@@ -1,5 +1,5 @@
 """A second real server, started with TANDEM_SERVING_AUTH_TOKEN: the bearer token, then the
-scoring process SIGKILLed under load (last: it takes the server's scoring capacity with it)."""
+scoring process SIGKILLed under load, and replaced by the server itself."""
 
 from __future__ import annotations
 
@@ -111,11 +111,12 @@ class Outcome:
     error: str | None = None
 
 
-def test_scoring_process_sigkilled_under_load_fails_fast_and_reports_not_alive(server: LiveServer) -> None:
+def test_scoring_process_sigkilled_under_load_fails_fast_then_is_replaced(server: LiveServer) -> None:
     (scoring,) = server.scoring_processes()
     rows = server.take(150)
     outcomes: list[Outcome] = []
     killed_at: list[float] = []
+    liveness_during_outage: list[int] = []
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, headers=server.auth()) as client:
@@ -135,6 +136,8 @@ def test_scoring_process_sigkilled_under_load_fails_fast_and_reports_not_alive(s
                 await asyncio.sleep(1.0)
                 os.kill(scoring.pid, signal.SIGKILL)
                 killed_at.append(time.perf_counter())
+                await asyncio.sleep(0.3)
+                liveness_during_outage.append((await client.get(f"{server.url}/livez")).status_code)
 
             tasks = []
             start = time.perf_counter()
@@ -153,30 +156,35 @@ def test_scoring_process_sigkilled_under_load_fails_fast_and_reports_not_alive(s
     statuses = [o.status for o in outcomes]
     assert set(statuses) <= {200, 503}, sorted(map(str, set(statuses)))
     failed = [o.body for o in outcomes if o.status == 503]
-    assert failed, "requests after the kill must fail"
+    assert failed, "requests right after the kill must fail"
     # Before the kill a 503 can only be admission shedding; from the kill on, "unavailable".
     assert all(body and body["error"] in {"unavailable", "overloaded"} for body in failed), failed[:3]
     for o in outcomes:
         if o.status == 200:
             assert o.body and o.body["results"][0]["status"] == "scored", o.body  # never an item-level internal error
-    after_kill = [o for o in outcomes if o.sent > killed_at[0] + 0.5]
-    assert after_kill and {o.status for o in after_kill} == {503}, "once the process is gone every request fails"
-    assert {o.body["error"] for o in after_kill if o.body} == {"unavailable"}
-    after_kill_slowest = max(o.seconds for o in after_kill)
+    just_after_kill = [o for o in outcomes if killed_at[0] + 0.05 < o.sent < killed_at[0] + 0.3]
+    assert just_after_kill and {o.status for o in just_after_kill} == {503}, "a dead process answers nothing"
+    assert {o.body["error"] for o in just_after_kill if o.body} == {"unavailable"}
+    # Repair is in-process: liveness holds, so an orchestrator does not restart the pod for it.
+    assert liveness_during_outage == [200]
 
-    # The service says so: liveness fails (an orchestrator restarts it), readiness too.
-    live = httpx.get(f"{server.url}/livez", timeout=5)
-    ready = httpx.get(f"{server.url}/readyz", timeout=5)
-    recovered = live.status_code == 200 and server.score(server.take(1)).status_code == 200
-    assert recovered or (live.status_code >= 500 and ready.status_code >= 500), (live.status_code, ready.status_code)
+    recovery_started = time.perf_counter()
+    deadline = recovery_started + 60
+    while (response := server.score(server.take(1))).status_code != 200 and time.perf_counter() < deadline:
+        time.sleep(0.2)
+    assert response.status_code == 200, response.text
+    assert response.json()["results"][0]["status"] == "scored"
+    (replacement,) = server.scoring_processes()
+    assert replacement.pid != scoring.pid
+    assert httpx.get(f"{server.url}/livez", timeout=5).status_code == 200
+    assert httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200
+    served_again = [o.sent for o in outcomes if o.status == 200 and o.sent > killed_at[0]]
     MEASURED["worker_kill"] = {
         "requests": len(outcomes),
         "status_counts": {str(s): statuses.count(s) for s in sorted(set(statuses), key=str)},
         "slowest_s": round(slowest, 3),
-        "slowest_after_kill_s": round(after_kill_slowest, 3),
-        "livez": live.status_code,
-        "readyz": ready.status_code,
-        "recovered": recovered,
+        "livez_during_outage": liveness_during_outage[0],
+        "first_200_after_kill_s": round(min(served_again) - killed_at[0], 2) if served_again else None,
     }
 
 

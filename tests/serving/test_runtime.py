@@ -1,15 +1,16 @@
 """The scorer's moving parts in-process, with hand-written fakes for the scoring step:
-coalescing, per-item isolation, deadlines, the outbox and its drain."""
+coalescing, per-item isolation, deadlines, the outbox and its drain, a dead scoring process."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -18,10 +19,12 @@ from sqlalchemy.engine import Engine
 from inference.migrate import upgrade
 from inference.records import Transaction
 from inference.store import make_engine, predictions, read_predictions, utc_now
+from serving.batcher import SCORING_PROCESS_DIED
 from serving.breaker import CircuitBreaker
+from serving.lifecycle import PoolSupervisor
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.runtime import DeadlineExceeded, OnlineScorer
+from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, ScoringBackend
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
@@ -256,3 +259,49 @@ def test_writer_spills_to_the_outbox_and_drains_when_the_database_returns(
     writer.close()
     with sqlite_engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(predictions)).scalar_one() == 7
+
+
+class DeadPool(ThreadPoolExecutor):
+    """A pool whose process is gone: every submission fails as a dead ProcessPoolExecutor's does."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        raise BrokenExecutor("the scoring process died")
+
+
+def test_a_dead_scoring_process_is_replaced_and_liveness_fails_only_when_that_keeps_failing(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    attempts: list[str] = []
+
+    def load(tag: str) -> ScoringBackend:
+        attempts.append(tag)
+        if len(attempts) <= RESTORE_ATTEMPTS_BEFORE_RESTART:
+            raise RuntimeError("model file unreadable")
+        return ScoringBackend(tag, ThreadPoolExecutor(max_workers=1), FakeScoring())
+
+    async def scenario() -> None:
+        scorer = await started_scorer(FakeScoring(), sqlite_engine, tmp_path)
+        scorer.swap(ScoringBackend(MODEL, DeadPool(max_workers=1), FakeScoring()))
+        supervisor = PoolSupervisor(scorer, load=load, interval_s=60, load_timeout_s=5)
+
+        results, _ = await scorer.score(
+            [transaction("tx-1")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5
+        )
+        assert results[0].error is not None and results[0].error.reason == SCORING_PROCESS_DIED
+        assert not scorer.scoring_available() and not scorer.ready()
+        assert scorer.alive(), "repair is in-process first"
+
+        for _ in range(RESTORE_ATTEMPTS_BEFORE_RESTART):
+            assert not await supervisor.restore_once()
+        assert not scorer.alive(), "past in-process repair: ask to be restarted"
+
+        assert await supervisor.restore_once()
+        assert scorer.scoring_available() and scorer.alive() and scorer.ready()
+        results, _ = await scorer.score(
+            [transaction("tx-2")], request_id="r2", idempotency_key=None, deadline=time.monotonic() + 5
+        )
+        assert results[0].status == "scored"
+        await scorer.close()
+
+    asyncio.run(scenario())
+    assert attempts == [MODEL] * (RESTORE_ATTEMPTS_BEFORE_RESTART + 1)
