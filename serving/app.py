@@ -32,11 +32,14 @@ from starlette.routing import Route
 from inference.lineage import explain
 from inference.records import ID_MAX_LENGTH
 from inference.settings import TandemSettings
+from serving.batcher import SCORING_PROCESS_DIED
+from serving.metrics import ServingMetrics, target_seconds
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import (
     DEADLINE_HEADER,
     IDEMPOTENCY_HEADER,
     REQUEST_ID_HEADER,
+    ItemResult,
     ScoreRequest,
     ScoreResponse,
     openapi_document,
@@ -46,8 +49,6 @@ from serving.security import BearerAuth, BodyRefused, Refusal, SecuritySettings,
 logger = logging.getLogger(__name__)
 
 MAX_IDEMPOTENCY_KEY = 200
-# The batcher's answer for items whose batch died with the scoring process.
-_INTERNAL_ERROR = "internal_error"
 
 
 def _error(status: int, error: str, request_id: str, detail: Any = None, **headers: str) -> JSONResponse:
@@ -93,21 +94,33 @@ def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySetti
     async def score(request: Request) -> Response:
         started = time.perf_counter()
         scorer = get_scorer()
+        metrics = scorer.metrics
+        metrics.in_flight.inc()
+        try:
+            response = await _score(request, scorer)
+        finally:
+            metrics.in_flight.dec()
+        elapsed = time.perf_counter() - started
+        metrics.latency.labels(status=str(response.status_code)).observe(elapsed)
+        # The latency SLI without depending on bucket boundaries: 200s slower than the enforced target.
+        if response.status_code == 200 and elapsed > target_seconds(scorer.settings.p99_target_ms):
+            metrics.over_target.inc()
+        return response
+
+    async def _score(request: Request, scorer: OnlineScorer) -> Response:
         request_id = uuid.uuid4().hex
         refusal = edge.auth.check(request.headers.get("authorization"))
         if refusal is not None:
-            response: Response = _refuse(refusal, request_id)
-        else:
-            call = await _parse(request, scorer, request_id, edge.settings.max_body_bytes)
-            if isinstance(call, Response):
-                response = call
-            elif not scorer.alive():
-                response = _unavailable(request_id)
-            else:
-                response, cpu = await _run(call, scorer, request_id)
-                # Only synchronous stretches are timed: thread time across an await is everyone's.
-                scorer.metrics.cpu_per_request.observe(call.parse_cpu + cpu)
-        scorer.metrics.latency.labels(status=str(response.status_code)).observe(time.perf_counter() - started)
+            return _refuse(refusal, request_id)
+        call = await _parse(request, scorer, request_id, edge.settings.max_body_bytes)
+        if isinstance(call, Response):
+            return call
+        if not scorer.scoring_available():
+            scorer.metrics.items.labels(outcome="failed").inc(len(call.request.transactions))
+            return _unavailable(request_id)
+        response, cpu = await _run(call, scorer, request_id)
+        # Only synchronous stretches are timed: thread time across an await is everyone's.
+        scorer.metrics.cpu_per_request.observe(call.parse_cpu + cpu)
         return response
 
     async def lineage(request: Request) -> Response:
@@ -158,8 +171,10 @@ def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySetti
 
 
 def _unavailable(request_id: str) -> JSONResponse:
-    # Liveness fails too (/livez), so an orchestrator restarts the server; until then, fail fast.
-    return _error(503, "unavailable", request_id, "the scoring process died; the service is restarting")
+    # Until the server has replaced its scoring process (lifecycle.PoolSupervisor), fail fast.
+    return _error(
+        503, "unavailable", request_id, "the scoring process died; a new one is starting", **{"Retry-After": "1"}
+    )
 
 
 @dataclass(frozen=True)
@@ -191,6 +206,7 @@ async def _parse(request: Request, scorer: OnlineScorer, request_id: str, max_bo
         return _too_many(limit, request_id)
     problems = _request_problems(parsed)
     if problems:
+        scorer.metrics.items.labels(outcome="rejected").inc(len(parsed.transactions))
         return _error(422, "invalid_request", request_id, problems)
     return _Call(parsed, key, arrived + deadline_ms / 1000, deadline_ms, time.thread_time() - cpu_started)
 
@@ -212,6 +228,8 @@ def _headers(request: Request, scorer: OnlineScorer, request_id: str) -> tuple[f
 
 
 async def _run(call: _Call, scorer: OnlineScorer, request_id: str) -> tuple[Response, float]:
+    items = scorer.metrics.items
+    count = len(call.request.transactions)
     try:
         results, batch_cpu = await scorer.score(
             call.request.transactions,
@@ -220,6 +238,7 @@ async def _run(call: _Call, scorer: OnlineScorer, request_id: str) -> tuple[Resp
             deadline=call.deadline,
         )
     except Shed as shed:
+        items.labels(outcome="shed").inc(count)
         decision = shed.decision
         detail = {
             "reason": decision.reason,
@@ -228,14 +247,31 @@ async def _run(call: _Call, scorer: OnlineScorer, request_id: str) -> tuple[Resp
         }
         return _error(503, "overloaded", request_id, detail, **{"Retry-After": str(decision.retry_after_s)}), 0.0
     except DeadlineExceeded:
+        items.labels(outcome="expired").inc(count)
         return _error(504, "deadline_exceeded", request_id, f"no answer within {call.deadline_ms:g} ms"), 0.0
-    if not scorer.alive() and any(r.error is not None and r.error.reason == _INTERNAL_ERROR for r in results):
+    if any(r.error is not None and r.error.reason == SCORING_PROCESS_DIED for r in results):
         # The batch died with the scoring process: not an answer about these items, a server fault.
+        items.labels(outcome="failed").inc(count)
         return _unavailable(request_id), 0.0
+    _count_answers(scorer.metrics, results)
     cpu_started = time.thread_time()
     payload = ScoreResponse(request_id=request_id, results=results).model_dump_json()
     response = Response(payload, media_type="application/json", headers={REQUEST_ID_HEADER: request_id})
     return response, batch_cpu + time.thread_time() - cpu_started
+
+
+def _count_answers(metrics: ServingMetrics, results: list[ItemResult]) -> None:
+    """Items of a 200, by outcome, and the scores returned (cached answers included: the caller got them)."""
+    outcomes = {"scored": 0, "degraded": 0, "rejected": 0}
+    for result in results:
+        if result.status != "scored" or result.score is None:
+            outcomes["rejected"] += 1
+            continue
+        outcomes["degraded" if result.degraded else "scored"] += 1
+        metrics.scores.observe(result.score)
+    for outcome, count in outcomes.items():
+        if count:
+            metrics.items.labels(outcome=outcome).inc(count)
 
 
 def _too_many(limit: int, request_id: str) -> JSONResponse:
@@ -290,6 +326,8 @@ def _invalid(scorer: OnlineScorer, body: bytes, error: ValidationError, request_
                 details.setdefault(loc[1], f"{field}: {e['msg']}")
         # NUL cannot be stored; such an item is answered 422 but not quarantined.
         details = {index: detail for index, detail in details.items() if not _has_nul(items[index])}
+        # The whole request is refused: every item in it, valid or not, is answered 422.
+        scorer.metrics.items.labels(outcome="rejected").inc(len(items))
         try:
             scorer.quarantine_invalid(items, details, request_id)
         except Exception:  # best effort: the client's 422 must not turn into a 500

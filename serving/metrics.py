@@ -2,30 +2,65 @@
 
 Under `bentoml serve` PROMETHEUS_MULTIPROC_DIR is set, so values live in shared files and /metrics
 sums the workers; in-process (tests) a private registry keeps instances independent.
+
+The SLO figures (p99 target, availability target, SLO window) are exported from the settings, so
+alerts and dashboards read the numbers the service runs with instead of repeating them; the latency
+histogram always has a bucket exactly at the p99 target, so `le="<target>"` measures the latency SLI.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from serving.settings import ServingSettings
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Scores are probabilities: 0.05 steps over [0, 1].
+SCORE_BUCKETS: Final = tuple(round(0.05 * step, 2) for step in range(1, 21))
+
+# What became of each item of a /score request; every item lands in exactly one.
+ITEM_OUTCOMES: Final = (
+    "scored",  # answered with a score, full account history
+    "degraded",  # answered with a score computed without account history (database down)
+    "rejected",  # answered with a per-item error (input, model or internal), or refused with the request (422)
+    "shed",  # refused at admission with the request (503 overloaded)
+    "expired",  # the request's deadline passed first (504)
+    "failed",  # the scoring process died (503 unavailable)
+)
+SECONDS_PER_DAY: Final = 86_400
+
+
+def target_seconds(p99_target_ms: float) -> float:
+    """The p99 target in seconds as the histogram bucket and `le` label use it (µs precision, so
+    33.3 ms is `le="0.0333"`, not a float artefact)."""
+    return round(p99_target_ms / 1000, 6)
+
+
+def latency_buckets(p99_target_ms: float) -> tuple[float, ...]:
+    """The standard latency buckets plus one exactly at the p99 target."""
+    return tuple(sorted({*_LATENCY_BUCKETS, target_seconds(p99_target_ms)}))
 
 
 class ServingMetrics:
-    def __init__(self, code_version: str = "unknown") -> None:
+    def __init__(self, code_version: str = "unknown", settings: ServingSettings | None = None) -> None:
+        """`settings` unset: the defaults of ServingSettings (not the environment), as in tests."""
+        resolved = settings if settings is not None else ServingSettings.model_construct()
         self.code_version = code_version
+        self.target_s = target_seconds(resolved.p99_target_ms)
         self._serving: str | None = None
         self.registry = CollectorRegistry()
         r = self.registry
+        buckets = latency_buckets(resolved.p99_target_ms)
         self.latency = Histogram(
             "tandem_serving_request_latency_seconds",
-            "End-to-end latency of /score, by HTTP status.",
+            "End-to-end latency of /score, by HTTP status; one bucket is exactly the p99 target.",
             ["status"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.p99_target = Gauge(
@@ -34,13 +69,51 @@ class ServingMetrics:
             registry=r,
             multiprocess_mode="max",
         )
+        self.availability_target = Gauge(
+            "tandem_serving_availability_target",
+            "The declared availability objective of /score, a ratio (0.999: at most 0.1% of requests answered 5xx).",
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.slo_window = Gauge(
+            "tandem_serving_slo_window_seconds",
+            "The rolling window the SLOs are declared over.",
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.over_target = Counter(
+            "tandem_serving_requests_over_target_total",
+            "Successful (200) /score requests whose end-to-end latency exceeded the p99 target.",
+            registry=r,
+        )
+        self.items = Counter(
+            "tandem_serving_items_total",
+            "Items (transactions) of /score requests, by what became of them.",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ITEM_OUTCOMES:
+            # Exported at 0 from the start, so ratios and increase() see the first one.
+            self.items.labels(outcome=outcome)
+        self.in_flight = Gauge(
+            "tandem_serving_requests_in_flight",
+            "/score requests being handled (parsed, queued or being scored).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.scores = Histogram(
+            "tandem_serving_score",
+            "Scores returned by /score (degraded ones included).",
+            buckets=SCORE_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "tandem_serving_queue_depth", "Items waiting for a batch.", registry=r, multiprocess_mode="livesum"
         )
         self.queue_wait = Histogram(
             "tandem_serving_queue_wait_seconds",
             "Time an item waited before its batch started.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=r,
         )
         self.shed = Counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"], registry=r)
@@ -90,6 +163,9 @@ class ServingMetrics:
         for outcome in ("succeeded", "failed"):
             # Exported at 0 from the start, so an alert on increase() sees the first failure.
             self.model_swaps.labels(outcome=outcome)
+        self.p99_target.set(self.target_s)
+        self.availability_target.set(resolved.availability_target)
+        self.slo_window.set(resolved.slo_window_days * SECONDS_PER_DAY)
 
     def serving_model(self, model_version: str) -> None:
         """Mark `model_version` as the one answering requests.

@@ -17,6 +17,15 @@ class ServingSettings(BaseSettings):
         "Read when the service module loads.",
     )
     p99_target_ms: float = Field(default=50.0, gt=0, description="Declared p99 latency target; drives shedding.")
+    availability_target: float = Field(
+        default=0.999,
+        gt=0,
+        lt=1,
+        description="Declared availability objective of /score (a ratio; docs/slo.md). Exported for alerts.",
+    )
+    slo_window_days: int = Field(
+        default=28, ge=1, le=366, description="Rolling window the SLOs are declared over. Exported for dashboards."
+    )
     max_batch_size: int = Field(default=64, ge=1, le=4096, description="Items per adaptive batch at most.")
     queue_capacity: int = Field(
         default=1024, ge=1, description="Hard bound on queued items, whatever the predicted wait says."
@@ -35,6 +44,12 @@ class ServingSettings(BaseSettings):
     db_statement_timeout_ms: int = Field(default=2000, ge=1)
     outbox_drain_interval_s: float = Field(default=0.5, gt=0)
     outbox_drain_chunk: int = Field(default=2000, ge=1)
+    shutdown_drain_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="At shutdown (SIGTERM), how long one last outbox drain may take before the process exits; "
+        "0 skips it. Keep the pod's terminationGracePeriodSeconds above it.",
+    )
     idempotency_cache_size: int = Field(default=100_000, ge=0, description="Recent answers kept for retries.")
     model_tag: str | None = Field(
         default=None, description="Pin a model version instead of following the production pointer."
@@ -44,6 +59,11 @@ class ServingSettings(BaseSettings):
         ge=0,
         description="How often the production pointer is checked for a promoted (or rolled back) version; "
         "0 turns hot swap off, as does pinning model_tag.",
+    )
+    pool_check_interval_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="How often the server checks that its scoring process is alive, and replaces a dead one.",
     )
     model_load_timeout_s: float = Field(
         default=120.0, gt=0, description="Bound on starting and warming up a new version's scoring process."

@@ -165,3 +165,58 @@ def test_every_runbook_link_points_at_a_runbook_section() -> None:
 def _github_anchor(heading: str) -> str:
     anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
     return anchor
+
+
+def test_budget_panels_span_the_declared_slo_window() -> None:
+    # PromQL ranges cannot read tandem_serving_slo_window_seconds: the dashboard spells the window out.
+    from serving.settings import ServingSettings
+
+    window_days = ServingSettings.model_fields["slo_window_days"].default
+    budget_panels = [panel for panel in iter_dashboard_panels(DASHBOARD) if "budget left" in panel["title"]]
+    assert len(budget_panels) == 2
+    for panel in budget_panels:
+        assert f"({window_days} d" in panel["title"], panel["title"]
+        for target in panel["targets"]:
+            ranges = re.findall(r"\[(\d+)([smhdw])\]", target["expr"])
+            assert ranges and all(r == (str(window_days), "d") for r in ranges), target["expr"]
+
+
+def test_slo_numbers_come_from_the_service_not_the_rules() -> None:
+    """The availability objective is read from tandem_serving_availability_target, and the latency
+    SLI from tandem_serving_requests_over_target_total, not from a bucket that assumes 50 ms."""
+    budget = [
+        rule
+        for group in RULES["groups"]
+        for rule in group["rules"]
+        if rule.get("record") == "tandem:score_error_budget:ratio"
+    ]
+    assert len(budget) == 1
+    assert "tandem_serving_availability_target" in metric_names(budget[0]["expr"])
+    for group in RULES["groups"]:
+        for rule in group["rules"]:
+            assert 'le="' not in rule["expr"], rule.get("alert") or rule["record"]
+            assert "0.001" not in rule["expr"], rule.get("alert") or rule["record"]
+            if rule.get("record", "").startswith("tandem:score_slow:"):
+                assert "tandem_serving_requests_over_target_total" in metric_names(rule["expr"])
+    availability_alerts = [alert for alert in ALERTS if alert["labels"].get("slo") == "score-availability"]
+    assert availability_alerts
+    for alert in availability_alerts:
+        assert "tandem:score_error_budget:ratio" in alert["expr"], alert["alert"]
+    exprs = " ".join(expr for _, expr in _dashboard_queries())
+    assert "le=" not in exprs.replace("by (le)", ""), "dashboard reads a fixed latency bucket"
+    assert "/ 0.001" not in exprs
+
+
+def test_dashboard_shows_the_new_service_metrics() -> None:
+    read = set()
+    for _, expr in _dashboard_queries():
+        read |= metric_names(substitute_grafana_variables(expr))
+    for name in (
+        "tandem_serving_items_total",
+        "tandem_serving_requests_in_flight",
+        "tandem_serving_score_bucket",
+        "tandem_serving_requests_over_target_total",
+        "tandem_serving_availability_target",
+        "tandem_serving_slo_window_seconds",
+    ):
+        assert name in read, name

@@ -3,15 +3,19 @@ settings and metrics."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from starlette.routing import Route
 
+from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from tests.deploy.support import (
+    DEPLOY,
     KUBERNETES_VERSION,
     MONITORING_DIR,
+    ROOT,
     SERVICE_DIR,
     exported_metric_names,
     has_module,
@@ -193,3 +197,52 @@ def test_hpa_scales_on_service_metrics_served_by_the_adapter_and_on_cpu() -> Non
         series = rule["seriesQuery"].split("{", 1)[0]
         assert series in exported, f"adapter rule reads {series}, which serving/metrics.py does not export"
         assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+
+
+def test_grace_period_covers_prestop_deadlines_the_final_drain_and_the_writer_flush(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGTERM to SIGKILL must hold, in order: the preStop pause, the in-flight requests' default
+    deadline, the last outbox drain (serving/service.py stop_scorer) and the writer's flush."""
+    (configmap,) = [c for c in _generated_configmaps() if c["metadata"]["name"] == "tandem-serving"]
+    for name, value in configmap["data"].items():
+        monkeypatch.setenv(name, value)
+    settings = ServingSettings()
+    assert "TANDEM_SERVING_SHUTDOWN_DRAIN_S" in configmap["data"], "make the drain bound explicit where the pod is"
+    pre_stop = _container()["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    writer = (ROOT / "serving" / "writer.py").read_text()
+    flush = re.search(r"self\._thread\.join\(timeout=(\d+(?:\.\d+)?)\)", writer)
+    assert flush, "ResultWriter.close no longer bounds its join: update this test"
+    needed = float(pre_stop[1]) + settings.request_timeout_ms / 1000 + settings.shutdown_drain_s + float(flush.group(1))
+    grace = MANIFESTS["Deployment/tandem-scorer"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert settings.shutdown_drain_s > 0
+    assert grace >= needed, f"terminationGracePeriodSeconds {grace} < {needed} s of orderly shutdown"
+
+
+def test_bearer_token_comes_from_an_optional_secret_that_is_never_committed() -> None:
+    env = {item["name"]: item for item in _container()["env"]}
+    variable = "TANDEM_SERVING_AUTH_TOKEN"
+    assert SecuritySettings.model_config["env_prefix"] + "AUTH_TOKEN" == variable
+    assert "auth_token" in SecuritySettings.model_fields
+    assert "value" not in env[variable]
+    reference = env[variable]["valueFrom"]["secretKeyRef"]
+    # Optional: auth is optional in serving/security.py; without the Secret the pod starts with auth off.
+    assert reference == {"name": "tandem-serving-auth", "key": variable, "optional": True}
+    # How to create it is documented next to the manifests, and no Secret is committed anywhere.
+    assert f"create secret generic {reference['name']}" in (SERVICE_DIR / "kustomization.yaml").read_text()
+    assert all(not key.startswith("Secret/") for key in MANIFESTS)
+    for path in DEPLOY.rglob("*.yaml"):
+        assert not re.search(r"^kind:\s*Secret\s*$", path.read_text(), flags=re.MULTILINE), path
+
+
+def test_configmap_declares_one_worker_per_pod_and_the_slo() -> None:
+    (configmap,) = [c for c in _generated_configmaps() if c["metadata"]["name"] == "tandem-serving"]
+    data = configmap["data"]
+    # Two CPUs per pod: one worker (event loop + scoring process); scale out with replicas.
+    assert data["TANDEM_SERVING_WORKERS"] == "1"
+    assert _container()["resources"]["limits"]["cpu"] == "2"
+    assert (
+        float(data["TANDEM_SERVING_AVAILABILITY_TARGET"]) == ServingSettings.model_fields["availability_target"].default
+    )
+    assert int(data["TANDEM_SERVING_SLO_WINDOW_DAYS"]) == ServingSettings.model_fields["slo_window_days"].default

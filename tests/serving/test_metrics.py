@@ -1,0 +1,383 @@
+"""The service's metrics in-process: SLO gauges and latency buckets from the settings, what each
+/score outcome counts (items by outcome, scores, requests over the target, requests in flight),
+and the bounded outbox drain at shutdown. HTTP through the real Starlette app on an in-process
+ASGI transport, so one event loop runs the app and the scorer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.engine import Engine
+
+from inference.migrate import upgrade
+from inference.store import make_engine, predictions, utc_now
+from serving.admission import Decision
+from serving.app import build_app
+from serving.breaker import CircuitBreaker
+from serving.metrics import ITEM_OUTCOMES, SCORE_BUCKETS, ServingMetrics, latency_buckets
+from serving.outbox import Outbox
+from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
+from serving.schemas import ItemError, ItemResult
+from serving.scoring import BatchResult, ItemSpec
+from serving.security import SecuritySettings
+from serving.settings import ServingSettings
+from serving.writer import ResultWriter
+from tests.shared import register_untrained_model
+
+MODEL = "risk_model:metrics"
+
+
+def sample(metrics: ServingMetrics, name: str, **labels: str) -> float:
+    """The value of the sample `name` with exactly these labels, from the exposition (0 if absent)."""
+    text = metrics.exposition().decode()
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and found.labels == labels:
+                return float(found.value)
+    return 0.0
+
+
+def items(metrics: ServingMetrics) -> dict[str, float]:
+    return {outcome: sample(metrics, "tandem_serving_items_total", outcome=outcome) for outcome in ITEM_OUTCOMES}
+
+
+def tx(transaction_id: str) -> dict[str, Any]:
+    return {
+        "transaction_id": transaction_id,
+        "account_id": "acct-1",
+        "amount": 12.5,
+        "currency": "USD",
+        "merchant_category": "grocery",
+        "country": "US",
+        "event_time": "2026-11-02T10:00:00Z",
+    }
+
+
+# ------------------------------------------------------------------ registry, from the settings
+def test_slo_gauges_come_from_the_settings() -> None:
+    metrics = ServingMetrics(settings=ServingSettings(p99_target_ms=75, availability_target=0.995, slo_window_days=7))
+    assert sample(metrics, "tandem_serving_p99_target_seconds") == 0.075
+    assert sample(metrics, "tandem_serving_availability_target") == 0.995
+    assert sample(metrics, "tandem_serving_slo_window_seconds") == 7 * 86_400
+
+
+def test_defaults_without_settings_are_the_declared_slo(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The environment is not read: tests and tools get the documented defaults.
+    monkeypatch.setenv("TANDEM_SERVING_AVAILABILITY_TARGET", "0.5")
+    metrics = ServingMetrics()
+    assert sample(metrics, "tandem_serving_availability_target") == 0.999
+    assert sample(metrics, "tandem_serving_slo_window_seconds") == 28 * 86_400
+    assert sample(metrics, "tandem_serving_p99_target_seconds") == 0.05
+
+
+@pytest.mark.parametrize(
+    ("target_ms", "le"), [(50, "0.05"), (75, "0.075"), (120, "0.12"), (33.3, "0.0333"), (5000, "5.0")]
+)
+def test_latency_histogram_has_a_bucket_exactly_at_the_target(target_ms: float, le: str) -> None:
+    metrics = ServingMetrics(settings=ServingSettings(p99_target_ms=target_ms))
+    metrics.latency.labels(status="200").observe(target_ms / 1000)  # on the boundary: counted as within
+    assert sample(metrics, "tandem_serving_request_latency_seconds_bucket", status="200", le=le) == 1
+    # The standard buckets are all still there.
+    standard = latency_buckets(50)
+    assert set(standard) <= set(latency_buckets(target_ms))
+    assert set(latency_buckets(target_ms)) - set(standard) <= {round(target_ms / 1000, 6)}
+
+
+def test_default_buckets_are_unchanged() -> None:
+    assert latency_buckets(50) == (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+def test_every_item_outcome_is_exported_from_zero() -> None:
+    metrics = ServingMetrics()
+    assert items(metrics) == dict.fromkeys(ITEM_OUTCOMES, 0.0)
+    text = metrics.exposition().decode()
+    for outcome in ("scored", "rejected", "degraded", "shed", "expired"):
+        assert f'tandem_serving_items_total{{outcome="{outcome}"}} 0.0' in text
+    assert "tandem_serving_requests_over_target_total 0.0" in text
+    assert "tandem_serving_requests_in_flight 0.0" in text
+    assert SCORE_BUCKETS[0] == 0.05 and SCORE_BUCKETS[-1] == 1.0 and len(SCORE_BUCKETS) == 20
+
+
+def test_multiprocess_modes_sum_in_flight_and_agree_on_targets() -> None:
+    metrics = ServingMetrics()
+    assert metrics.in_flight._multiprocess_mode == "livesum"
+    for gauge in (metrics.availability_target, metrics.slo_window, metrics.p99_target):
+        assert gauge._multiprocess_mode == "max"
+
+
+# ------------------------------------------------------------------ /score through a real OnlineScorer
+class OutcomeScoring:
+    """Scores 0.25; ids starting `bad` get a per-item input error, `deg` a degraded score."""
+
+    def __call__(self, specs: list[ItemSpec]) -> BatchResult:
+        now = utc_now()
+        results = []
+        for spec in specs:
+            tx_id = str(spec.raw["transaction_id"])
+            common: dict[str, Any] = {
+                "transaction_id": tx_id,
+                "model_version": MODEL,
+                "path": "online",
+                "request_id": spec.request_id,
+                "batch_id": "b",
+                "produced_at": now,
+            }
+            if tx_id.startswith("bad"):
+                results.append(ItemResult(status="error", error=ItemError(reason="bad_currency"), **common))
+            else:
+                results.append(ItemResult(status="scored", score=0.25, degraded=tx_id.startswith("deg"), **common))
+        return BatchResult(results=results)
+
+
+@pytest.fixture
+def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'serving.db'}")
+    upgrade(engine)
+    yield engine
+    engine.dispose()
+
+
+@asynccontextmanager
+async def client_for(scorer: Any) -> AsyncIterator[httpx.AsyncClient]:
+    app = build_app(lambda: scorer, security=SecuritySettings())
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://tandem.test") as client:
+        yield client
+
+
+def test_score_counts_items_by_outcome_and_observes_scores(sqlite_engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> ServingMetrics:
+        # A target no test machine misses: nothing is over it.
+        settings = ServingSettings(p99_target_ms=60_000)
+        metrics = ServingMetrics(settings=settings)
+        scorer = OnlineScorer(
+            process=OutcomeScoring(),
+            executor=ThreadPoolExecutor(max_workers=1),
+            model_version=MODEL,
+            engine=sqlite_engine,
+            settings=settings,
+            outbox=Outbox(tmp_path / "outbox.sqlite3"),
+            metrics=metrics,
+        )
+        scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
+        scorer.warm = True
+        await scorer.start()
+        try:
+            async with client_for(scorer) as client:
+                answer = await client.post(
+                    "/score", json={"transactions": [tx("a"), tx("b"), tx("bad-1"), tx("deg-1")]}
+                )
+                assert answer.status_code == 200
+                # A retry answered from the idempotency cache still answers, and counts, its items.
+                again = await client.post("/score", json={"transactions": [tx("a")]})
+                assert again.status_code == 200
+                invalid = await client.post("/score", json={"transactions": [tx("c"), {**tx("d"), "amount": -1}]})
+                assert invalid.status_code == 422
+                duplicate = await client.post("/score", json={"transactions": [tx("e"), tx("e")]})
+                assert duplicate.status_code == 422
+                # Refused before its items are read: counts none.
+                assert (await client.post("/score", content=b"[", headers={"X-Deadline-Ms": "0"})).status_code == 400
+        finally:
+            await scorer.close()
+        return metrics
+
+    metrics = asyncio.run(scenario())
+    assert items(metrics) == {"scored": 3, "degraded": 1, "rejected": 1 + 2 + 2, "shed": 0, "expired": 0, "failed": 0}
+    # Every returned score, degraded ones included; none for the error.
+    assert sample(metrics, "tandem_serving_score_count") == 4
+    assert sample(metrics, "tandem_serving_score_bucket", le="0.25") == 4
+    assert sample(metrics, "tandem_serving_score_bucket", le="0.2") == 0
+    assert sample(metrics, "tandem_serving_request_latency_seconds_count", status="200") == 2
+    assert sample(metrics, "tandem_serving_requests_over_target_total") == 0
+    assert sample(metrics, "tandem_serving_requests_in_flight") == 0
+
+
+# ------------------------------------------------------------------ /score with a scripted scorer
+class ScriptedScorer:
+    """What build_app reads from an OnlineScorer, with `score` replaced by a script."""
+
+    def __init__(self, script: Callable[[], Any], *, scoring: bool = True, target_ms: float = 50) -> None:
+        self.settings = ServingSettings(p99_target_ms=target_ms)
+        self.metrics = ServingMetrics(settings=self.settings)
+        self._script = script
+        self._scoring = scoring
+
+    def scoring_available(self) -> bool:
+        return self._scoring
+
+    async def score(self, transactions: list[Any], **_: Any) -> tuple[list[ItemResult], float]:
+        result = self._script()
+        if asyncio.iscoroutine(result):
+            result = await result
+        answers = [
+            ItemResult(
+                transaction_id=t.transaction_id,
+                status="scored",
+                score=0.9,
+                model_version=MODEL,
+                path="online",
+                request_id="r",
+                produced_at=utc_now(),
+            )
+            for t in transactions
+        ]
+        return answers, 0.0
+
+
+def _post(scorer: ScriptedScorer, count: int) -> int:
+    async def go() -> int:
+        async with client_for(scorer) as client:
+            answer = await client.post("/score", json={"transactions": [tx(f"t{i}") for i in range(count)]})
+            return answer.status_code
+
+    return asyncio.run(go())
+
+
+def test_shed_expired_and_failed_requests_count_all_their_items() -> None:
+    def shed() -> None:
+        raise Shed(Decision(admitted=False, predicted_wait_s=0.5, limit_s=0.05, reason="over_target"))
+
+    def expire() -> None:
+        raise DeadlineExceeded
+
+    shedding = ScriptedScorer(shed)
+    assert _post(shedding, 3) == 503
+    assert items(shedding.metrics)["shed"] == 3
+
+    expiring = ScriptedScorer(expire)
+    assert _post(expiring, 2) == 504
+    assert items(expiring.metrics)["expired"] == 2
+
+    dead = ScriptedScorer(lambda: None, scoring=False)
+    assert _post(dead, 4) == 503
+    assert items(dead.metrics) == {**dict.fromkeys(ITEM_OUTCOMES, 0.0), "failed": 4}
+    for scorer in (shedding, expiring, dead):
+        assert sample(scorer.metrics, "tandem_serving_requests_over_target_total") == 0, "only 200s count"
+        assert sample(scorer.metrics, "tandem_serving_score_count") == 0
+
+
+def test_a_200_slower_than_the_target_is_counted_over_it() -> None:
+    async def slow() -> None:
+        await asyncio.sleep(0.1)  # at least 100 ms, whatever the machine: over a 20 ms target
+
+    scorer = ScriptedScorer(slow, target_ms=20)
+    assert _post(scorer, 1) == 200
+    assert sample(scorer.metrics, "tandem_serving_requests_over_target_total") == 1
+    assert sample(scorer.metrics, "tandem_serving_request_latency_seconds_bucket", status="200", le="0.02") == 0
+
+    patient = ScriptedScorer(slow, target_ms=60_000)
+    assert _post(patient, 1) == 200
+    assert sample(patient.metrics, "tandem_serving_requests_over_target_total") == 0
+
+
+def test_requests_in_flight_rises_while_a_request_waits_and_falls_after() -> None:
+    async def scenario() -> tuple[float, float, int]:
+        release = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def wait() -> None:
+            entered.set()
+            await release.wait()
+
+        scorer = ScriptedScorer(wait)
+        async with client_for(scorer) as client:
+            pending = asyncio.create_task(client.post("/score", json={"transactions": [tx("a")]}))
+            await entered.wait()
+            during = sample(scorer.metrics, "tandem_serving_requests_in_flight")
+            release.set()
+            status = (await pending).status_code
+        return during, sample(scorer.metrics, "tandem_serving_requests_in_flight"), status
+
+    during, after, status = asyncio.run(scenario())
+    assert (during, after, status) == (1, 0, 200)
+
+
+# ------------------------------------------------------------------ the last outbox drain at shutdown
+def _rows(count: int) -> list[dict[str, Any]]:
+    now = utc_now()
+    return [
+        {
+            "transaction_id": f"t{i}",
+            "model_version": MODEL,
+            "score": 0.5,
+            "path": "online",
+            "run_id": None,
+            "partition_key": None,
+            "request_id": "r",
+            "batch_id": "b",
+            "code_version": "test",
+            "input_hash": "h",
+            "idempotency_key": f"t{i}:{MODEL}",
+            "produced_at": now,
+        }
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def final_drain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Any]]:
+    """serving.service.final_drain; importing the service module resolves a model at class scope."""
+    patch = pytest.MonkeyPatch()
+    tag = register_untrained_model("metrics_test_model")
+    patch.setenv("TANDEM_MODEL_NAME", "metrics_test_model")
+    patch.setenv("TANDEM_SERVING_MODEL_TAG", tag)
+    from serving.service import final_drain
+
+    yield final_drain
+    patch.undo()
+
+
+def _writer(engine: Engine, tmp_path: Path, breaker: CircuitBreaker) -> ResultWriter:
+    # Not started: no writer thread draining beside the final drain, so the counts are exact.
+    outbox = Outbox(tmp_path / "outbox.sqlite3")
+    outbox.append(_rows(7))
+    return ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=3)
+
+
+def test_final_drain_empties_the_outbox_into_the_database(
+    final_drain: Callable[..., Any], sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    writer = _writer(sqlite_engine, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=60))
+    assert writer.outbox_depth == 7
+    assert asyncio.run(final_drain(writer, 30)) == 7
+    assert writer.outbox_depth == 0
+    assert sample(writer.metrics, "tandem_serving_outbox_depth") == 0
+    with sqlite_engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(predictions)).scalar_one() == 7
+
+
+def test_final_drain_gives_up_at_its_bound_and_keeps_the_rows(final_drain: Callable[..., Any], tmp_path: Path) -> None:
+    dead = make_engine(f"sqlite:///{tmp_path / 'missing' / 'nowhere.db'}")
+    writer = _writer(dead, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=0.05))
+    started = time.monotonic()
+    assert asyncio.run(final_drain(writer, 0.5, retry_s=0.05)) == 0
+    assert time.monotonic() - started < 30, "bounded (generously: the machine is shared)"
+    assert writer.outbox_depth == 7, "nothing is deleted that the database did not take"
+    assert writer.outbox.depth() == 7
+
+
+def test_final_drain_of_zero_seconds_or_an_empty_outbox_does_nothing(
+    final_drain: Callable[..., Any], sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    writer = _writer(sqlite_engine, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=60))
+    assert asyncio.run(final_drain(writer, 0)) == 0
+    assert writer.outbox_depth == 7
+    empty = ResultWriter(
+        sqlite_engine,
+        CircuitBreaker(failure_threshold=1, reset_s=60),
+        Outbox(tmp_path / "empty" / "outbox.sqlite3"),
+        ServingMetrics(),
+        drain_interval_s=60,
+        drain_chunk=3,
+    )
+    assert asyncio.run(final_drain(empty, 30)) == 0
