@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import logging
 
 import bentoml
@@ -136,6 +137,7 @@ class RiskScorer:
             forward_batch_size=serving.max_batch_size,
             code_version=code_version(),
             torch_threads=serving.torch_threads,
+            polars_threads=serving.polars_threads,
             breaker_failure_threshold=serving.breaker_failure_threshold,
             breaker_reset_s=serving.breaker_reset_s,
             engine_options=options,
@@ -153,6 +155,10 @@ class RiskScorer:
         # Loads the model in the scoring process and runs real inferences end to end; until
         # then the worker is not ready.
         self.scorer.warm_up()
+        # Everything allocated so far (bentoml, torch, polars, pydantic: ~300k objects) lives as
+        # long as the process; exempt from collection, a full GC no longer pauses the event loop
+        # for ~170 ms.
+        gc.freeze()
         # Empty counts as unset, as in production_model(): the deployment ships TANDEM_SERVING_MODEL_TAG=.
         follow = not serving.model_tag and serving.model_poll_interval_s > 0
         self.shutdown_drain_s = serving.shutdown_drain_s

@@ -37,7 +37,12 @@ class ServingSettings(BaseSettings):
     cost_decay: float = Field(
         default=0.9, gt=0, lt=1, description="Per-batch forgetting factor of the batch cost estimate."
     )
-    torch_threads: int = Field(default=1, ge=1, description="Intra-op threads of the scoring thread.")
+    torch_threads: int = Field(default=1, ge=1, description="Intra-op threads of the scoring process.")
+    polars_threads: int = Field(
+        default=1,
+        ge=1,
+        description="Polars threads of the scoring process (POLARS_MAX_THREADS unless already set).",
+    )
     breaker_failure_threshold: int = Field(default=2, ge=1)
     breaker_reset_s: float = Field(default=2.0, gt=0, description="How long an open breaker skips the database.")
     db_connect_timeout_s: int = Field(default=2, ge=1)
