@@ -109,6 +109,9 @@ def _current_scorer() -> OnlineScorer:
     logging={"access": {"enabled": False}},
     # Only a backstop: requests carry their own deadlines and are answered 504 by the scorer.
     traffic={"timeout": 30},
+    # No trace exporter is configured; BentoML's OpenTelemetry middleware still cost ~0.2 ms of
+    # event-loop CPU per request (9% of the server process at 200 rps). Drop this to trace /score.
+    tracing={"excluded_urls": ["/score"]},
 )
 class RiskScorer:
     model_ref = production_model()
