@@ -91,6 +91,8 @@ async def _run(
             except TimeoutError:
                 timeouts += 1
                 statuses["timeout"] = statuses.get("timeout", 0) + 1
+                if not is_poison:  # a good request left without an answer failed too
+                    collateral += 1
                 return
             except aiohttp.ClientError:
                 statuses["conn_error"] = statuses.get("conn_error", 0) + 1
