@@ -141,13 +141,13 @@ def write_report(
     rows = [
         (
             "goodput >= 3x stock BentoML",
-            f"{ours:,.0f} vs {stock_goodput:,.0f} rps",
+            f"{ours:,.1f} vs {stock_goodput:,.1f} rps",
             ours > 0 and ours >= 3 * stock_goodput,
         ),
-        ("goodput >= half the do-nothing ceiling", f"{ours:,.0f} vs {ceiling:,.0f} rps", ours >= ceiling / 2),
+        ("goodput >= half the do-nothing ceiling", f"{ours:,.1f} vs {ceiling:,.1f} rps", ours >= ceiling / 2),
         (
             "batching >= 3x unbatched at the target",
-            f"{ours:,.0f} vs {unbatched:,.0f} rps",
+            f"{ours:,.1f} vs {unbatched:,.1f} rps",
             ours > 0 and ours >= 3 * unbatched,
         ),
         (
@@ -178,7 +178,12 @@ def write_report(
         ),
     ]
     lines += [f"| {name} | {measured} | {_verdict(ok)} |" for name, measured, ok in rows]
-    lines += ["", "Where a target is missed, the closing notes of the issue explain why with these numbers.", ""]
+    lines += [
+        "",
+        "Why a target was missed, and what the numbers say beyond the verdicts: [findings.md](findings.md),",
+        "written by hand against the committed run (a new run may move the numbers it quotes).",
+        "",
+    ]
     lines += [
         "## Run time",
         "",
