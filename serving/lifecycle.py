@@ -34,7 +34,67 @@ def shutdown_now(executor: Executor) -> None:
     executor.shutdown(wait=False, cancel_futures=True)
 
 
-class ModelWatcher:
+async def bring_up(
+    scorer: OnlineScorer, tag: str, *, load: LoadFn, load_timeout_s: float, discard: Callable[[Executor], None]
+) -> tuple[ScoringBackend, list[tuple[int, float]]]:
+    """Start a scoring pool for `tag`, warm it up off the event loop and make it the serving one.
+
+    Returns the backend it replaced and the warm-up timings. On any failure, or cancellation
+    (shutdown mid-load), the new pool is discarded, since it may be hung mid-load, and the
+    serving one is left alone.
+    """
+    backend: ScoringBackend | None = None
+    swap: asyncio.Future[ScoringBackend] | None = None
+    try:
+        backend = await asyncio.to_thread(load, tag)
+        samples = await asyncio.to_thread(
+            warm_up_backend,
+            backend.executor,
+            backend.process,
+            max_batch_size=scorer.settings.max_batch_size,
+            timeout_s=load_timeout_s,
+        )
+        swap = scorer.swap(backend)
+        return await swap, samples
+    finally:
+        applied = swap is not None and swap.done() and not swap.cancelled()
+        if backend is not None and not applied:
+            await asyncio.shield(asyncio.to_thread(discard, backend.executor))
+
+
+class _Periodic:
+    """A task that calls `tick` every `interval_s` until closed, surviving a failed tick."""
+
+    name = "tandem-periodic"
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.tick()
+            except Exception:  # one bad tick must not stop the next
+                logger.exception("%s: tick failed", self.name)
+
+    async def tick(self) -> None:
+        raise NotImplementedError
+
+
+class ModelWatcher(_Periodic):
+    name = "tandem-model-watcher"
+
     def __init__(
         self,
         scorer: OnlineScorer,
@@ -50,34 +110,19 @@ class ModelWatcher:
         """`production_tag` reads the pointer (None: nothing promoted); `load` starts a scoring
         pool for a tag (cheaply: the process and the model load lazily, during warm-up);
         `discard` disposes of a pool that failed, which may be hung mid-load."""
+        super().__init__(interval_s)
         self.scorer = scorer
         self.production_tag = production_tag
         self.load = load
-        self.interval_s = interval_s
         self.load_timeout_s = load_timeout_s
         self.retry_max_s = retry_max_s
         self.discard = discard
         self.clock = clock
         self._failures: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-model-watcher")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.poll_once()
-            except Exception:  # the watcher outlives any one bad poll
-                logger.exception("model poll failed")
+    async def tick(self) -> None:
+        await self.poll_once()
 
     async def poll_once(self) -> SwapOutcome | None:
         """Swap to the version the pointer names, if it is not the one serving and not in back-off."""
@@ -96,19 +141,10 @@ class ModelWatcher:
         serving = self.scorer.model_version
         started = self.clock()
         logger.info("loading model %s to replace %s", tag, serving)
-        backend: ScoringBackend | None = None
-        swap: asyncio.Future[ScoringBackend] | None = None
         try:
-            backend = await asyncio.to_thread(self.load, tag)
-            samples = await asyncio.to_thread(
-                warm_up_backend,
-                backend.executor,
-                backend.process,
-                max_batch_size=self.scorer.settings.max_batch_size,
-                timeout_s=self.load_timeout_s,
+            previous, samples = await bring_up(
+                self.scorer, tag, load=self.load, load_timeout_s=self.load_timeout_s, discard=self.discard
             )
-            swap = self.scorer.swap(backend)
-            previous = await swap
         except Exception:  # whatever broke the new version, the old one keeps serving
             self._failed(tag)
             logger.exception(
@@ -119,11 +155,6 @@ class ModelWatcher:
                 self._retry_at[tag] - self.clock(),
             )
             return "failed"
-        finally:
-            applied = swap is not None and swap.done() and not swap.cancelled()
-            if backend is not None and not applied:
-                # Also on cancellation (shutdown mid-load): a half-loaded pool must not outlive the watcher.
-                await asyncio.shield(asyncio.to_thread(self.discard, backend.executor))
         self._failures.pop(tag, None)
         self._retry_at.pop(tag, None)
         self.scorer.metrics.model_swaps.labels(outcome="succeeded").inc()
@@ -150,7 +181,7 @@ class ModelWatcher:
         self._retry_at[tag] = self.clock() + backoff
 
 
-class PoolSupervisor:
+class PoolSupervisor(_Periodic):
     """Replaces a scoring process that died (OOM kill, segfault in a native library).
 
     The batcher marks the pool broken when a batch finds its process gone; from then requests are
@@ -158,6 +189,8 @@ class PoolSupervisor:
     started, warmed up like a promoted one, and swapped in. Only after
     `RESTORE_ATTEMPTS_BEFORE_RESTART` failed attempts in a row does `/livez` ask for a restart.
     """
+
+    name = "tandem-pool-supervisor"
 
     def __init__(
         self,
@@ -167,66 +200,33 @@ class PoolSupervisor:
         interval_s: float,
         load_timeout_s: float,
         discard: Callable[[Executor], None] = shutdown_now,
-        on_restored: Callable[[], None] = lambda: None,
     ) -> None:
+        super().__init__(interval_s)
         self.scorer = scorer
         self.load = load
-        self.interval_s = interval_s
         self.load_timeout_s = load_timeout_s
         self.discard = discard
-        self.on_restored = on_restored
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-pool-supervisor")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            if self.scorer.scoring_available():
-                continue
-            try:
-                await self.restore_once()
-            except Exception:  # the supervisor outlives any one failed attempt
-                logger.exception("restoring the scoring process failed")
+    async def tick(self) -> None:
+        if not self.scorer.scoring_available():
+            await self.restore_once()
 
     async def restore_once(self) -> bool:
         """Start, warm up and swap in a new scoring process for the serving version."""
         tag = self.scorer.model_version
-        dead = self.scorer.executor
         started = time.monotonic()
-        backend: ScoringBackend | None = None
-        swap: asyncio.Future[ScoringBackend] | None = None
         try:
-            backend = await asyncio.to_thread(self.load, tag)
-            await asyncio.to_thread(
-                warm_up_backend,
-                backend.executor,
-                backend.process,
-                max_batch_size=self.scorer.settings.max_batch_size,
-                timeout_s=self.load_timeout_s,
+            dead, _ = await bring_up(
+                self.scorer, tag, load=self.load, load_timeout_s=self.load_timeout_s, discard=self.discard
             )
-            swap = self.scorer.swap(backend)
-            await swap
         except Exception:
             self.scorer.restore_failures += 1
             logger.exception(
                 "could not replace the dead scoring process of %s (attempt %d)", tag, self.scorer.restore_failures
             )
             return False
-        finally:
-            applied = swap is not None and swap.done() and not swap.cancelled()
-            if backend is not None and not applied:
-                await asyncio.shield(asyncio.to_thread(self.discard, backend.executor))
         self.scorer.restore_failures = 0
         # The dead pool's process is gone already; this only releases its bookkeeping.
-        await asyncio.to_thread(self.discard, dead)
-        self.on_restored()
+        await asyncio.to_thread(self.discard, dead.executor)
         logger.warning("replaced the dead scoring process of %s in %.1f s", tag, time.monotonic() - started)
         return True
