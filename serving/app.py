@@ -32,6 +32,7 @@ from starlette.routing import Route
 from inference.lineage import explain
 from inference.records import ID_MAX_LENGTH
 from inference.settings import TandemSettings
+from serving.admission import Decision
 from serving.batcher import SCORING_PROCESS_DIED
 from serving.metrics import ServingMetrics, target_seconds
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
@@ -170,6 +171,15 @@ def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySetti
     )
 
 
+def _overloaded(decision: Decision, request_id: str) -> JSONResponse:
+    detail = {
+        "reason": decision.reason,
+        "predicted_wait_ms": round(decision.predicted_wait_s * 1000, 1),
+        "limit_ms": round(decision.limit_s * 1000, 1),
+    }
+    return _error(503, "overloaded", request_id, detail, **{"Retry-After": str(decision.retry_after_s)})
+
+
 def _unavailable(request_id: str) -> JSONResponse:
     # Until the server has replaced its scoring process (lifecycle.PoolSupervisor), fail fast.
     return _error(
@@ -188,7 +198,7 @@ class _Call:
 
 async def _parse(request: Request, scorer: OnlineScorer, request_id: str, max_body_bytes: int) -> _Call | Response:
     arrived = time.monotonic()
-    headers = _headers(request, scorer, request_id)
+    headers = _preflight(request, scorer, request_id, arrived)
     if isinstance(headers, Response):
         return headers
     deadline_ms, key = headers
@@ -209,6 +219,22 @@ async def _parse(request: Request, scorer: OnlineScorer, request_id: str, max_bo
         scorer.metrics.items.labels(outcome="rejected").inc(len(parsed.transactions))
         return _error(422, "invalid_request", request_id, problems)
     return _Call(parsed, key, arrived + deadline_ms / 1000, deadline_ms, time.thread_time() - cpu_started)
+
+
+def _preflight(
+    request: Request, scorer: OnlineScorer, request_id: str, arrived: float
+) -> tuple[float, str | None] | Response:
+    """The headers, and a refusal under overload before the body is read: reading and parsing it
+    are most of what a refusal costs, and an event loop spending them lets the socket backlog grow
+    where admission cannot see it. The full decision, with the real item count, follows the parse."""
+    headers = _headers(request, scorer, request_id)
+    if isinstance(headers, Response):
+        return headers
+    refused = scorer.refuse_early(arrived + headers[0] / 1000)
+    if refused is not None:
+        scorer.metrics.items.labels(outcome="shed").inc()  # at least one item; the body is never read
+        return _overloaded(refused, request_id)
+    return headers
 
 
 def _headers(request: Request, scorer: OnlineScorer, request_id: str) -> tuple[float, str | None] | Response:
@@ -239,13 +265,7 @@ async def _run(call: _Call, scorer: OnlineScorer, request_id: str) -> tuple[Resp
         )
     except Shed as shed:
         items.labels(outcome="shed").inc(count)
-        decision = shed.decision
-        detail = {
-            "reason": decision.reason,
-            "predicted_wait_ms": round(decision.predicted_wait_s * 1000, 1),
-            "limit_ms": round(decision.limit_s * 1000, 1),
-        }
-        return _error(503, "overloaded", request_id, detail, **{"Retry-After": str(decision.retry_after_s)}), 0.0
+        return _overloaded(shed.decision, request_id), 0.0
     except DeadlineExceeded:
         items.labels(outcome="expired").inc(count)
         return _error(504, "deadline_exceeded", request_id, f"no answer within {call.deadline_ms:g} ms"), 0.0

@@ -275,6 +275,16 @@ class OnlineScorer:
         return True
 
     # ------------------------------------------------------------------ requests
+    def refuse_early(self, deadline: float) -> Decision | None:
+        """The refusal a single item would get now, before its request is even read; None to go on."""
+        if self.batcher is None:
+            return None
+        decision = self.batcher.decide(1, deadline)
+        if decision.admitted:
+            return None
+        self.metrics.shed.labels(reason=decision.reason or "unknown").inc()
+        return decision
+
     async def score(
         self,
         transactions: list[Transaction],

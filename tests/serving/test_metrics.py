@@ -215,6 +215,9 @@ class ScriptedScorer:
     def scoring_available(self) -> bool:
         return self._scoring
 
+    def refuse_early(self, deadline: float) -> None:
+        return None
+
     async def score(self, transactions: list[Any], **_: Any) -> tuple[list[ItemResult], float]:
         result = self._script()
         if asyncio.iscoroutine(result):

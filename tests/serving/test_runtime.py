@@ -305,3 +305,27 @@ def test_a_dead_scoring_process_is_replaced_and_liveness_fails_only_when_that_ke
 
     asyncio.run(scenario())
     assert attempts == [MODEL] * (RESTORE_ATTEMPTS_BEFORE_RESTART + 1)
+
+
+def test_a_request_is_refused_before_it_is_read_once_even_one_item_would_wait_too_long(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        scorer = await started_scorer(FakeScoring(delay_s=0.3), sqlite_engine, tmp_path, p99_target_ms=50)
+        assert scorer.refuse_early(time.monotonic() + 5) is None
+        first = asyncio.create_task(
+            scorer.score([transaction("tx-1")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5)
+        )
+        await asyncio.sleep(0.01)  # tx-1 is in its batch now, for 0.3 s
+        queued = asyncio.create_task(
+            scorer.score([transaction("tx-2")], request_id="r2", idempotency_key=None, deadline=time.monotonic() + 5)
+        )
+        await asyncio.sleep(0.1)  # tx-2 has waited longer than the whole 50 ms target
+        refusal = scorer.refuse_early(time.monotonic() + 5)
+        assert refusal is not None and refusal.reason == "over_target"
+        assert refusal.predicted_wait_s > 0.05
+        await asyncio.gather(first, queued)
+        assert scorer.refuse_early(time.monotonic() + 5) is None, "an idle scorer refuses nothing"
+        await scorer.close()
+
+    asyncio.run(scenario())
