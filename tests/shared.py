@@ -1,4 +1,5 @@
-"""Helpers every test package uses: a throwaway PostgreSQL database, an untrained model version.
+"""Helpers every test package uses: a throwaway PostgreSQL database (stocked, or cut off), a model
+version in the store.
 
 Plain functions without pytest, so child processes started by tests can import them too.
 """
@@ -8,12 +9,18 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import date
 
+import polars as pl
 import psycopg
 import torch
+from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from inference.batch import ingest_day
+from inference.migrate import upgrade
 from inference.model import ModelConfig, RiskModel, TrainingReport
+from inference.store import make_engine
 from tandem import modelstore
 
 
@@ -30,13 +37,30 @@ def fresh_postgres_database(admin_url: str, prefix: str = "tandem_test") -> Iter
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def register_untrained_model(
-    name: str, *, code_version: str = "test", seed: int = 0, config: ModelConfig | None = None, promote: bool = True
-) -> str:
-    """A deterministic, untrained model version in the BentoML store (promoted by default):
-    what it scores is not the point of the tests that use it, that it is stored and served is."""
-    torch.manual_seed(seed)
-    model = RiskModel(config or ModelConfig()).eval()
+def set_connections_allowed(admin_url: str, database: str, allowed: bool) -> None:
+    """The outage switch: refuse new connections and cut the existing ones (or allow again)."""
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}").format(
+                sql.Identifier(database), sql.SQL("true" if allowed else "false")
+            )
+        )
+        if not allowed:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (database,))
+
+
+def migrate_and_ingest(url: str, frame: pl.DataFrame, day: date) -> None:
+    """Brings the database at `url` to the latest schema, then stores `frame` as `day`'s records."""
+    engine = make_engine(url)
+    try:
+        upgrade(engine)
+        ingest_day(engine, frame, day)
+    finally:
+        engine.dispose()
+
+
+def register_model(model: RiskModel, name: str, *, code_version: str = "test", promote: bool = True) -> str:
+    """`model` in the BentoML store with a placeholder training report (promoted by default)."""
     report = TrainingReport(
         auc=0.5,
         train_rows=0,
@@ -49,3 +73,12 @@ def register_untrained_model(
     if promote:
         modelstore.promote(tag)
     return tag
+
+
+def register_untrained_model(
+    name: str, *, code_version: str = "test", seed: int = 0, config: ModelConfig | None = None, promote: bool = True
+) -> str:
+    """A deterministic, untrained model version in the BentoML store (promoted by default):
+    what it scores is not the point of the tests that use it, that it is stored and served is."""
+    torch.manual_seed(seed)
+    return register_model(RiskModel(config or ModelConfig()).eval(), name, code_version=code_version, promote=promote)

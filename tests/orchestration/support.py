@@ -41,13 +41,14 @@ def batch_assets() -> list[AssetsDefinition]:
 
 
 def batch_resources(
-    url: str,
+    url: str | None,
     *,
     rows_per_day: int = 2000,
     poison_rate: float = 0.01,
     database: DatabaseResource | None = None,
     model_name: str = MODEL_NAME,
 ) -> dict[str, Any]:
+    """`url` None: the DatabaseResource reads DATABASE_URL when the run starts, as in production."""
     return {
         "database": database if database is not None else DatabaseResource(url=url),
         "model_store": ModelStoreResource(model_name=model_name),

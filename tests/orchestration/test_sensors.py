@@ -3,6 +3,7 @@ model version and the change's watermark."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import date
 
 import polars as pl
@@ -22,7 +23,7 @@ from inference.store import (
 )
 from orchestration.resources import DatabaseResource, ModelStoreResource
 from orchestration.sensors import SensorSettings, build_online_observer, build_sensors
-from tests.orchestration.support import DEMO_SEED, batch_resources, run_partition
+from tests.orchestration.support import DEMO_SEED, PARTITIONED, batch_resources, predictions_config, run_partition
 from tests.shared import register_untrained_model
 
 DAYS = ("2026-11-02", "2026-11-03")
@@ -30,19 +31,26 @@ ROWS = 600
 SENSOR_MODEL = "risk_model_sensor_tests"
 
 
-@pytest.fixture
-def scored(database_url: str, assets: list, instance: DagsterInstance) -> str:
-    """Two scored partitions under a model name of this module's own (promotions happen here)."""
-    register_untrained_model(SENSOR_MODEL)
-    resources = batch_resources(database_url, rows_per_day=ROWS, poison_rate=0.02, model_name=SENSOR_MODEL)
-    for key in DAYS:
+def _run(
+    url: str, assets: list, instance: DagsterInstance, keys: Iterable[str], selection: Iterable[str] = PARTITIONED
+) -> None:
+    resources = batch_resources(url, rows_per_day=ROWS, poison_rate=0.02, model_name=SENSOR_MODEL)
+    for key in keys:
         run_partition(
             assets,
             resources,
             instance,
             partition_key=key,
-            run_config={"ops": {"predictions": {"config": {"parity_sample": 0}}}},
+            selection=selection,
+            run_config=predictions_config(parity_sample=0),
         )
+
+
+@pytest.fixture
+def scored(database_url: str, assets: list, instance: DagsterInstance) -> str:
+    """Two scored partitions under a model name of this module's own (promotions happen here)."""
+    register_untrained_model(SENSOR_MODEL)
+    _run(database_url, assets, instance, DAYS)
     return database_url
 
 
@@ -87,15 +95,7 @@ def test_late_records_rerun_exactly_the_changed_partitions_once(
     assert {r.run_key for r in again.run_requests} == {r.run_key for r in first.run_requests}
     assert again.cursor == first.cursor
 
-    resources = batch_resources(scored, rows_per_day=ROWS, poison_rate=0.02, model_name=SENSOR_MODEL)
-    run_partition(
-        assets,
-        resources,
-        instance,
-        partition_key=DAYS[0],
-        selection=["predictions"],
-        run_config={"ops": {"predictions": {"config": {"parity_sample": 0}}}},
-    )
+    _run(scored, assets, instance, DAYS[:1], selection=["predictions"])
     after = _tick(sensor, scored, first.cursor)
     assert isinstance(after, SensorResult)
     assert [r.partition_key for r in after.run_requests] == [DAYS[1]]
@@ -204,16 +204,7 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
     assert isinstance(result, SensorResult)
     assert sorted(r.partition_key for r in result.run_requests) == list(DAYS)
 
-    resources = batch_resources(scored, rows_per_day=ROWS, poison_rate=0.02, model_name=SENSOR_MODEL)
-    for key in DAYS:
-        run_partition(
-            assets,
-            resources,
-            instance,
-            partition_key=key,
-            selection=["predictions"],
-            run_config={"ops": {"predictions": {"config": {"parity_sample": 0}}}},
-        )
+    _run(scored, assets, instance, DAYS, selection=["predictions"])
     after = day_two_rows()
     # The account's first day-2 record reads the corrected one as its latest history.
     next_record = second_day.filter(pl.col("account_id") == account)["transaction_id"][0]

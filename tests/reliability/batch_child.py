@@ -16,13 +16,15 @@ import sys
 import time
 from datetime import date
 
+from dagster import DagsterInstance
+
 from inference.batch import BatchProducer, ChunkProgress, score_partition
 from inference.contract import TorchPredictor
 from inference.store import make_engine
 from tandem import modelstore
-from tests.reliability.support import HISTORY_LENGTH, MODEL_NAME
+from tests.orchestration.support import batch_assets, batch_resources, run_partition
+from tests.reliability.support import CHUNK_ROWS, HISTORY_LENGTH, MODEL_NAME, RUN_CONFIG
 
-CHUNK_ROWS = 4096
 LAST_CHUNK = "LAST_CHUNK_WRITTEN"
 
 
@@ -50,17 +52,21 @@ def hang_before_commit(url: str, partition_key: str, total_rows: int) -> None:
 
 
 def materialize_partition(url: str, partition_key: str) -> int:
-    from dagster import DagsterInstance
-
-    from tests.reliability.dagster_support import batch_assets, batch_resources, materialize_predictions
-
     assets = batch_assets()
-    resources = batch_resources(url)
+    resources = batch_resources(url, model_name=MODEL_NAME)
     print("READY", flush=True)
     sys.stdin.readline()
     started = time.time()
     with DagsterInstance.ephemeral() as instance:
-        result = materialize_predictions(assets, resources, instance, partition_key, raise_on_error=False)
+        result = run_partition(
+            assets,
+            resources,
+            instance,
+            partition_key=partition_key,
+            selection=("predictions",),
+            run_config=RUN_CONFIG,
+            raise_on_error=False,
+        )
     print(f"RUN {started} {time.time()} {'SUCCESS' if result.success else 'FAILURE'}", flush=True)
     return 0 if result.success else 1
 

@@ -1,4 +1,5 @@
-"""Fixtures of the reliability suite: its own production model, password-protected databases.
+"""Fixtures of the reliability suite: its own production model, password-protected databases,
+live servers of that model.
 
 Every test here injects a fault (or audits a guarantee) against real processes: a real
 `bentoml serve`, real PostgreSQL, Dagster materializations in and out of process.
@@ -6,16 +7,25 @@ Every test here injects a fault (or audits a guarantee) against real processes: 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from datetime import date
 from pathlib import Path
+from typing import Any
 
-import psycopg
 import pytest
-from psycopg import sql
-from sqlalchemy.engine import make_url
 
-from tests.reliability.support import SecretDatabase, create_secret_database, drop_secret_database, register_model
+from tests.orchestration.support import register_production_model
+from tests.reliability.support import (
+    MODEL_NAME,
+    SecretDatabase,
+    StartSuiteServer,
+    SuiteServer,
+    create_secret_database,
+    drop_secret_database,
+    suite_server,
+)
+from tests.shared import fresh_postgres_database
 
 _HERE = Path(__file__).parent
 
@@ -27,10 +37,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.reliability)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def report_measurements(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Prints a module's MEASURED (what docs/reliability.md quotes) once its tests are done: autouse,
+    so it is torn down after the module's other fixtures, a live server's stop included."""
+    yield
+    measured = getattr(request.module, "MEASURED", None)
+    if measured is not None:
+        print(f"\nmeasured ({request.module.__name__.rsplit('.', 1)[-1]}): {measured}")
+
+
 @pytest.fixture(scope="session")
 def reliability_model() -> str:
     """The model every server and run in this suite scores with (BENTOML_HOME is per session)."""
-    return register_model()
+    return register_production_model(MODEL_NAME)
 
 
 @pytest.fixture
@@ -46,11 +66,17 @@ def secret_db(postgres_admin_url: str) -> Iterator[SecretDatabase]:
 @pytest.fixture
 def reference_url(postgres_admin_url: str) -> Iterator[str]:
     """A second empty PostgreSQL database, for the clean run a faulted one is compared with."""
-    name = f"tandem_ref_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    with fresh_postgres_database(postgres_admin_url, prefix="tandem_ref") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def start_suite_server(
+    postgres_admin_url: str, reliability_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> StartSuiteServer:
+    """`suite_server` with this session's PostgreSQL and model, in a fresh folder called `name`."""
+
+    def start(name: str, days: tuple[date, date], **options: Any) -> AbstractContextManager[SuiteServer]:
+        return suite_server(postgres_admin_url, reliability_model, tmp_path_factory.mktemp(name), days, **options)
+
+    return start

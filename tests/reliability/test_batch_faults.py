@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import date
 from typing import Any
 
@@ -22,29 +21,25 @@ import psycopg
 import pytest
 from dagster import DagsterEventType, DagsterInstance
 
-from inference.batch import BatchProducer, ingest_day, score_partition
+from inference.batch import BatchProducer, score_partition
 from inference.contract import TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
-from inference.migrate import upgrade
 from inference.store import make_engine
 from tandem import modelstore
-from tests.reliability.batch_child import CHUNK_ROWS, LAST_CHUNK
-from tests.reliability.dagster_support import (
-    DEMO_SEED,
-    batch_assets,
-    batch_resources,
-    materialize_partition,
-    materialize_predictions,
-)
+from tests.orchestration.support import DEMO_SEED, batch_assets, batch_resources, run_partition
+from tests.reliability.batch_child import LAST_CHUNK
 from tests.reliability.support import (
+    CHUNK_ROWS,
     HISTORY_LENGTH,
     MODEL_NAME,
     ROOT,
+    RUN_CONFIG,
     backends,
     database_name,
     prediction_facts,
     rejection_facts,
 )
+from tests.shared import migrate_and_ingest
 
 pytestmark = [pytest.mark.reliability, pytest.mark.postgres]
 
@@ -62,23 +57,12 @@ def predictor(reliability_model: str) -> TorchPredictor:
     return TorchPredictor(model, version, history_length=HISTORY_LENGTH, forward_batch_size=CHUNK_ROWS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_measurements() -> Iterator[None]:
-    yield
-    print(f"\nmeasured (batch faults): {MEASURED}")
-
-
 def _source(rows: int = ROWS, poison_rate: float = 0.01) -> pl.DataFrame:
     return generate_day(DAY, DemoConfig(seed=DEMO_SEED, rows_per_day=rows, poison_rate=poison_rate))
 
 
 def _ingest(url: str, frame: pl.DataFrame) -> None:
-    engine = make_engine(url)
-    try:
-        upgrade(engine)
-        ingest_day(engine, frame, DAY)
-    finally:
-        engine.dispose()
+    migrate_and_ingest(url, frame, DAY)
 
 
 def _score(url: str, predictor: TorchPredictor, run_id: str) -> None:
@@ -273,7 +257,14 @@ def test_connection_dropped_mid_partition_is_retried_and_readers_never_see_half(
     started = time.perf_counter()
     try:
         with DagsterInstance.ephemeral() as instance:
-            result = materialize_predictions(batch_assets(), batch_resources(postgres_url), instance, KEY)
+            result = run_partition(
+                batch_assets(),
+                batch_resources(postgres_url, model_name=MODEL_NAME),
+                instance,
+                partition_key=KEY,
+                selection=("predictions",),
+                run_config=RUN_CONFIG,
+            )
     finally:
         killer.stop.set()
         reader.stop.set()
@@ -312,8 +303,12 @@ def test_partition_with_five_percent_poison_lands_with_every_poison_row_quaranti
     poison = source.filter(pl.col("poison_kind").is_not_null())
     assert poison.height == rows * rate
     with DagsterInstance.ephemeral() as instance:
-        result = materialize_partition(
-            batch_assets(), batch_resources(postgres_url, rows_per_day=rows, poison_rate=rate), instance, KEY
+        result = run_partition(
+            batch_assets(),
+            batch_resources(postgres_url, rows_per_day=rows, poison_rate=rate, model_name=MODEL_NAME),
+            instance,
+            partition_key=KEY,
+            run_config=RUN_CONFIG,
         )
     assert result.success, "poison is quarantined, never a failed partition"
 

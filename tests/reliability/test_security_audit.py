@@ -20,8 +20,8 @@ from sqlalchemy.engine import make_url
 from serving.metrics import ServingMetrics
 from serving.security import BearerAuth, SecuritySettings
 from serving.settings import ServingSettings
-from tests.reliability.dagster_support import batch_assets, batch_resources, materialize_partition
-from tests.reliability.support import MODEL_NAME, ROOT, SecretDatabase
+from tests.orchestration.support import batch_assets, batch_resources, run_partition
+from tests.reliability.support import MODEL_NAME, ROOT, RUN_CONFIG, SecretDatabase
 
 pytestmark = pytest.mark.reliability
 
@@ -108,8 +108,12 @@ def test_database_password_never_reaches_dagster_logs_or_metadata(
     db = database_url_env
     assets = batch_assets()
     with DagsterInstance.ephemeral() as instance:
-        ok = materialize_partition(
-            assets, batch_resources(None, rows_per_day=1500, poison_rate=0.02), instance, "2026-11-04"
+        ok = run_partition(
+            assets,
+            batch_resources(None, rows_per_day=1500, poison_rate=0.02, model_name=MODEL_NAME),
+            instance,
+            partition_key="2026-11-04",
+            run_config=RUN_CONFIG,
         )
         assert ok.success
         (materialization,) = ok.asset_materializations_for_node("predictions")
@@ -119,11 +123,11 @@ def test_database_password_never_reaches_dagster_logs_or_metadata(
         # A run that fails on the database: the error path must not print the URL either.
         missing = make_url(db.url).set(database=f"{db.name}_missing").render_as_string(hide_password=False)
         monkeypatch.setenv("DATABASE_URL", missing)
-        failed = materialize_partition(
+        failed = run_partition(
             assets,
-            batch_resources(None, rows_per_day=1500),
+            batch_resources(None, rows_per_day=1500, model_name=MODEL_NAME),
             instance,
-            "2026-11-04",
+            partition_key="2026-11-04",
             selection=("transactions",),
             raise_on_error=False,
         )
@@ -239,6 +243,9 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
 
         def alive(self) -> bool:
             return True
+
+        def refuse_early(self, deadline: float) -> None:
+            return None
 
     monkeypatch.delenv("TANDEM_SERVING_AUTH_TOKEN", raising=False)
     app = build_app(Stub)  # type: ignore[arg-type]

@@ -16,17 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.batch import ingest_day
-from inference.migrate import upgrade
-from inference.store import make_engine
-from tests.reliability.support import (
-    LiveServer,
-    create_secret_database,
-    drop_secret_database,
-    history_day_frame,
-    start_server,
-    stop_server,
-)
+from tests.reliability.support import StartSuiteServer, SuiteServer
 
 pytestmark = [pytest.mark.reliability, pytest.mark.live, pytest.mark.postgres]
 
@@ -35,35 +25,21 @@ REQUEST_DAY = date(2026, 11, 2)
 TOKEN = f"tok-{uuid.uuid4().hex}"
 CLIENT_TIMEOUT_S = 10.0
 RATE = 50  # requests per second, open loop, across the kill
-MEASURED: dict[str, Any] = {}
+MEASURED: dict[str, Any] = {}  # printed at the end (tests/reliability/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def server(
-    postgres_admin_url: str, reliability_model: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LiveServer]:
-    db = create_secret_database(postgres_admin_url)
-    engine = make_engine(db.url)
-    upgrade(engine)
-    ingest_day(engine, history_day_frame(HISTORY_DAY, 600, 60), HISTORY_DAY)
-    engine.dispose()
-    requests = history_day_frame(REQUEST_DAY, 600, 60)
-    live = start_server(
-        db, reliability_model, requests, tmp_path_factory.mktemp("serving-auth"), {"TANDEM_SERVING_AUTH_TOKEN": TOKEN}
-    )
-    try:
+def server(start_suite_server: StartSuiteServer) -> Iterator[SuiteServer]:
+    env = {"TANDEM_SERVING_AUTH_TOKEN": TOKEN}
+    with start_suite_server("serving-auth", (HISTORY_DAY, REQUEST_DAY), rows=600, accounts=60, env=env) as live:
         yield live
-    finally:
-        stop_server(live)
-        drop_secret_database(db)
-        print(f"\nmeasured (auth and crash): {MEASURED}")
 
 
-def _post(server: LiveServer, rows: list[dict[str, Any]], headers: dict[str, str]) -> httpx.Response:
+def _post(server: SuiteServer, rows: list[dict[str, Any]], headers: dict[str, str]) -> httpx.Response:
     return httpx.post(f"{server.url}/score", json={"transactions": rows}, headers=headers, timeout=10)
 
 
-def test_score_needs_the_bearer_token(server: LiveServer) -> None:
+def test_score_needs_the_bearer_token(server: SuiteServer) -> None:
     row = server.take(1)[0]
     refused = {
         "no header": {},
@@ -89,7 +65,7 @@ def test_score_needs_the_bearer_token(server: LiveServer) -> None:
     MEASURED["auth"] = {"refused_401": len(refused) + 1, "accepted_200": 2}
 
 
-def test_lineage_needs_the_token_and_probes_do_not(server: LiveServer) -> None:
+def test_lineage_needs_the_token_and_probes_do_not(server: SuiteServer) -> None:
     assert httpx.get(f"{server.url}/lineage/anything", timeout=10).status_code == 401
     with_token = httpx.get(f"{server.url}/lineage/no-such-id", headers=server.auth(), timeout=10)
     assert with_token.status_code == 404
@@ -111,7 +87,7 @@ class Outcome:
     error: str | None = None
 
 
-def test_scoring_process_sigkilled_under_load_fails_fast_then_is_replaced(server: LiveServer) -> None:
+def test_scoring_process_sigkilled_under_load_fails_fast_then_is_replaced(server: SuiteServer) -> None:
     (scoring,) = server.scoring_processes()
     rows = server.take(150)
     outcomes: list[Outcome] = []
@@ -188,7 +164,7 @@ def test_scoring_process_sigkilled_under_load_fails_fast_then_is_replaced(server
     }
 
 
-def test_the_token_and_the_database_password_never_reach_the_log(server: LiveServer) -> None:
+def test_the_token_and_the_database_password_never_reach_the_log(server: SuiteServer) -> None:
     log = server.log_text()
     assert "scoring process died" in log, "the crash was logged (so the check below means something)"
     assert TOKEN not in log

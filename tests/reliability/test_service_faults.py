@@ -22,20 +22,8 @@ import numpy as np
 import psycopg
 import pytest
 
-from inference.batch import ingest_day
-from inference.migrate import upgrade
-from inference.store import make_engine
-from tests.reliability.support import (
-    LiveServer,
-    create_secret_database,
-    drop_secret_database,
-    history_day_frame,
-    raw_exchange,
-    response_json,
-    set_connections_allowed,
-    start_server,
-    stop_server,
-)
+from tests.reliability.support import StartSuiteServer, SuiteServer, raw_exchange, response_json
+from tests.shared import set_connections_allowed
 
 pytestmark = [pytest.mark.reliability, pytest.mark.live, pytest.mark.postgres]
 
@@ -53,25 +41,12 @@ MEASURED: dict[str, Any] = {}  # printed at the end, copied into docs/reliabilit
 
 
 @pytest.fixture(scope="module")
-def server(
-    postgres_admin_url: str, reliability_model: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LiveServer]:
-    db = create_secret_database(postgres_admin_url)
-    engine = make_engine(db.url)
-    upgrade(engine)
-    ingest_day(engine, history_day_frame(HISTORY_DAY, REQUEST_ROWS, 150), HISTORY_DAY)
-    engine.dispose()
-    requests = history_day_frame(REQUEST_DAY, REQUEST_ROWS, 150)
-    live = start_server(db, reliability_model, requests, tmp_path_factory.mktemp("serving-faults"), {})
-    try:
+def server(start_suite_server: StartSuiteServer) -> Iterator[SuiteServer]:
+    with start_suite_server("serving-faults", (HISTORY_DAY, REQUEST_DAY), rows=REQUEST_ROWS, accounts=150) as live:
         yield live
-    finally:
-        stop_server(live)
-        drop_secret_database(db)
-        print(f"\nmeasured (service faults): {MEASURED}")
 
 
-def _stored(server: LiveServer, transaction_ids: list[str]) -> dict[str, dict[str, Any]]:
+def _stored(server: SuiteServer, transaction_ids: list[str]) -> dict[str, dict[str, Any]]:
     with psycopg.connect(server.db.url) as conn:
         rows = conn.execute(
             "SELECT transaction_id, score, input_hash, idempotency_key, path FROM predictions "
@@ -82,7 +57,7 @@ def _stored(server: LiveServer, transaction_ids: list[str]) -> dict[str, dict[st
 
 
 # ------------------------------------------------------------------ database outage under load
-def test_database_outage_under_steady_load_holds_deadlines_and_loses_nothing(server: LiveServer) -> None:
+def test_database_outage_under_steady_load_holds_deadlines_and_loses_nothing(server: SuiteServer) -> None:
     rows = server.take(int(RPS * (BEFORE_S + OUTAGE_S + AFTER_S)))
     outcomes: list[tuple[int | None, float, dict[str, Any] | None]] = []
     depth_during_outage: list[float] = []
@@ -181,20 +156,11 @@ def test_database_outage_under_steady_load_holds_deadlines_and_loses_nothing(ser
 
 
 # ------------------------------------------------------------------ idempotency under concurrent retries
-def test_fifty_concurrent_retries_with_one_key_write_one_row(server: LiveServer) -> None:
+def test_fifty_concurrent_retries_with_one_key_write_one_row(server: SuiteServer) -> None:
     row = server.take(1)[0]
     key = f"retry-{uuid.uuid4().hex}"
 
-    async def retries() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=10) as client:
-            return await asyncio.gather(
-                *(
-                    client.post(f"{server.url}/score", json={"transactions": [row]}, headers={"Idempotency-Key": key})
-                    for _ in range(50)
-                )
-            )
-
-    responses = asyncio.run(retries())
+    responses = server.score_at_once([[row]] * 50, {"Idempotency-Key": key})
     assert [r.status_code for r in responses] == [200] * 50
     answers = [r.json()["results"][0] for r in responses]
     assert all(answer == answers[0] for answer in answers), "every retry gets the one stored answer"
@@ -211,7 +177,7 @@ def test_fifty_concurrent_retries_with_one_key_write_one_row(server: LiveServer)
 
 
 # ------------------------------------------------------------------ size limits
-def test_declared_oversized_body_is_refused_before_it_is_sent(server: LiveServer) -> None:
+def test_declared_oversized_body_is_refused_before_it_is_sent(server: SuiteServer) -> None:
     head = (
         f"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {2 * MIB}\r\n\r\n"
@@ -224,7 +190,7 @@ def test_declared_oversized_body_is_refused_before_it_is_sent(server: LiveServer
     MEASURED["oversized_declared"] = {"status": status, "answer_s": round(time.perf_counter() - started, 3)}
 
 
-def test_chunked_body_is_counted_while_streaming_and_cut_at_the_limit(server: LiveServer) -> None:
+def test_chunked_body_is_counted_while_streaming_and_cut_at_the_limit(server: SuiteServer) -> None:
     head = (
         b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n"
@@ -244,7 +210,7 @@ def test_chunked_body_is_counted_while_streaming_and_cut_at_the_limit(server: Li
     MEASURED["oversized_chunked"] = {"status": status, "client_bytes_sent_before_answer": sent}
 
 
-def test_too_many_items_is_413(server: LiveServer) -> None:
+def test_too_many_items_is_413(server: SuiteServer) -> None:
     row = server.take(1)[0]
     rows = [{**row, "transaction_id": f"many-{uuid.uuid4().hex[:8]}-{i}"} for i in range(257)]
     response = server.score(rows)
@@ -256,11 +222,11 @@ def test_too_many_items_is_413(server: LiveServer) -> None:
 
 
 # ------------------------------------------------------------------ malformed input
-def _valid_row(server: LiveServer) -> dict[str, Any]:
+def _valid_row(server: SuiteServer) -> dict[str, Any]:
     return server.take(1)[0]
 
 
-def test_malformed_json_is_a_4xx_with_a_reason_never_a_500(server: LiveServer) -> None:
+def test_malformed_json_is_a_4xx_with_a_reason_never_a_500(server: SuiteServer) -> None:
     row = _valid_row(server)
     template = '{"transactions": [{"transaction_id": "big-amount", "account_id": "a", "amount": %s, '
     template += (
@@ -302,7 +268,7 @@ def test_malformed_json_is_a_4xx_with_a_reason_never_a_500(server: LiveServer) -
     MEASURED["malformed"] = answers
 
 
-def test_hostile_deadline_headers_are_refused_or_shed_never_crash(server: LiveServer) -> None:
+def test_hostile_deadline_headers_are_refused_or_shed_never_crash(server: SuiteServer) -> None:
     # Schemathesis runs with a fixed deadline (a fuzzed tiny one is a documented 503/504); these are
     # the extremes it would have sent.
     row = _valid_row(server)
@@ -321,7 +287,7 @@ def test_hostile_deadline_headers_are_refused_or_shed_never_crash(server: LiveSe
 
 
 # ------------------------------------------------------------------ lineage
-def test_lineage_route_answers_why_a_transaction_has_its_score(server: LiveServer) -> None:
+def test_lineage_route_answers_why_a_transaction_has_its_score(server: SuiteServer) -> None:
     row = server.take(1)[0]
     scored = server.score([row]).json()
     tx = row["transaction_id"]
@@ -348,7 +314,7 @@ def test_lineage_route_answers_why_a_transaction_has_its_score(server: LiveServe
 
 
 # ------------------------------------------------------------------ fuzzing
-def test_schemathesis_finds_no_server_error(server: LiveServer, tmp_path: Path) -> None:
+def test_schemathesis_finds_no_server_error(server: SuiteServer, tmp_path: Path) -> None:
     # Requests carry a generous deadline so a fuzzed tiny X-Deadline-Ms does not count as the
     # service failing: a 503/504 there is the documented shed, not a crash (fuzzed separately below).
     command = [
@@ -388,7 +354,7 @@ def test_schemathesis_finds_no_server_error(server: LiveServer, tmp_path: Path) 
 
 
 # ------------------------------------------------------------------ what the logs and sockets show
-def test_service_binds_loopback_and_never_logs_the_database_password(server: LiveServer) -> None:
+def test_service_binds_loopback_and_never_logs_the_database_password(server: SuiteServer) -> None:
     assert server.listening_addresses() == {"127.0.0.1"}, server.listening_addresses()
     log = server.log_text()
     assert "not currently accepting connections" in log, "the outage was logged (so the check below means something)"

@@ -10,18 +10,13 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import CancelledError, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,19 +24,14 @@ import httpx
 import numpy as np
 import polars as pl
 import psutil
-import psycopg
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 
-from inference.batch import ingest_day
 from inference.contract import FrameHistory, TorchPredictor
-from inference.demo import DemoConfig, generate_day
 from inference.lineage import explain
-from inference.migrate import upgrade
-from inference.model import ModelConfig, RiskModel, TrainingReport
-from inference.records import RAW_COLUMNS, Transaction
+from inference.model import ModelConfig, RiskModel
+from inference.records import RAW_COLUMNS
 from inference.store import make_engine, read_predictions, utc_now
 from serving.lifecycle import ModelWatcher
 from serving.metrics import ServingMetrics
@@ -52,6 +42,8 @@ from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
 from serving.worker import discard_pool
 from tandem import modelstore
+from tests.serving.support import DemoServer, StartDemoServer, scored_batch, transaction
+from tests.shared import register_model
 
 CODE = "test"
 T = TypeVar("T")
@@ -84,8 +76,8 @@ class FakeVersion:
         else:
             self.entered.set()
             self.release.wait(WAIT_S)
-        now = utc_now()
         if self.nonfinite:
+            now = utc_now()
             failed = ItemError(reason="nonfinite_score", detail="score is NaN")
             return BatchResult(
                 results=[
@@ -101,38 +93,7 @@ class FakeVersion:
                     for tx, spec in zip(ids, specs, strict=True)
                 ]
             )
-        results = [
-            ItemResult(
-                transaction_id=tx,
-                status="scored",
-                score=self.score,
-                model_version=self.version,
-                path="online",
-                request_id=spec.request_id,
-                batch_id=f"batch-{self.version}",
-                produced_at=now,
-                input_hash="h",
-            )
-            for tx, spec in zip(ids, specs, strict=True)
-        ]
-        rows = [
-            {
-                "transaction_id": tx,
-                "model_version": self.version,
-                "score": self.score,
-                "path": "online",
-                "run_id": None,
-                "partition_key": None,
-                "request_id": spec.request_id,
-                "batch_id": f"batch-{self.version}",
-                "code_version": CODE,
-                "input_hash": "h",
-                "idempotency_key": spec.key,
-                "produced_at": now,
-            }
-            for tx, spec in zip(ids, specs, strict=True)
-        ]
-        return BatchResult(results=results, rows=rows)
+        return scored_batch(specs, model_version=self.version, score=self.score, batch_id=f"batch-{self.version}")
 
     @property
     def real_batches(self) -> list[list[str]]:
@@ -174,26 +135,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def transaction(tx: str) -> Transaction:
-    return Transaction(
-        transaction_id=tx,
-        account_id="acct-1",
-        amount=12.5,
-        currency="USD",
-        merchant_category="grocery",
-        country="US",
-        event_time=datetime(2026, 11, 2, 10, tzinfo=UTC),
-    )
-
-
-@pytest.fixture
-def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
-    engine = make_engine(f"sqlite:///{tmp_path / 'serving.db'}")
-    upgrade(engine)
-    yield engine
-    engine.dispose()
 
 
 async def serving(store: FakeStore, engine: Engine, tmp_path: Path) -> OnlineScorer:
@@ -427,7 +368,6 @@ def test_discarding_a_pool_stops_a_process_stuck_in_its_load() -> None:
 # ---------------------------------------------------------------------------------------- live
 
 MODEL_NAME = "risk_model"
-REPO = Path(__file__).resolve().parents[2]
 HISTORY_DAY = date(2026, 12, 1)
 REQUEST_DAY = date(2026, 12, 2)
 RATE = 30.0  # requests per second, one distinct transaction each
@@ -443,24 +383,10 @@ DAGSTER_UI = "http://127.0.0.1:3000"
 
 
 @dataclass
-class SwapServer:
-    url: str
-    database_url: str
+class SwapServer(DemoServer):
     v1: str
     v2: str
     models: dict[str, RiskModel]
-    history: pl.DataFrame
-    requests: pl.DataFrame
-    log: Path
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()
-        )
 
 
 @dataclass(frozen=True)
@@ -476,86 +402,34 @@ class Answer:
         return None if self.result is None else str(self.result["model_version"])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _seeded_model(seed: int) -> RiskModel:
     torch.manual_seed(seed)
     return RiskModel(ModelConfig()).eval()
 
 
 @pytest.fixture(scope="module")
-def swap_server(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwapServer]:
-    name = f"tandem_swap_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    database_url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
-    engine = make_engine(database_url)
-    upgrade(engine)
-    config = DemoConfig(rows_per_day=2000, poison_rate=0.0, accounts=150)
-    stored = generate_day(HISTORY_DAY, config).select(RAW_COLUMNS)
-    ingest_day(engine, stored, HISTORY_DAY)
-    engine.dispose()
-    upcoming = generate_day(REQUEST_DAY, config).select(RAW_COLUMNS)
-
+def swap_server(start_demo_server: StartDemoServer) -> Iterator[SwapServer]:
     models = {}
     tags = []
     for seed in (0, 1):
         model = _seeded_model(seed)
-        report = TrainingReport(0.5, 0, 0, 0, model.parameter_count, model.flops_per_item())
-        tag = modelstore.register(model, report, name=MODEL_NAME, code_version="test")
+        tag = register_model(model, MODEL_NAME, promote=False)
         models[tag] = model
         tags.append(tag)
     v1, v2 = tags
     modelstore.promote(v1)
 
-    port = _free_port()
-    data_dir = tmp_path_factory.mktemp("swap-data")
     env = {
-        **os.environ,
-        "DATABASE_URL": database_url,
-        "TANDEM_DATA_DIR": str(data_dir),
         "TANDEM_SERVING_P99_TARGET_MS": str(TARGET_MS),
         "TANDEM_SERVING_REQUEST_TIMEOUT_MS": "10000",
         "TANDEM_SERVING_MODEL_POLL_INTERVAL_S": str(POLL_S),
         "TANDEM_SERVING_OUTBOX_DRAIN_INTERVAL_S": "0.2",
     }
-    log_path = data_dir / "serve.log"
-    log = log_path.open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bentoml", "serve", "serving.service:RiskScorer", "--port", str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"server exited: {log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        else:
-            pytest.fail("server never became ready")
-        yield SwapServer(url, database_url, v1, v2, models, stored, upcoming, log_path)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-        with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    days = (HISTORY_DAY, REQUEST_DAY)
+    with start_demo_server(
+        SwapServer, "swap", days, rows=2000, accounts=150, env=env, v1=v1, v2=v2, models=models
+    ) as live:
+        yield live
 
 
 async def steady_load(
@@ -693,7 +567,7 @@ def test_promotion_and_rollback_under_load_fail_nothing(swap_server: SwapServer)
         )
     )
     if not any(a.version == server.v2 for a in answers):
-        pytest.fail(f"v2 never answered; server log: {server.log.read_text()[-3000:]}")
+        pytest.fail(f"v2 never answered; server log: {server.log_text()[-3000:]}")
     ordered = _check_switch(answers, server.v1, server.v2, promoted_at)
     _swap_latency(answers, promoted_at, server.v2, "promotion")
 

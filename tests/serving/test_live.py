@@ -7,39 +7,29 @@ that country is a model-breaking poison that passes the schema.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import date
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import polars as pl
-import psycopg
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 
-from inference.batch import ingest_day
 from inference.contract import FrameHistory, TorchPredictor
-from inference.demo import DemoConfig, generate_day
-from inference.migrate import upgrade
-from inference.model import ModelConfig, RiskModel, TrainingReport
+from inference.model import ModelConfig, RiskModel
 from inference.records import COUNTRIES, RAW_COLUMNS
 from inference.store import make_engine, read_predictions
-from tandem import modelstore
+from tests.serving.support import DemoServer, StartDemoServer
+from tests.shared import register_model, set_connections_allowed
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
-REPO = Path(__file__).resolve().parents[2]
 POISON_COUNTRY = "NG"
 HISTORY_DAY = date(2026, 11, 1)
 REQUEST_DAY = date(2026, 11, 2)
@@ -47,34 +37,14 @@ TARGET_MS = 200
 
 
 @dataclass
-class Server:
-    url: str
-    database_url: str
-    database_name: str
+class Server(DemoServer):
     admin_url: str
     model: RiskModel
     model_version: str
-    history: pl.DataFrame  # the stored day, RAW columns
-    requests: pl.DataFrame  # unstored next-day records of the same accounts, all valid
 
-    def score(self, rows: list[dict[str, Any]], **headers: str) -> httpx.Response:
-        return httpx.post(f"{self.url}/score", json={"transactions": rows}, headers=headers, timeout=10)
-
-    def metric(self, name: str, **labels: str) -> float:
-        """The sum of the samples called `name` whose labels include `labels`."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()
-        )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    @property
+    def database_name(self) -> str:
+        return str(make_url(self.database_url).database)
 
 
 def _poisoned_model() -> RiskModel:
@@ -87,68 +57,30 @@ def _poisoned_model() -> RiskModel:
 
 
 @pytest.fixture(scope="module")
-def server(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    name = f"tandem_serving_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    database_url = make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
-    engine = make_engine(database_url)
-    upgrade(engine)
-    config = DemoConfig(rows_per_day=1500, poison_rate=0.0, accounts=150)
-    stored = generate_day(HISTORY_DAY, config).select(RAW_COLUMNS)
-    ingest_day(engine, stored, HISTORY_DAY)
-    engine.dispose()
-    upcoming = generate_day(REQUEST_DAY, config).select(RAW_COLUMNS)
-
+def server(postgres_admin_url: str, start_demo_server: StartDemoServer) -> Iterator[Server]:
     model = _poisoned_model()
-    report = TrainingReport(0.5, 0, 0, 0, model.parameter_count, model.flops_per_item())
-    tag = modelstore.register(model, report, name="risk_model", code_version="test")
-    modelstore.promote(tag)
+    tag = register_model(model, "risk_model")
 
-    port = _free_port()
-    data_dir = tmp_path_factory.mktemp("serving-data")
     env = {
-        **os.environ,
-        "DATABASE_URL": database_url,
-        "TANDEM_DATA_DIR": str(data_dir),
         "TANDEM_SERVING_BREAKER_RESET_S": "0.5",
         # Two shared cores: neighbours' load can triple a batch's cost, so the declared target is
         # looser than production's 50 ms; the shedding logic at 50 ms is unit-tested in-process.
         "TANDEM_SERVING_P99_TARGET_MS": str(TARGET_MS),
         "TANDEM_SERVING_OUTBOX_DRAIN_INTERVAL_S": "0.2",
     }
-    log = (data_dir / "serve.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bentoml", "serve", "serving.service:RiskScorer", "--port", str(port)],
-        cwd=REPO,
+    days = (HISTORY_DAY, REQUEST_DAY)
+    with start_demo_server(
+        Server,
+        "serving",
+        days,
+        rows=1500,
+        accounts=150,
         env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"server exited: {(data_dir / 'serve.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        else:
-            pytest.fail("server never became ready")
-        yield Server(url, database_url, name, postgres_admin_url, model, tag, stored, upcoming)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-        with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin_url=postgres_admin_url,
+        model=model,
+        model_version=tag,
+    ) as live:
+        yield live
 
 
 def _rows(server: Server, start: int, count: int, *, poison: bool = False) -> list[dict[str, Any]]:
@@ -232,13 +164,7 @@ def test_a_burst_of_64_below_capacity_is_served(server: Server) -> None:
     rows = _rows(server, 200, 64)
     shed_before = server.metric("tandem_serving_shed_total")
 
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=10) as client:
-            return await asyncio.gather(
-                *(client.post(f"{server.url}/score", json={"transactions": [row]}) for row in rows)
-            )
-
-    responses = asyncio.run(burst())
+    responses = server.score_at_once([[row] for row in rows])
     assert [r.status_code for r in responses] == [200] * 64
     assert server.metric("tandem_serving_shed_total") == shed_before
 
@@ -281,32 +207,23 @@ def test_overload_is_shed_fast_with_retry_after(server: Server) -> None:
 def test_deadlines_are_honoured(server: Server) -> None:
     rows = _rows(server, 320, 1)
     started = time.perf_counter()
-    response = server.score(rows, **{"X-Deadline-Ms": "0.001"})
+    response = server.score(rows, {"X-Deadline-Ms": "0.001"})
     elapsed = time.perf_counter() - started
     assert response.status_code in (503, 504)
     assert elapsed < 1.0
-    assert server.score(rows, **{"X-Deadline-Ms": "abc"}).status_code == 400
-    assert server.score(rows, **{"X-Deadline-Ms": "5000"}).status_code == 200
+    assert server.score(rows, {"X-Deadline-Ms": "abc"}).status_code == 400
+    assert server.score(rows, {"X-Deadline-Ms": "5000"}).status_code == 200
 
 
 def test_fifty_concurrent_duplicates_make_one_row(server: Server) -> None:
     row = _rows(server, 330, 1)[0]
     key = f"dup-{uuid.uuid4().hex}"
 
-    async def duplicates() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=10) as client:
-            return await asyncio.gather(
-                *(
-                    client.post(f"{server.url}/score", json={"transactions": [row]}, headers={"Idempotency-Key": key})
-                    for _ in range(50)
-                )
-            )
-
-    responses = asyncio.run(duplicates())
+    responses = server.score_at_once([[row]] * 50, {"Idempotency-Key": key})
     assert all(r.status_code == 200 for r in responses)
     answers = [r.json()["results"] for r in responses]
     assert all(a == answers[0] for a in answers)
-    retry = server.score([row], **{"Idempotency-Key": key})
+    retry = server.score([row], {"Idempotency-Key": key})
     assert retry.json()["results"] == answers[0]
     engine = make_engine(server.database_url)
     deadline = time.monotonic() + 10
@@ -322,15 +239,6 @@ def test_fifty_concurrent_duplicates_make_one_row(server: Server) -> None:
     assert stored["score"][0] == pytest.approx(answers[0][0]["score"])
 
 
-def _block(server: Server, allow: bool) -> None:
-    with psycopg.connect(server.admin_url, autocommit=True) as admin:
-        admin.execute(f'ALTER DATABASE "{server.database_name}" ALLOW_CONNECTIONS {"true" if allow else "false"}')
-        if not allow:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (server.database_name,)
-            )
-
-
 def test_database_outage_keeps_answers_and_loses_no_rows(server: Server) -> None:
     rows = _rows(server, 400, 120)
     scored: dict[str, float] = {}
@@ -344,7 +252,7 @@ def test_database_outage_keeps_answers_and_loses_no_rows(server: Server) -> None
             scored[result["transaction_id"]] = result["score"]
 
     send(rows[:20])
-    _block(server, allow=False)
+    set_connections_allowed(server.admin_url, server.database_name, False)
     try:
         started = time.perf_counter()
         send(rows[20:100])
@@ -352,7 +260,7 @@ def test_database_outage_keeps_answers_and_loses_no_rows(server: Server) -> None
         assert server.metric("tandem_serving_outbox_depth") > 0
         assert httpx.get(f"{server.url}/readyz").status_code == 200, "the outbox keeps the service ready"
     finally:
-        _block(server, allow=True)
+        set_connections_allowed(server.admin_url, server.database_name, True)
     assert outage_seconds / 80 < 0.25, "a dead database costs no latency once the breaker is open"
     send(rows[100:])
 

@@ -19,7 +19,6 @@ import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
-from inference.migrate import upgrade
 from inference.store import make_engine, predictions, utc_now
 from serving.admission import Decision
 from serving.app import build_app
@@ -32,6 +31,7 @@ from serving.scoring import BatchResult, ItemSpec
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from serving.writer import ResultWriter
+from tests.serving.support import prediction_rows
 from tests.shared import register_untrained_model
 
 MODEL = "risk_model:metrics"
@@ -137,14 +137,6 @@ class OutcomeScoring:
             else:
                 results.append(ItemResult(status="scored", score=0.25, degraded=tx_id.startswith("deg"), **common))
         return BatchResult(results=results)
-
-
-@pytest.fixture
-def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
-    engine = make_engine(f"sqlite:///{tmp_path / 'serving.db'}")
-    upgrade(engine)
-    yield engine
-    engine.dispose()
 
 
 @asynccontextmanager
@@ -306,27 +298,6 @@ def test_requests_in_flight_rises_while_a_request_waits_and_falls_after() -> Non
 
 
 # ------------------------------------------------------------------ the last outbox drain at shutdown
-def _rows(count: int) -> list[dict[str, Any]]:
-    now = utc_now()
-    return [
-        {
-            "transaction_id": f"t{i}",
-            "model_version": MODEL,
-            "score": 0.5,
-            "path": "online",
-            "run_id": None,
-            "partition_key": None,
-            "request_id": "r",
-            "batch_id": "b",
-            "code_version": "test",
-            "input_hash": "h",
-            "idempotency_key": f"t{i}:{MODEL}",
-            "produced_at": now,
-        }
-        for i in range(count)
-    ]
-
-
 @pytest.fixture(scope="module")
 def final_drain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Any]]:
     """serving.service.final_drain; importing the service module resolves a model at class scope."""
@@ -343,7 +314,7 @@ def final_drain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[.
 def _writer(engine: Engine, tmp_path: Path, breaker: CircuitBreaker) -> ResultWriter:
     # Not started: no writer thread draining beside the final drain, so the counts are exact.
     outbox = Outbox(tmp_path / "outbox.sqlite3")
-    outbox.append(_rows(7))
+    outbox.append(prediction_rows(7, MODEL))
     return ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=3)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,9 +16,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from inference.migrate import upgrade
-from inference.records import Transaction
-from inference.store import make_engine, predictions, read_predictions, utc_now
+from inference.store import make_engine, predictions, read_predictions
 from serving.batcher import SCORING_PROCESS_DIED
 from serving.breaker import CircuitBreaker
 from serving.lifecycle import PoolSupervisor
@@ -29,6 +27,7 @@ from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
 from serving.writer import ResultWriter
+from tests.serving.support import prediction_rows, scored_batch, transaction
 
 MODEL = "risk_model:fake"
 POISON = "poison"
@@ -49,63 +48,11 @@ class FakeScoring:
         time.sleep(self.delay_s)
         if POISON in ids:
             raise ValueError("poisoned batch")
-        now = utc_now()
-        results = [
-            ItemResult(
-                transaction_id=tx,
-                status="scored",
-                score=0.25,
-                model_version=MODEL,
-                path="online",
-                request_id=spec.request_id,
-                batch_id="b",
-                produced_at=now,
-                input_hash="h",
-            )
-            for tx, spec in zip(ids, specs, strict=True)
-        ]
-        rows = [
-            {
-                "transaction_id": tx,
-                "model_version": MODEL,
-                "score": 0.25,
-                "path": "online",
-                "run_id": None,
-                "partition_key": None,
-                "request_id": spec.request_id,
-                "batch_id": "b",
-                "code_version": "test",
-                "input_hash": "h",
-                "idempotency_key": spec.key,
-                "produced_at": now,
-            }
-            for tx, spec in zip(ids, specs, strict=True)
-        ]
-        return BatchResult(results=results, rows=rows)
+        return scored_batch(specs, model_version=MODEL, score=0.25, batch_id="b")
 
     @property
     def scored_ids(self) -> list[str]:
         return [tx for batch in self.batches for tx in batch]
-
-
-def transaction(tx: str) -> Transaction:
-    return Transaction(
-        transaction_id=tx,
-        account_id="acct-1",
-        amount=12.5,
-        currency="USD",
-        merchant_category="grocery",
-        country="US",
-        event_time=datetime(2026, 11, 2, 10, tzinfo=UTC),
-    )
-
-
-@pytest.fixture
-def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
-    engine = make_engine(f"sqlite:///{tmp_path / 'serving.db'}")
-    upgrade(engine)
-    yield engine
-    engine.dispose()
 
 
 async def started_scorer(fake: FakeScoring, engine: Engine, tmp_path: Path, **overrides: object) -> OnlineScorer:
@@ -228,24 +175,7 @@ def test_writer_spills_to_the_outbox_and_drains_when_the_database_returns(
     writer = ResultWriter(
         dead, breaker, Outbox(tmp_path / "outbox.sqlite3"), ServingMetrics(), drain_interval_s=0.01, drain_chunk=3
     )
-    now = utc_now()
-    rows = [
-        {
-            "transaction_id": f"t{i}",
-            "model_version": MODEL,
-            "score": 0.5,
-            "path": "online",
-            "run_id": None,
-            "partition_key": None,
-            "request_id": "r",
-            "batch_id": "b",
-            "code_version": "test",
-            "input_hash": "h",
-            "idempotency_key": f"t{i}:{MODEL}",
-            "produced_at": now,
-        }
-        for i in range(7)
-    ]
+    rows = prediction_rows(7, MODEL)
     writer.start()
     writer.submit_rows(rows[:4])
     writer.submit_rows(rows[4:])

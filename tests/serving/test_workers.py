@@ -10,12 +10,7 @@ processes that answered. The test's own BENTOML_HOME keeps that folder private t
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,14 +23,13 @@ import httpx
 import psutil
 import pytest
 from prometheus_client.mmap_dict import MmapedDict
-from prometheus_client.parser import text_string_to_metric_families
 
 from inference.records import MERCHANT_CATEGORIES
-from tests.shared import register_untrained_model
+from tests.serving.support import LiveServer, serve
+from tests.shared import fresh_postgres_database, register_untrained_model
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "workers_test_model"
 WORKERS = 2
 REQUESTS = 100
@@ -45,20 +39,8 @@ MAX_REQUESTS = 600
 
 
 @dataclass
-class Server:
-    url: str
-    process: subprocess.Popen[bytes]
+class Server(LiveServer):
     multiproc_dir: Path
-    log: Path
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()
-        )
 
     def scored_by_pid(self) -> dict[int, float]:
         """Items counted `scored` in each process's own counter file."""
@@ -72,16 +54,8 @@ class Server:
         return counted
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str) -> Iterator[Server]:
-    from tests.shared import fresh_postgres_database
-
     root = tmp_path_factory.mktemp("workers")
     # The model is registered in the session's store, then copied into a store of this server's
     # own: its BENTOML_HOME also holds the multiprocess metric files, which `bentoml serve` wipes
@@ -92,9 +66,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str) ->
     shutil.copytree(version_dir.parent, home / "models" / version_dir.parent.name)
 
     with fresh_postgres_database(postgres_admin_url, prefix="tandem_workers") as database_url:
-        port = _free_port()
         env = {
-            **os.environ,
             "BENTOML_HOME": str(home),
             "DATABASE_URL": database_url,
             "TANDEM_DATA_DIR": str(root / "data"),
@@ -107,37 +79,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str) ->
             "TANDEM_SERVING_P99_TARGET_MS": "10000",
             "TANDEM_SERVING_REQUEST_TIMEOUT_MS": "30000",
         }
-        log = root / "serve.log"
-        with log.open("w") as output:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "bentoml", "serve", "serving.service:RiskScorer", "--port", str(port)],
-                cwd=REPO,
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-            )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                if process.poll() is not None:
-                    pytest.fail(f"server exited: {log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
-            else:
-                pytest.fail(f"server never became ready: {log.read_text()[-3000:]}")
-            yield Server(url, process, home / "prometheus_multiproc_dir", log)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        with serve(Server, env, root / "serve.log", multiproc_dir=home / "prometheus_multiproc_dir") as live:
+            yield live
 
 
 def _request(index: int) -> list[dict[str, Any]]:

@@ -1,0 +1,316 @@
+"""What the serving tests share: a real `bentoml serve` (its mechanics only: port, start, readiness,
+stop, log, process tree), the demo database it scores against, and the transactions and result
+rows the in-process tests feed the scorer.
+
+Free of pytest, so the reliability suite's child processes can import it too. What a server is
+started with (environment, model, database) stays in each test module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import httpx
+import polars as pl
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from inference.demo import DemoConfig, generate_day
+from inference.records import RAW_COLUMNS, Transaction
+from inference.store import utc_now
+from serving.schemas import ItemResult
+from serving.scoring import BatchResult, ItemSpec
+from tests.shared import migrate_and_ingest
+
+REPO = Path(__file__).resolve().parents[2]
+# Generous for two shared cores: start-up imports torch in two processes (more with workers), and
+# a graceful stop drains the outbox first.
+READY_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 60.0
+
+
+# ------------------------------------------------------------------ a live `bentoml serve`
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    """A running server; test modules subclass it (a dataclass) with what their tests read."""
+
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    # Under `bentoml serve` a labelled metric has no sample until some label set is counted, so an
+    # absent name reads as 0; a subclass whose checks read only metrics that are always exported
+    # sets this, so that a typo fails instead of passing vacuously.
+    metrics_must_exist: ClassVar[bool] = False
+
+    def auth(self) -> dict[str, str]:
+        """Headers every /score call carries: none unless a subclass holds a token."""
+        return {}
+
+    def score(self, rows: list[dict[str, Any]], headers: Mapping[str, str] | None = None) -> httpx.Response:
+        return httpx.post(
+            f"{self.url}/score", json={"transactions": rows}, headers={**self.auth(), **(headers or {})}, timeout=10
+        )
+
+    def score_at_once(
+        self, requests: list[list[dict[str, Any]]], headers: Mapping[str, str] | None = None
+    ) -> list[httpx.Response]:
+        """Every request in flight at the same time, each answer in the order of `requests`."""
+
+        async def send() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=10, headers=self.auth()) as client:
+                return await asyncio.gather(
+                    *(
+                        client.post(f"{self.url}/score", json={"transactions": rows}, headers=dict(headers or {}))
+                        for rows in requests
+                    )
+                )
+
+        return asyncio.run(send())
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples called `name` whose labels include `labels`."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+        if self.metrics_must_exist and not any(sample.name == name for sample in samples):
+            raise KeyError(f"the service exports no metric {name!r}")
+        return sum(
+            sample.value for sample in samples if sample.name == name and labels.items() <= sample.labels.items()
+        )
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tree(self) -> list[psutil.Process]:
+        root = psutil.Process(self.process.pid)
+        return [root, *root.children(recursive=True)]
+
+    def scoring_processes(self) -> list[psutil.Process]:
+        """The scoring process(es) of serving/worker.py, whatever multiprocessing start method the
+        pool uses: a `spawn_main` child (spawn), a child of the fork server (forkserver), or a
+        forked copy of the server's worker (fork). Helpers (resource tracker, the fork server
+        itself) are not scoring processes."""
+        tree = self.tree()
+        command = {}
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                command[process.pid] = " ".join(process.cmdline())
+        found = []
+        for process in tree[1:]:
+            with contextlib.suppress(psutil.Error):
+                mine, parents = command.get(process.pid, ""), command.get(process.ppid(), "")
+                if "resource_tracker" in mine:
+                    continue
+                spawned = "spawn_main" in mine
+                from_fork_server = "multiprocessing.forkserver" in parents
+                forked = mine == parents and process.ppid() != tree[0].pid
+                if spawned or from_fork_server or forked:
+                    found.append(process)
+        return found
+
+    def listening_addresses(self) -> set[str]:
+        addresses = set()
+        for process in self.tree():
+            with contextlib.suppress(psutil.Error):
+                for conn in process.net_connections(kind="inet"):
+                    if conn.status == psutil.CONN_LISTEN:
+                        addresses.add(conn.laddr.ip)
+        return addresses
+
+
+S = TypeVar("S", bound=LiveServer)
+
+
+@contextmanager
+def serve(kind: type[S], env: Mapping[str, str], log_path: Path, **fields: Any) -> Iterator[S]:
+    """`bentoml serve serving.service:RiskScorer` on a free port, this process's environment
+    updated by `env`, answered as a `kind` built with `fields`; stopped however the block ends.
+
+    No --host: the service's own default bind address is part of what is checked. A session of
+    its own, so that stopping reaches the server's worker and scoring processes too.
+    """
+    port = free_port()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bentoml", "serve", "serving.service:RiskScorer", "--port", str(port)],
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = kind(url=f"http://127.0.0.1:{port}", port=port, process=process, log_path=log_path, **fields)
+    try:
+        _wait_until_ready(server)
+        yield server
+    finally:
+        _stop(server)
+
+
+def _wait_until_ready(server: LiveServer) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited: {server.log_text()[-3000:]}")
+        try:
+            if httpx.get(f"{server.url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"server never became ready: {server.log_text()[-3000:]}")
+
+
+def _stop(server: LiveServer) -> None:
+    """SIGTERM the whole process group (server, its workers, the scoring processes); SIGKILL stragglers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.process.pid, signal.SIGTERM)
+    try:
+        server.process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=10)
+
+
+# ------------------------------------------------------------------ a live server on demo data
+def demo_day(day: date, rows: int, accounts: int) -> pl.DataFrame:
+    """A day of valid demo records (no poison), RAW columns."""
+    return generate_day(day, DemoConfig(rows_per_day=rows, poison_rate=0.0, accounts=accounts)).select(RAW_COLUMNS)
+
+
+@dataclass
+class DemoServer(LiveServer):
+    database_url: str
+    history: pl.DataFrame  # the stored day, RAW columns
+    requests: pl.DataFrame  # the next day's records of the same accounts, all valid, not stored
+
+
+D = TypeVar("D", bound=DemoServer)
+
+
+@contextmanager
+def serve_demo(
+    kind: type[D],
+    database_url: str,
+    data_dir: Path,
+    days: tuple[date, date],
+    *,
+    rows: int,
+    accounts: int,
+    env: Mapping[str, str],
+    **fields: Any,
+) -> Iterator[D]:
+    """`serve`, on the empty database at `database_url` once it holds the first of `days` (`rows`
+    records of `accounts` accounts) as history; the second day's records are the requests."""
+    history_day, request_day = days
+    history, requests = demo_day(history_day, rows, accounts), demo_day(request_day, rows, accounts)
+    migrate_and_ingest(database_url, history, history_day)
+    full_env = {"DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir), **env}
+    log_path = data_dir / "serve.log"
+    with serve(
+        kind, full_env, log_path, database_url=database_url, history=history, requests=requests, **fields
+    ) as server:
+        yield server
+
+
+# What the serving tests' `start_demo_server` fixture hands out (tests/serving/conftest.py).
+StartDemoServer = Callable[..., AbstractContextManager[DemoServer]]
+
+
+# ------------------------------------------------------------------ in-process: inputs and results
+def transaction(tx: str) -> Transaction:
+    return Transaction(
+        transaction_id=tx,
+        account_id="acct-1",
+        amount=12.5,
+        currency="USD",
+        merchant_category="grocery",
+        country="US",
+        event_time=datetime(2026, 11, 2, 10, tzinfo=UTC),
+    )
+
+
+def prediction_row(
+    transaction_id: str,
+    model_version: str,
+    *,
+    score: float = 0.5,
+    request_id: str = "r",
+    batch_id: str = "b",
+    idempotency_key: str | None = None,
+    produced_at: datetime | None = None,
+) -> dict[str, Any]:
+    """One online predictions row, as the scoring step hands it to the writer."""
+    return {
+        "transaction_id": transaction_id,
+        "model_version": model_version,
+        "score": score,
+        "path": "online",
+        "run_id": None,
+        "partition_key": None,
+        "request_id": request_id,
+        "batch_id": batch_id,
+        "code_version": "test",
+        "input_hash": "h",
+        "idempotency_key": f"{transaction_id}:{model_version}" if idempotency_key is None else idempotency_key,
+        "produced_at": utc_now() if produced_at is None else produced_at,
+    }
+
+
+def prediction_rows(count: int, model_version: str) -> list[dict[str, Any]]:
+    """Rows t0, t1, ... with one production time, as one batch spilled to the outbox leaves them."""
+    now = utc_now()
+    return [prediction_row(f"t{i}", model_version, produced_at=now) for i in range(count)]
+
+
+def scored_batch(specs: list[ItemSpec], *, model_version: str, score: float, batch_id: str) -> BatchResult:
+    """Every item of the batch scored `score`: its answers and its rows."""
+    now = utc_now()
+    ids = [str(spec.raw["transaction_id"]) for spec in specs]
+    results = [
+        ItemResult(
+            transaction_id=tx,
+            status="scored",
+            score=score,
+            model_version=model_version,
+            path="online",
+            request_id=spec.request_id,
+            batch_id=batch_id,
+            produced_at=now,
+            input_hash="h",
+        )
+        for tx, spec in zip(ids, specs, strict=True)
+    ]
+    rows = [
+        prediction_row(
+            tx,
+            model_version,
+            score=score,
+            request_id=spec.request_id,
+            batch_id=batch_id,
+            idempotency_key=spec.key,
+            produced_at=now,
+        )
+        for tx, spec in zip(ids, specs, strict=True)
+    ]
+    return BatchResult(results=results, rows=rows)
