@@ -73,12 +73,15 @@ class AdaptiveBatcher:
         model_version: str,
         on_batch: BatchHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        burst_interval_s: float = 0.0,
     ) -> None:
         self.process = process
         self.executor = executor
         self.max_batch = max_batch
         self.capacity = capacity
         self.target_s = target_s
+        self.burst_interval_s = burst_interval_s
+        self._over_target_since: float | None = None
         self.cost = cost
         self.metrics = metrics
         self.on_batch = on_batch
@@ -108,9 +111,22 @@ class AdaptiveBatcher:
             self._queue.popleft()
         return self.clock() - self._queue[0].enqueued_at if self._queue else 0.0
 
+    def standing_queue_age(self) -> float:
+        """The oldest queued item's age, counted against admission once the queue has stayed
+        over the target for `burst_interval_s` (CoDel's interval): a burst that drains within
+        the interval is a good queue and is served; a queue that stands is overload and sheds."""
+        age = self.oldest_queued()
+        if age <= self.target_s:
+            self._over_target_since = None
+            return age
+        now = self.clock()
+        if self._over_target_since is None:
+            self._over_target_since = now
+        return age if now - self._over_target_since >= self.burst_interval_s else 0.0
+
     def decide(self, items: int, deadline: float) -> Decision:
         return admit(
-            oldest_queued_s=self.oldest_queued(),
+            oldest_queued_s=self.standing_queue_age(),
             items=items,
             queued=self._live,
             capacity=self.capacity,

@@ -200,6 +200,7 @@ class OnlineScorer:
             metrics=self.metrics,
             model_version=self.model_version,
             on_batch=self._after_batch,
+            burst_interval_s=self.settings.burst_interval_ms / 1000,
         )
         self.batcher.start()
         self.writer.start()

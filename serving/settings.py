@@ -27,6 +27,12 @@ class ServingSettings(BaseSettings):
         default=28, ge=1, le=366, description="Rolling window the SLOs are declared over. Exported for dashboards."
     )
     max_batch_size: int = Field(default=64, ge=1, le=4096, description="Items per adaptive batch at most.")
+    burst_interval_ms: float = Field(
+        default=250.0,
+        ge=0,
+        description="How long the queue may stand over the p99 target before its age sheds requests "
+        "(CoDel's interval): a burst that drains sooner is served, not shed. 0 sheds at once.",
+    )
     queue_capacity: int = Field(
         default=1024, ge=1, description="Hard bound on queued items, whatever the predicted wait says."
     )

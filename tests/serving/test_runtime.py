@@ -237,11 +237,21 @@ def test_a_dead_scoring_process_is_replaced_and_liveness_fails_only_when_that_ke
     assert attempts == [MODEL] * (RESTORE_ATTEMPTS_BEFORE_RESTART + 1)
 
 
+@pytest.mark.parametrize("burst_interval_ms", [0, 60])
 def test_a_request_is_refused_before_it_is_read_once_even_one_item_would_wait_too_long(
-    sqlite_engine: Engine, tmp_path: Path
+    sqlite_engine: Engine, tmp_path: Path, burst_interval_ms: float
 ) -> None:
+    """The queue's age sheds once it has stood over the target for the burst interval (CoDel):
+    at once with no interval, else only after the interval has passed."""
+
     async def scenario() -> None:
-        scorer = await started_scorer(FakeScoring(delay_s=0.3), sqlite_engine, tmp_path, p99_target_ms=50)
+        scorer = await started_scorer(
+            FakeScoring(delay_s=0.3),
+            sqlite_engine,
+            tmp_path,
+            p99_target_ms=50,
+            burst_interval_ms=burst_interval_ms,
+        )
         assert scorer.refuse_early(time.monotonic() + 5) is None
         first = asyncio.create_task(
             scorer.score([transaction("tx-1")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5)
@@ -251,6 +261,10 @@ def test_a_request_is_refused_before_it_is_read_once_even_one_item_would_wait_to
             scorer.score([transaction("tx-2")], request_id="r2", idempotency_key=None, deadline=time.monotonic() + 5)
         )
         await asyncio.sleep(0.1)  # tx-2 has waited longer than the whole 50 ms target
+        if burst_interval_ms:
+            # First seen over the target just now: a burst, as far as anyone knows yet.
+            assert scorer.refuse_early(time.monotonic() + 5) is None
+            await asyncio.sleep(burst_interval_ms / 1000 + 0.01)
         refusal = scorer.refuse_early(time.monotonic() + 5)
         assert refusal is not None and refusal.reason == "over_target"
         assert refusal.predicted_wait_s > 0.05
