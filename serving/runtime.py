@@ -265,7 +265,7 @@ class OnlineScorer:
         return self.scoring_available() or self.restore_failures < RESTORE_ATTEMPTS_BEFORE_RESTART
 
     def ready(self) -> bool:
-        if not self.warm or not self.scoring_available():
+        if not self.warm or self.batcher is None or not self.scoring_available():
             return False
         if self.breaker.state is BreakerState.CLOSED:
             return True
