@@ -249,10 +249,11 @@ class OnlineScorer:
         logger.info("now serving %s (was %s)", backend.model_version, previous.model_version)
         done.set_result(previous)
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = 0.0) -> None:
+        """Stop batching, write what was submitted, and drain the outbox for up to `drain_s`."""
         if self.batcher is not None:
             await self.batcher.stop()
-        await asyncio.to_thread(self.writer.close)
+        await asyncio.to_thread(self.writer.close, drain_s)
         self.outbox.close()
 
     def scoring_available(self) -> bool:

@@ -13,7 +13,6 @@ The class-scope model is the one served at start; a promotion or rollback later 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import gc
@@ -32,7 +31,6 @@ from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer, ScoringBackend
 from serving.settings import ServingSettings
-from serving.writer import ResultWriter
 from tandem import modelstore
 from tandem.version import code_version
 
@@ -57,41 +55,6 @@ def production_model() -> BentoModel:
             )
         tag = stored[0].tag
     return BentoModel(tag)
-
-
-async def final_drain(writer: ResultWriter, timeout_s: float, *, retry_s: float = 0.25) -> int:
-    """Drain the outbox into the database until it is empty or `timeout_s` has passed; rows drained.
-
-    An open breaker refuses a drain until it half-opens (breaker_reset_s), so the drain is retried
-    until the time is up. Runs beside the writer thread's own periodic drain: a chunk both write
-    is upserted twice, which the idempotent upsert absorbs. Never raises: shutdown goes on.
-    """
-    if timeout_s <= 0 or writer.outbox_depth == 0:
-        return 0
-    drained = 0
-
-    async def drain_until_empty() -> None:
-        nonlocal drained
-        while True:
-            drained += await asyncio.to_thread(writer.drain)
-            if writer.outbox_depth == 0:
-                return
-            await asyncio.sleep(retry_s)
-
-    try:
-        await asyncio.wait_for(drain_until_empty(), timeout_s)
-    except TimeoutError:
-        # The running chunk finishes in its thread; close() then stops the outbox under it, and
-        # an undeleted chunk that reached the database is only written twice, never lost twice.
-        logger.warning("shutdown: outbox drain stopped after %.1f s", timeout_s)
-    except Exception:
-        logger.exception("shutdown: outbox drain failed")
-    left = writer.outbox_depth
-    if left:
-        logger.warning("shutdown: %d rows drained, %d left in the outbox (lost if the pod goes)", drained, left)
-    else:
-        logger.info("shutdown: outbox empty (%d rows drained)", drained)
-    return drained
 
 
 def _current_scorer() -> OnlineScorer:
@@ -203,13 +166,13 @@ class RiskScorer:
     @bentoml.on_shutdown
     async def stop_scorer(self) -> None:
         """SIGTERM (pod deletion): by now the server has stopped accepting requests and answered the
-        ones it had, so the batcher is idle. One last outbox drain, bounded by shutdown_drain_s,
-        then close: the outbox is an emptyDir in Kubernetes, and rows left in it leave with the pod."""
+        ones it had, so the batcher is idle. Close the scorer: submitted rows are written, then one
+        last outbox drain bounded by shutdown_drain_s (the outbox is an emptyDir in Kubernetes, and
+        rows left in it leave with the pod)."""
         await self.supervisor.close()
         if self.watcher is not None:
             await self.watcher.close()
-        await final_drain(self.scorer.writer, self.shutdown_drain_s)
-        await self.scorer.close()
+        await self.scorer.close(drain_s=self.shutdown_drain_s)
         # The pool of the version serving now, which a swap may have replaced since __init__.
         self.scorer.executor.shutdown(wait=True)
 

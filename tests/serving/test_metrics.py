@@ -6,8 +6,7 @@ ASGI transport, so one event loop runs the app and the scorer."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,14 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
-import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
-from inference.store import make_engine, predictions, utc_now
+from inference.store import utc_now
 from serving.admission import Decision
 from serving.app import build_app
-from serving.breaker import CircuitBreaker
 from serving.metrics import ITEM_OUTCOMES, SCORE_BUCKETS, ServingMetrics, latency_buckets
 from serving.outbox import Outbox
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
@@ -30,9 +27,6 @@ from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
-from serving.writer import ResultWriter
-from tests.serving.support import prediction_rows
-from tests.shared import register_untrained_model
 
 MODEL = "risk_model:metrics"
 
@@ -295,63 +289,3 @@ def test_requests_in_flight_rises_while_a_request_waits_and_falls_after() -> Non
 
     during, after, status = asyncio.run(scenario())
     assert (during, after, status) == (1, 0, 200)
-
-
-# ------------------------------------------------------------------ the last outbox drain at shutdown
-@pytest.fixture(scope="module")
-def final_drain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Any]]:
-    """serving.service.final_drain; importing the service module resolves a model at class scope."""
-    patch = pytest.MonkeyPatch()
-    tag = register_untrained_model("metrics_test_model")
-    patch.setenv("TANDEM_MODEL_NAME", "metrics_test_model")
-    patch.setenv("TANDEM_SERVING_MODEL_TAG", tag)
-    from serving.service import final_drain
-
-    yield final_drain
-    patch.undo()
-
-
-def _writer(engine: Engine, tmp_path: Path, breaker: CircuitBreaker) -> ResultWriter:
-    # Not started: no writer thread draining beside the final drain, so the counts are exact.
-    outbox = Outbox(tmp_path / "outbox.sqlite3")
-    outbox.append(prediction_rows(7, MODEL))
-    return ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=3)
-
-
-def test_final_drain_empties_the_outbox_into_the_database(
-    final_drain: Callable[..., Any], sqlite_engine: Engine, tmp_path: Path
-) -> None:
-    writer = _writer(sqlite_engine, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=60))
-    assert writer.outbox_depth == 7
-    assert asyncio.run(final_drain(writer, 30)) == 7
-    assert writer.outbox_depth == 0
-    assert sample(writer.metrics, "tandem_serving_outbox_depth") == 0
-    with sqlite_engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).select_from(predictions)).scalar_one() == 7
-
-
-def test_final_drain_gives_up_at_its_bound_and_keeps_the_rows(final_drain: Callable[..., Any], tmp_path: Path) -> None:
-    dead = make_engine(f"sqlite:///{tmp_path / 'missing' / 'nowhere.db'}")
-    writer = _writer(dead, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=0.05))
-    started = time.monotonic()
-    assert asyncio.run(final_drain(writer, 0.5, retry_s=0.05)) == 0
-    assert time.monotonic() - started < 30, "bounded (generously: the machine is shared)"
-    assert writer.outbox_depth == 7, "nothing is deleted that the database did not take"
-    assert writer.outbox.depth() == 7
-
-
-def test_final_drain_of_zero_seconds_or_an_empty_outbox_does_nothing(
-    final_drain: Callable[..., Any], sqlite_engine: Engine, tmp_path: Path
-) -> None:
-    writer = _writer(sqlite_engine, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=60))
-    assert asyncio.run(final_drain(writer, 0)) == 0
-    assert writer.outbox_depth == 7
-    empty = ResultWriter(
-        sqlite_engine,
-        CircuitBreaker(failure_threshold=1, reset_s=60),
-        Outbox(tmp_path / "empty" / "outbox.sqlite3"),
-        ServingMetrics(),
-        drain_interval_s=60,
-        drain_chunk=3,
-    )
-    assert asyncio.run(final_drain(empty, 30)) == 0

@@ -112,3 +112,46 @@ def test_an_unreachable_database_keeps_every_row_for_later(engine: Engine, tmp_p
     ids, rejections = stored(engine)
     assert ids == {f"w{i}" for i in range(12)} - {"w3"}
     assert [r["transaction_id"] for r in rejections] == ["w3"]
+
+
+# ------------------------------------------------------------------ the last outbox drain at shutdown
+def spilled_writer(engine: Engine, tmp_path: Path, breaker: CircuitBreaker) -> ResultWriter:
+    """Seven rows in the outbox, the writer thread never started: nothing drains but close()."""
+    outbox = Outbox(tmp_path / "outbox.sqlite3")
+    outbox.append(rows(7))
+    return ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=3)
+
+
+def test_close_drains_the_outbox_into_the_database(engine: Engine, tmp_path: Path) -> None:
+    writer = spilled_writer(engine, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=60))
+    assert writer.outbox_depth == 7
+    assert writer.close(drain_s=30) == 7
+    assert writer.outbox_depth == 0
+    ids, _ = stored(engine)
+    assert ids == {f"w{i}" for i in range(7)}
+
+
+def test_close_gives_up_at_its_bound_and_keeps_the_rows(tmp_path: Path) -> None:
+    dead = make_engine(f"sqlite:///{tmp_path / 'missing' / 'nowhere.db'}")
+    writer = spilled_writer(dead, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=0.05))
+    started = time.monotonic()
+    assert writer.close(drain_s=0.5, retry_s=0.05) == 0
+    assert time.monotonic() - started < 30, "bounded (generously: the machine is shared)"
+    assert writer.outbox_depth == 7, "nothing is deleted that the database did not take"
+    assert writer.outbox.depth() == 7
+
+
+def test_close_without_a_drain_leaves_the_outbox_alone(engine: Engine, tmp_path: Path) -> None:
+    writer = spilled_writer(engine, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=60))
+    assert writer.close() == 0
+    assert writer.outbox_depth == 7
+
+
+def test_close_of_a_running_writer_writes_what_was_submitted_before_it_drains(engine: Engine, tmp_path: Path) -> None:
+    writer = spilled_writer(engine, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=60))
+    writer.start()
+    writer.submit_rows(rows(12)[7:])
+    writer.close(drain_s=30)
+    ids, _ = stored(engine)
+    assert ids == {f"w{i}" for i in range(12)}
+    assert writer.outbox_depth == 0
