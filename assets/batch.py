@@ -18,6 +18,7 @@ from dagster import (
     BackfillPolicy,
     Config,
     DailyPartitionsDefinition,
+    Failure,
     MaterializeResult,
     MetadataValue,
     TimeWindowPartitionMapping,
@@ -28,11 +29,12 @@ from pydantic import Field
 from assets.retries import TRANSIENT_RETRY, retry_only_transient_errors
 from inference.batch import BatchProducer, ChunkProgress, ingest_day, score_partition
 from inference.contract import TorchPredictor
-from inference.model import ModelConfig
+from inference.model import IncompatibleModelError, ModelConfig
 from inference.parity import PARITY_TOLERANCE, check_parity
+from inference.sources import SourceError
 from inference.store import partition_counts, stored_partition_dates
 from inference.training import evaluate_auc, train_from_store
-from orchestration.resources import DatabaseResource, DemoSourceResource, ModelStoreResource
+from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from tandem import modelstore
 from tandem.version import code_version
 
@@ -53,6 +55,9 @@ class PredictionsConfig(Config):
     reject_rate_warn: float = Field(default=0.02, ge=0, le=1)
     reject_rate_max: float = Field(default=0.10, ge=0, le=1, description="above this the check blocks")
     parity_sample: int = Field(default=64, ge=0, description="rows re-scored through the online code path")
+    unseen_share_warn: float = Field(
+        default=0.01, ge=0, le=1, description="warn above this share of scored rows with a value outside the vocabulary"
+    )
 
 
 def _peak_rss_mb() -> float:
@@ -70,17 +75,27 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
         description="Source transactions of one UTC day, stored as received (poison included).",
     )
     def transactions(
-        context: AssetExecutionContext, database: DatabaseResource, source: DemoSourceResource
+        context: AssetExecutionContext, database: DatabaseResource, source: TransactionSourceResource
     ) -> MaterializeResult:
         day = date.fromisoformat(context.partition_key)
+        try:
+            read = source.read(day)
+        except SourceError as error:
+            # The day's data is wrong (no file, a missing column): a retry reads the same file, so
+            # fail this partition alone with the reason. A lost database connection is not caught.
+            raise Failure(description=str(error), allow_retries=False) from error
         with retry_only_transient_errors():
-            report = ingest_day(database.engine, source.records_for(day), day)
+            report = ingest_day(database.engine, read.frame, day)
         return MaterializeResult(
             metadata={
                 "rows_received": report.rows_received,
                 "rows_stored": report.rows_stored,
                 "rows_new_or_changed": report.rows_changed,
                 "rejected_at_ingest": report.rejected_at_ingest,
+                "source_kind": read.kind,
+                "source_paths": MetadataValue.json(list(read.paths)),
+                # The landing sensor compares this with the files now there: equal means ingested.
+                **({"source_version": read.version} if read.version is not None else {}),
             }
         )
 
@@ -114,11 +129,17 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
             )
             tag = modelstore.register(model, report, name=model_store.model_name, code_version=code_version())
             current = model_store.production_tag()
-            current_auc = (
-                evaluate_auc(database.engine, modelstore.load(current), first_day=first, holdout_day=holdout)
-                if current
-                else None
-            )
+            try:
+                current_auc = (
+                    evaluate_auc(database.engine, modelstore.load(current), first_day=first, holdout_day=holdout)
+                    if current
+                    else None
+                )
+            except IncompatibleModelError as error:
+                # Production was trained for another vocabulary: this code can neither score with it
+                # nor compare against it, so the new version replaces it (else nothing ever could).
+                context.log.warning(f"production model not comparable, replacing it: {error}")
+                current_auc = None
         promoted = config.force_promote or current_auc is None or report.auc >= current_auc
         if promoted:
             modelstore.promote(tag)
@@ -158,7 +179,17 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
         check_specs=[
             AssetCheckSpec("rows_accounted_for", asset="predictions", description="scored + rejected = input"),
             AssetCheckSpec("scores_in_unit_interval", asset="predictions", description="finite, within [0, 1]"),
-            AssetCheckSpec("no_duplicate_keys", asset="predictions"),
+            AssetCheckSpec(
+                "unseen_vocabulary_share",
+                asset="predictions",
+                description="share of scored rows with a category, country or currency outside the training "
+                "vocabulary (scored through the unknown bucket); a warning that the model wants retraining",
+            ),
+            AssetCheckSpec(
+                "batch_answers_current",
+                asset="predictions",
+                description="every batch answer is for the stored record's current content",
+            ),
             AssetCheckSpec("reject_rate_bounded", asset="predictions", blocking=True),
             AssetCheckSpec(
                 "parity_with_online",
@@ -205,6 +236,7 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                 database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
             )
         reject_rate = counts.rejected / counts.input_rows if counts.input_rows else 0.0
+        unseen_share = report.scored_with_unseen / report.scored if report.scored else 0.0
         # Above the warning bound the check fails as a warning; above the hard bound it blocks.
         rate_severity = AssetCheckSeverity.ERROR if reject_rate > config.reject_rate_max else AssetCheckSeverity.WARN
         return MaterializeResult(
@@ -213,6 +245,10 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                 "scored": report.scored,
                 "rejected": report.rejected,
                 "rejected_by_reason": MetadataValue.json(dict(report.rejected_by_reason)),
+                # Answered online too, and scored again here: both answers are kept (docs/decisions/0002).
+                "answered_online": counts.answered_online,
+                "unseen_values_by_field": MetadataValue.json(dict(sorted(report.unseen_by_field.items()))),
+                "unseen_share": unseen_share,
                 "model_version": version,
                 "rows_per_second": round(report.rows_per_second, 1),
                 "peak_rss_mb": round(_peak_rss_mb(), 1),
@@ -223,7 +259,13 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                 AssetCheckResult(
                     check_name="rows_accounted_for",
                     passed=counts.scored + counts.rejected == counts.input_rows,
-                    metadata={"input": counts.input_rows, "scored": counts.scored, "rejected": counts.rejected},
+                    metadata={
+                        "input": counts.input_rows,
+                        "scored": counts.scored,
+                        "rejected": counts.rejected,
+                        "answered_online": counts.answered_online,
+                        "accounting": "online answers are kept beside batch ones, not counted instead of them",
+                    },
                 ),
                 AssetCheckResult(
                     check_name="scores_in_unit_interval",
@@ -231,9 +273,9 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                     metadata={"out_of_range": counts.scores_out_of_range},
                 ),
                 AssetCheckResult(
-                    check_name="no_duplicate_keys",
-                    passed=counts.duplicate_keys == 0,
-                    metadata={"duplicate_keys": counts.duplicate_keys},
+                    check_name="batch_answers_current",
+                    passed=counts.stale_answers == 0,
+                    metadata={"stale_answers": counts.stale_answers},
                 ),
                 AssetCheckResult(
                     check_name="parity_with_online",
@@ -253,6 +295,18 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                         "reject_rate": reject_rate,
                         "warn_above": config.reject_rate_warn,
                         "block_above": config.reject_rate_max,
+                    },
+                ),
+                # Drift, not poison: unseen values are scored, so this warns and never blocks.
+                AssetCheckResult(
+                    check_name="unseen_vocabulary_share",
+                    passed=unseen_share <= config.unseen_share_warn,
+                    severity=AssetCheckSeverity.WARN,
+                    metadata={
+                        "unseen_share": unseen_share,
+                        "scored_with_unseen": report.scored_with_unseen,
+                        "warn_above": config.unseen_share_warn,
+                        "unseen_values_by_field": MetadataValue.json(dict(sorted(report.unseen_by_field.items()))),
                     },
                 ),
             ],

@@ -481,7 +481,9 @@ def request_bodies(bench: BenchEnv, count: int) -> tuple[list[dict[str, Any]], l
     day = generate_day(START_DAY + timedelta(days=60), DemoConfig(rows_per_day=max(count, 2000), poison_rate=0.05))
     good = day.filter(pl.col("poison_kind").is_null()).head(count)
     poison = day.filter(
-        pl.col("poison_kind").is_in(["bad_currency", "unknown_category", "negative_amount", "absurd_amount"])
+        pl.col("poison_kind").is_in(
+            ["bad_currency", "malformed_category", "malformed_country", "negative_amount", "absurd_amount"]
+        )
     )
     columns = ["transaction_id", "account_id", "amount", "currency", "merchant_category", "country", "event_time"]
     return (

@@ -83,6 +83,9 @@ class PartitionReport:
     chunks: int = 0
     seconds: float = 0.0
     rejected_by_reason: Counter[str] = field(default_factory=Counter)
+    # Scored rows per field outside the training vocabulary, and rows with any such field.
+    unseen_by_field: Counter[str] = field(default_factory=Counter)
+    scored_with_unseen: int = 0
 
     @property
     def rows_per_second(self) -> float:
@@ -142,6 +145,9 @@ def score_partition(
             report.scored += scored.height
             report.rejected += rejected.height
             report.rejected_by_reason.update(rejected["reject_reason"].to_list())
+            unseen = scored["unseen_fields"].drop_nulls()
+            report.scored_with_unseen += unseen.len()
+            report.unseen_by_field.update(unseen.str.split(",").explode().to_list())
             report.chunks += 1
             if on_chunk is not None:
                 elapsed = time.perf_counter() - started
@@ -164,6 +170,7 @@ def _prediction_rows(scored: pl.DataFrame, predictor: Predictor, producer: Batch
         pl.lit(producer.code_version).alias("code_version"),
         "input_hash",
         "history_hash",
+        "unseen_fields",
         pl.lit(None, dtype=pl.String).alias("idempotency_key"),
         pl.lit(utc_now(), dtype=EVENT_TS_DTYPE).alias("produced_at"),
         pl.lit(None, dtype=pl.Float64).alias("latency_ms"),

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import polars as pl
 
-from inference.features import FeatureBatch, build_features
+from inference.features import FeatureBatch, build_features, unseen_fields
 from inference.model import RiskModel, score_batch
 from inference.records import RejectReason, hash_inputs, validate
 
@@ -27,6 +27,10 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "input_hash": pl.String(),
     # Digest of the stored records the features read as history; null for a rejected row.
     "history_hash": pl.String(),
+    # Comma-separated, sorted names of the fields (among merchant_category, country, currency)
+    # outside the training vocabulary, scored through the model's unknown bucket; null when none
+    # and for a rejected row.
+    "unseen_fields": pl.String(),
 }
 
 
@@ -91,6 +95,7 @@ class TorchPredictor:
             checked = checked.with_columns(hash_inputs(checked))
         scores = np.full(checked.height, np.nan)
         history_hashes: list[str | None] = [None] * checked.height
+        unseen: list[str | None] = [None] * checked.height
         reasons: list[str | None] = checked["reject_reason"].to_list()
         details: list[str | None] = [
             None if reason is None else describe_rejection(reason, row)
@@ -102,8 +107,11 @@ class TorchPredictor:
             features = build_features(valid, history.history_for(valid, self.history_length), self.history_length)
             if features.history_digests is None:
                 raise ValueError("history rows carry no input_hash; the score's inputs could not be recorded")
-            for position, digest in zip(valid_positions.tolist(), features.history_digests, strict=True):
+            for position, digest, fields in zip(
+                valid_positions.tolist(), features.history_digests, unseen_fields(features), strict=True
+            ):
                 history_hashes[position] = digest
+                unseen[position] = fields
             for start in range(0, len(features), self.forward_batch_size):
                 part = features.slice(start, start + self.forward_batch_size)
                 part_scores, failures = self.score_isolated(part)
@@ -120,11 +128,13 @@ class TorchPredictor:
                 "reject_detail": pl.Series(details, dtype=pl.String),
                 "input_hash": checked["input_hash"],
                 "history_hash": pl.Series(history_hashes, dtype=pl.String),
+                "unseen_fields": pl.Series(unseen, dtype=pl.String),
             },
             schema=RESULT_SCHEMA,
         ).with_columns(
             score=pl.when(pl.col("reject_reason").is_null()).then(pl.col("score")),
             history_hash=pl.when(pl.col("reject_reason").is_null()).then(pl.col("history_hash")),
+            unseen_fields=pl.when(pl.col("reject_reason").is_null()).then(pl.col("unseen_fields")),
         )
 
     def score_isolated(self, features: FeatureBatch) -> tuple[np.ndarray, dict[int, tuple[RejectReason, str]]]:
@@ -163,8 +173,8 @@ def describe_rejection(reason: str, row: dict[str, object]) -> str:
         RejectReason.AMOUNT_NOT_FINITE: "amount",
         RejectReason.AMOUNT_NEGATIVE: "amount",
         RejectReason.AMOUNT_ABSURD: "amount",
-        RejectReason.UNKNOWN_CATEGORY: "merchant_category",
-        RejectReason.UNKNOWN_COUNTRY: "country",
+        RejectReason.MALFORMED_CATEGORY: "merchant_category",
+        RejectReason.MALFORMED_COUNTRY: "country",
         RejectReason.TIMESTAMP_MISSING: "event_time",
         RejectReason.TIMESTAMP_UNPARSABLE: "event_time",
     }.get(RejectReason(reason), "record")

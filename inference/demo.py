@@ -32,6 +32,14 @@ HOME_CURRENCY = {
     "SE": "SEK",
 }
 BASE_FRAUD_RATE = 0.02
+# Well-formed values outside the training vocabulary (records.py): what a new merchant category,
+# a new market or a new currency looks like on its first day. Not poison: they are scored
+# through the model's unknown bucket and flagged, so the drift metadata has something to show.
+UNSEEN_VALUES: tuple[tuple[str, str], ...] = (
+    ("merchant_category", "ev_charging"),
+    ("country", "KR"),
+    ("currency", "KRW"),
+)
 
 
 class PoisonKind(enum.StrEnum):
@@ -39,7 +47,8 @@ class PoisonKind(enum.StrEnum):
     NAN_AMOUNT = "nan_amount"
     NEGATIVE_AMOUNT = "negative_amount"
     ABSURD_AMOUNT = "absurd_amount"
-    UNKNOWN_CATEGORY = "unknown_category"
+    MALFORMED_CATEGORY = "malformed_category"
+    MALFORMED_COUNTRY = "malformed_country"
     MISSING_TIMESTAMP = "missing_timestamp"
     UNPARSABLE_TIMESTAMP = "unparsable_timestamp"
     DUPLICATE_ID = "duplicate_id"
@@ -50,7 +59,8 @@ EXPECTED_REASON: dict[PoisonKind, RejectReason] = {
     PoisonKind.NAN_AMOUNT: RejectReason.AMOUNT_NOT_FINITE,
     PoisonKind.NEGATIVE_AMOUNT: RejectReason.AMOUNT_NEGATIVE,
     PoisonKind.ABSURD_AMOUNT: RejectReason.AMOUNT_ABSURD,
-    PoisonKind.UNKNOWN_CATEGORY: RejectReason.UNKNOWN_CATEGORY,
+    PoisonKind.MALFORMED_CATEGORY: RejectReason.MALFORMED_CATEGORY,
+    PoisonKind.MALFORMED_COUNTRY: RejectReason.MALFORMED_COUNTRY,
     PoisonKind.MISSING_TIMESTAMP: RejectReason.TIMESTAMP_MISSING,
     PoisonKind.UNPARSABLE_TIMESTAMP: RejectReason.TIMESTAMP_UNPARSABLE,
     PoisonKind.DUPLICATE_ID: RejectReason.DUPLICATE_ID,
@@ -62,6 +72,7 @@ class DemoConfig:
     seed: int = 7
     rows_per_day: int = 20_000
     poison_rate: float = 0.01
+    unseen_rate: float = 0.002  # clean rows given one UNSEEN_VALUES value each
     accounts: int | None = None  # None: one account per ten daily rows
 
     @property
@@ -146,7 +157,12 @@ def generate_day(day: date, config: DemoConfig) -> pl.DataFrame:
         transaction_id=pl.lit(f"tx-{day:%Y%m%d}-") + pl.col("transaction_id"),
         account_id=pl.lit("acct-") + pl.col("account_id"),
     )
-    return _poison(frame, rng, config.poison_rate)
+    # Its own stream, so the rest of the day is what it was before unseen values were added.
+    return _unseen(
+        _poison(frame, rng, config.poison_rate),
+        np.random.default_rng([config.seed, day.toordinal(), 1]),
+        config.unseen_rate,
+    )
 
 
 def _poison(frame: pl.DataFrame, rng: np.random.Generator, rate: float) -> pl.DataFrame:
@@ -170,11 +186,21 @@ def _poison(frame: pl.DataFrame, rng: np.random.Generator, rate: float) -> pl.Da
     def cycle(options: tuple[object, ...], size: int) -> list[object]:
         return [options[i % len(options)] for i in range(size)]
 
-    put("currency", PoisonKind.BAD_CURRENCY, cycle(("XXX", "usd", "US$", ""), rows_of(PoisonKind.BAD_CURRENCY).size))
+    # Malformed, every one: a well-formed unseen value ("XXX", "KR") is scored, not poison.
+    put("currency", PoisonKind.BAD_CURRENCY, cycle(("usd", "US$", "", "EURO"), rows_of(PoisonKind.BAD_CURRENCY).size))
     put("amount", PoisonKind.NAN_AMOUNT, np.full(rows_of(PoisonKind.NAN_AMOUNT).size, np.nan))
     put("amount", PoisonKind.NEGATIVE_AMOUNT, -frame["amount"].to_numpy()[rows_of(PoisonKind.NEGATIVE_AMOUNT)] - 0.01)
     put("amount", PoisonKind.ABSURD_AMOUNT, np.full(rows_of(PoisonKind.ABSURD_AMOUNT).size, 3.7e9))
-    put("merchant_category", PoisonKind.UNKNOWN_CATEGORY, ["teleportation"] * rows_of(PoisonKind.UNKNOWN_CATEGORY).size)
+    put(
+        "merchant_category",
+        PoisonKind.MALFORMED_CATEGORY,
+        cycle(("", "   ", "<script>", "x" * 65), rows_of(PoisonKind.MALFORMED_CATEGORY).size),
+    )
+    put(
+        "country",
+        PoisonKind.MALFORMED_COUNTRY,
+        cycle(("usa", "us", "U5", ""), rows_of(PoisonKind.MALFORMED_COUNTRY).size),
+    )
     put("event_time", PoisonKind.MISSING_TIMESTAMP, [None] * rows_of(PoisonKind.MISSING_TIMESTAMP).size)
     put(
         "event_time",
@@ -187,6 +213,21 @@ def _poison(frame: pl.DataFrame, rng: np.random.Generator, rate: float) -> pl.Da
 
     poison_kind = pl.Series("poison_kind", [None] * n, dtype=pl.String).scatter(rows, pl.Series(kinds))
     return pl.DataFrame(columns).with_columns(label_fraud=frame["label_fraud"], poison_kind=poison_kind)
+
+
+def _unseen(frame: pl.DataFrame, rng: np.random.Generator, rate: float) -> pl.DataFrame:
+    """About `rate` of the clean rows get one of UNSEEN_VALUES each (dealt round-robin)."""
+    clean = np.flatnonzero(frame["poison_kind"].is_null().to_numpy())
+    count = min(round(frame.height * rate), clean.size)
+    if count <= 0:
+        return frame
+    rows = np.sort(rng.choice(clean, size=count, replace=False))
+    columns = {}
+    for offset, (column, value) in enumerate(UNSEEN_VALUES):
+        where = rows[offset :: len(UNSEEN_VALUES)]
+        if where.size:
+            columns[column] = frame[column].scatter(where, pl.Series([value] * where.size, dtype=pl.String))
+    return frame.with_columns(**columns)
 
 
 def day_range(start: date, days: int) -> list[date]:

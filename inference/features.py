@@ -15,11 +15,25 @@ import numpy as np
 import polars as pl
 import torch
 
-from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, USD_PER_UNIT
+from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, USD_PER_UNIT, VOCABULARY_FIELDS
 
 FEATURE_COLUMNS = ("transaction_id", "account_id", "amount", "currency", "merchant_category", "country", "event_ts")
 CURRENT_CATEGORICAL = ("currency_idx", "category_idx", "country_idx", "hour", "weekday")
-CURRENT_CATEGORICAL_CARDINALITY = (len(CURRENCIES), len(MERCHANT_CATEGORIES), len(COUNTRIES), 24, 7)
+# A value outside its training vocabulary gets the index len(vocabulary): one "unknown" bucket per
+# field, an embedding row the model learns (training masks a share of known values into it), so
+# a well-formed value seen for the first time is scored rather than refused or mis-encoded.
+UNKNOWN_CURRENCY, UNKNOWN_CATEGORY, UNKNOWN_COUNTRY = len(CURRENCIES), len(MERCHANT_CATEGORIES), len(COUNTRIES)
+CURRENT_CATEGORICAL_CARDINALITY = (UNKNOWN_CURRENCY + 1, UNKNOWN_CATEGORY + 1, UNKNOWN_COUNTRY + 1, 24, 7)
+# The fields that can be unseen, in VOCABULARY_FIELDS order (that of the `unseen_fields` flag),
+# with their column in `current_categorical` and the index of their unknown bucket.
+_ENCODED_AS = {
+    "country": ("country_idx", UNKNOWN_COUNTRY),
+    "currency": ("currency_idx", UNKNOWN_CURRENCY),
+    "merchant_category": ("category_idx", UNKNOWN_CATEGORY),
+}
+UNSEEN_FIELD_COLUMNS: tuple[tuple[str, int, int], ...] = tuple(
+    (name, CURRENT_CATEGORICAL.index(_ENCODED_AS[name][0]), _ENCODED_AS[name][1]) for name in VOCABULARY_FIELDS
+)
 CURRENT_NUMERIC = (
     "amount_log",
     "history_fill",
@@ -30,8 +44,9 @@ CURRENT_NUMERIC = (
     "since_previous_log",
     "has_history",
 )
-# History item categoricals are shifted by one: 0 is the padding slot of an empty history.
-HISTORY_CATEGORICAL_CARDINALITY = (len(MERCHANT_CATEGORIES) + 1, len(COUNTRIES) + 1)
+# History item categoricals are shifted by one: 0 is the padding slot of an empty history (and the
+# unknown bucket of each is its vocabulary's length + 1).
+HISTORY_CATEGORICAL_CARDINALITY = (UNKNOWN_CATEGORY + 2, UNKNOWN_COUNTRY + 2)
 HISTORY_NUMERIC_WIDTH = 4
 # Scales log-seconds (a week is about 13.3) into roughly [0, 1].
 LOG_SECONDS_SCALE = 12.0
@@ -102,12 +117,18 @@ class FeatureBatch:
 
 
 def _index_of(column: str, vocabulary: tuple[str, ...]) -> pl.Expr:
+    """The value's index in `vocabulary`, or len(vocabulary) (the unknown bucket) if not in it."""
     mapping = {value: index for index, value in enumerate(vocabulary)}
-    return pl.col(column).replace_strict(mapping, return_dtype=pl.Int64)
+    # Stripped as validation and the API's model strip it, so " grocery " in a file is "grocery".
+    return pl.col(column).str.strip_chars().replace_strict(mapping, default=len(vocabulary), return_dtype=pl.Int64)
 
 
 def _encoded(frame: pl.DataFrame) -> pl.DataFrame:
-    rate = pl.col("currency").replace_strict(USD_PER_UNIT, return_dtype=pl.Float64)
+    # An unseen currency has no rate. 1.0 (the amount as if in USD) keeps the feature finite and
+    # the record scored; refusing it would be the drift outage this bucket exists to avoid, and a
+    # guessed rate would look authoritative. The amount is then not comparable with the account's
+    # history, which is why the row carries "currency" in `unseen_fields`.
+    rate = pl.col("currency").replace_strict(USD_PER_UNIT, default=1.0, return_dtype=pl.Float64)
     return frame.with_columns(
         amount_log=(pl.col("amount") * rate).log1p(),
         currency_idx=_index_of("currency", CURRENCIES),
@@ -204,6 +225,26 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
             _history_digests(np.where(valid, timeline["record_number"].to_numpy()[source], 0)) if with_digest else None
         ),
     )
+
+
+# `unseen_fields` text for each combination of unseen fields, indexed by a bitmask whose bit i is
+# UNSEEN_FIELD_COLUMNS[i]: a lookup instead of joining strings row by row.
+_UNSEEN_TEXT = np.array(
+    [
+        ",".join(name for bit, (name, _, _) in enumerate(UNSEEN_FIELD_COLUMNS) if mask >> bit & 1) or None
+        for mask in range(1 << len(UNSEEN_FIELD_COLUMNS))
+    ],
+    dtype=object,
+)
+
+
+def unseen_fields(features: FeatureBatch) -> list[str | None]:
+    """Per row, the sorted comma-separated fields scored through their unknown bucket, or None."""
+    mask = np.zeros(len(features), dtype=np.int64)
+    for bit, (_, column, unknown) in enumerate(UNSEEN_FIELD_COLUMNS):
+        mask |= (features.current_categorical[:, column] == unknown).astype(np.int64) << bit
+    texts: list[str | None] = _UNSEEN_TEXT[mask].tolist()
+    return texts
 
 
 def _history_digests(record_numbers: np.ndarray) -> list[str]:

@@ -1,5 +1,5 @@
-"""Why does transaction X have score Y: path, producer, model and code version, input hash, and
-whether the batch and online paths agree."""
+"""Why does transaction X have score Y: every answer each path gave, which one is current, its
+producer, model and code version, input and history hashes, and why the paths differ if they do."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from inference.parity import PARITY_TOLERANCE
+from inference.agreement import cause_of
 from inference.store import ResultPath, lineage_rows
 
 
@@ -21,14 +21,18 @@ class ResultLineage:
     dagster_run_url: str | None
     request_id: str | None
     batch_id: str | None
+    idempotency_key: str | None
     code_version: str
     input_hash: str
+    history_hash: str | None
     input_is_current: bool  # the stored source record still has this content
+    degraded: bool
+    unseen_fields: list[str]
     produced_at: str
-    other_path: str | None
-    other_path_score: float | None
-    other_path_producer: str | None
-    paths_agree: bool | None  # None: only one path has scored this input under this version
+    current: bool  # the answer that stands for this transaction now (see `explain`)
+    # Online answers: how the batch answer compares (the same version's, else the newest; None: none yet).
+    batch_score: float | None
+    versus_batch: str | None  # an inference.agreement.Cause
 
 
 @dataclass(frozen=True)
@@ -39,23 +43,44 @@ class TransactionLineage:
     current_input_hash: str | None
     results: list[ResultLineage]
 
+    @property
+    def current(self) -> ResultLineage | None:
+        return next((result for result in self.results if result.current), None)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _current_index(rows: list[dict[str, Any]], current_hash: str | None) -> int | None:
+    """The batch answer for the stored record's current content wins (it read the complete,
+    corrected history); without one, the newest online answer for that content; without a stored
+    record, the newest answer. Rows come oldest first."""
+    matching = [i for i, row in enumerate(rows) if current_hash is None or row["input_hash"] == current_hash]
+    for path in (ResultPath.BATCH.value, ResultPath.ONLINE.value):
+        candidates = [i for i in matching if rows[i]["path"] == path]
+        if candidates:
+            return candidates[-1]
+    return len(rows) - 1 if rows and current_hash is None else None
 
 
 def explain(engine: Engine, transaction_id: str, *, dagster_ui_url: str) -> TransactionLineage:
     with engine.connect() as conn:
         source, rows = lineage_rows(conn, transaction_id)
     current_hash = source["input_hash"] if source else None
+    current = _current_index(rows, current_hash)
+    batch_rows = [row for row in rows if row["path"] == ResultPath.BATCH.value]
+    batch_by_version = {row["model_version"]: row for row in batch_rows}
     results = []
-    for row in rows:
+    for index, row in enumerate(rows):
         batch = row["path"] == ResultPath.BATCH.value
         producer = (
             f"dagster run {row['run_id']} partition {row['partition_key']}"
             if batch
             else f"request {row['request_id']} batch {row['batch_id']}"
         )
-        other_score = row["cross_path_score"]
+        # The pairing rule of path_agreement (store.answer_pairs): the same version's batch answer,
+        # else the newest batch answer.
+        paired = None if batch else batch_by_version.get(row["model_version"], batch_rows[-1] if batch_rows else None)
         results.append(
             ResultLineage(
                 model_version=row["model_version"],
@@ -67,14 +92,17 @@ def explain(engine: Engine, transaction_id: str, *, dagster_ui_url: str) -> Tran
                 else None,
                 request_id=row["request_id"],
                 batch_id=row["batch_id"],
+                idempotency_key=row["idempotency_key"],
                 code_version=row["code_version"],
                 input_hash=row["input_hash"],
+                history_hash=row["history_hash"],
                 input_is_current=row["input_hash"] == current_hash,
+                degraded=bool(row["degraded"]),
+                unseen_fields=[name for name in (row["unseen_fields"] or "").split(",") if name],
                 produced_at=str(row["produced_at"]),
-                other_path=row["cross_path"],
-                other_path_score=other_score,
-                other_path_producer=row["cross_path_producer"],
-                paths_agree=None if other_score is None else abs(other_score - row["score"]) <= PARITY_TOLERANCE,
+                current=index == current,
+                batch_score=None if paired is None else paired["score"],
+                versus_batch=None if paired is None else cause_of(row, paired).value,
             )
         )
     return TransactionLineage(

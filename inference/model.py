@@ -118,12 +118,49 @@ def save_model(model: RiskModel, directory: Path) -> None:
     (directory / CONFIG_FILE).write_text(json.dumps(asdict(model.config), sort_keys=True))
 
 
+class IncompatibleModelError(ValueError):
+    """A stored model whose tensors do not fit this code's model (another vocabulary, another layout)."""
+
+
 def load_model(directory: Path) -> RiskModel:
     config = ModelConfig(**json.loads((directory / CONFIG_FILE).read_text()))
     model = RiskModel(config)
-    model.load_state_dict(torch.load(directory / WEIGHTS_FILE, weights_only=True))
+    stored = torch.load(directory / WEIGHTS_FILE, weights_only=True)
+    _check_compatible(model, stored, directory)
+    model.load_state_dict(stored)
     model.eval()
     return model
+
+
+def _check_compatible(model: RiskModel, stored: dict[str, torch.Tensor], directory: Path) -> None:
+    """Fail in one line naming the cause, before `load_state_dict`'s multi-line size-mismatch dump.
+
+    An embedding with a different row count means the model was trained on another categorical
+    vocabulary (models saved before the unknown bucket have one row fewer per field): its rows
+    would mean other values, so it is refused rather than loaded partially.
+    """
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - stored.keys())
+    unexpected = sorted(stored.keys() - expected.keys())
+    if missing or unexpected:
+        raise IncompatibleModelError(
+            f"model at {directory} has another layout (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "retrain it with this code (the risk_model asset or `tandem demo`)"
+        )
+    for name, tensor in expected.items():
+        found = tuple(stored[name].shape)
+        if found == tuple(tensor.shape):
+            continue
+        if "embeddings" in name:
+            raise IncompatibleModelError(
+                f"model at {directory} was trained on another categorical vocabulary: {name} has {found[0]} rows, "
+                f"this code expects {tensor.shape[0]} (each field's vocabulary plus an 'unknown' bucket); "
+                "retrain it with this code (the risk_model asset or `tandem demo`)"
+            )
+        raise IncompatibleModelError(
+            f"model at {directory} does not fit this code: {name} is {found}, expected {tuple(tensor.shape)}; "
+            "retrain it with this code (the risk_model asset or `tandem demo`)"
+        )
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:

@@ -15,6 +15,10 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# The training vocabularies: the values the model has an embedding row of its own for. A value
+# outside them that is well-formed (see the patterns below) is scored through the feature
+# pipeline's "unknown" bucket and flagged (`unseen_fields`), never refused: a merchant category
+# that appears tomorrow is a drift to watch, not poison.
 CURRENCIES: tuple[str, ...] = ("USD", "EUR", "GBP", "JPY", "CHF", "CAD", "AUD", "SEK")
 # Converting to one unit makes amounts comparable across an account's history.
 USD_PER_UNIT: dict[str, float] = {
@@ -81,6 +85,20 @@ COUNTRIES: tuple[str, ...] = (
     "NG",
     "RU",
 )
+# The fields with a training vocabulary, sorted: the order `unseen_fields` names them in.
+VOCABULARY_FIELDS: tuple[str, ...] = ("country", "currency", "merchant_category")
+# What a well-formed value looks like, checked alike by `validate()` (polars) and `Transaction`
+# (pydantic); both use Rust's regex engine, where `$` is the end of the text (Python's `re` would
+# also accept a trailing newline). ISO 4217 / ISO 3166-1 alpha-2 shapes, not their code lists:
+# a code issued tomorrow is well-formed.
+CURRENCY_PATTERN = r"^[A-Z]{3}$"
+COUNTRY_PATTERN = r"^[A-Z]{2}$"
+CATEGORY_MAX_LENGTH = 64
+# After stripping surrounding whitespace: 1-64 ASCII letters, digits, spaces and `_ - & / .`, room
+# for names such as "ev_charging", "Home & Garden" or "b2b/saas", none for markup, quotes,
+# control characters or the debris of a mis-split CSV line. ASCII only, so a look-alike Unicode
+# letter cannot open a second spelling of one category.
+CATEGORY_PATTERN = rf"^[A-Za-z0-9 _&/.-]{{1,{CATEGORY_MAX_LENGTH}}}$"
 # An amount above this is a unit or parsing error upstream, not a purchase.
 MAX_PLAUSIBLE_AMOUNT = 1_000_000.0
 ID_MAX_LENGTH = 64
@@ -91,12 +109,13 @@ class RejectReason(enum.StrEnum):
 
     MISSING_FIELD = "missing_field"
     DUPLICATE_ID = "duplicate_id"
+    # Malformed, not merely unseen: an unseen well-formed value is scored (see CURRENCIES).
     BAD_CURRENCY = "bad_currency"
     AMOUNT_NOT_FINITE = "amount_not_finite"
     AMOUNT_NEGATIVE = "amount_negative"
     AMOUNT_ABSURD = "amount_absurd"
-    UNKNOWN_CATEGORY = "unknown_category"
-    UNKNOWN_COUNTRY = "unknown_country"
+    MALFORMED_CATEGORY = "malformed_category"
+    MALFORMED_COUNTRY = "malformed_country"
     TIMESTAMP_MISSING = "timestamp_missing"
     TIMESTAMP_UNPARSABLE = "timestamp_unparsable"
     MODEL_ERROR = "model_error"
@@ -111,8 +130,8 @@ REASON_ORDER: tuple[RejectReason, ...] = (
     RejectReason.AMOUNT_NOT_FINITE,
     RejectReason.AMOUNT_NEGATIVE,
     RejectReason.AMOUNT_ABSURD,
-    RejectReason.UNKNOWN_CATEGORY,
-    RejectReason.UNKNOWN_COUNTRY,
+    RejectReason.MALFORMED_CATEGORY,
+    RejectReason.MALFORMED_COUNTRY,
     RejectReason.TIMESTAMP_MISSING,
     RejectReason.TIMESTAMP_UNPARSABLE,
 )
@@ -139,31 +158,11 @@ class Transaction(BaseModel):
     transaction_id: str = Field(min_length=1, max_length=ID_MAX_LENGTH)
     account_id: str = Field(min_length=1, max_length=ID_MAX_LENGTH)
     amount: float = Field(ge=0.0, le=MAX_PLAUSIBLE_AMOUNT, allow_inf_nan=False)
-    currency: str = Field(min_length=3, max_length=3, pattern=r"^[A-Z]{3}$")
-    merchant_category: str = Field(min_length=1, max_length=64)
-    country: str = Field(min_length=2, max_length=2, pattern=r"^[A-Z]{2}$")
+    # Shapes only (see CURRENCY_PATTERN): a value outside the training vocabulary is accepted.
+    currency: str = Field(min_length=3, max_length=3, pattern=CURRENCY_PATTERN)
+    merchant_category: str = Field(min_length=1, max_length=CATEGORY_MAX_LENGTH, pattern=CATEGORY_PATTERN)
+    country: str = Field(min_length=2, max_length=2, pattern=COUNTRY_PATTERN)
     event_time: datetime
-
-    @field_validator("currency")
-    @classmethod
-    def _known_currency(cls, value: str) -> str:
-        if value not in USD_PER_UNIT:
-            raise ValueError(f"unsupported currency {value!r}; expected one of {sorted(CURRENCIES)}")
-        return value
-
-    @field_validator("merchant_category")
-    @classmethod
-    def _known_category(cls, value: str) -> str:
-        if value not in MERCHANT_CATEGORIES:
-            raise ValueError(f"unknown merchant_category {value!r}")
-        return value
-
-    @field_validator("country")
-    @classmethod
-    def _known_country(cls, value: str) -> str:
-        if value not in COUNTRIES:
-            raise ValueError(f"unknown country {value!r}")
-        return value
 
     @field_validator("event_time")
     @classmethod
@@ -234,12 +233,16 @@ def validate(frame: pl.DataFrame) -> pl.DataFrame:
         | (pl.col("account_id").str.len_chars() > ID_MAX_LENGTH),
         RejectReason.DUPLICATE_ID: pl.col("transaction_id").is_not_null()
         & (pl.int_range(pl.len()).over("transaction_id") > 0),
-        RejectReason.BAD_CURRENCY: ~pl.col("currency").is_in(list(CURRENCIES)).fill_null(False),
+        RejectReason.BAD_CURRENCY: ~pl.col("currency").str.contains(CURRENCY_PATTERN).fill_null(False),
         RejectReason.AMOUNT_NOT_FINITE: amount.is_null() | ~amount.is_finite().fill_null(False),
         RejectReason.AMOUNT_NEGATIVE: amount < 0,
         RejectReason.AMOUNT_ABSURD: amount > MAX_PLAUSIBLE_AMOUNT,
-        RejectReason.UNKNOWN_CATEGORY: ~pl.col("merchant_category").is_in(list(MERCHANT_CATEGORIES)).fill_null(False),
-        RejectReason.UNKNOWN_COUNTRY: ~pl.col("country").is_in(list(COUNTRIES)).fill_null(False),
+        # Stripped first, as `Transaction` (str_strip_whitespace) does: the same values pass both.
+        RejectReason.MALFORMED_CATEGORY: ~pl.col("merchant_category")
+        .str.strip_chars()
+        .str.contains(CATEGORY_PATTERN)
+        .fill_null(False),
+        RejectReason.MALFORMED_COUNTRY: ~pl.col("country").str.contains(COUNTRY_PATTERN).fill_null(False),
         RejectReason.TIMESTAMP_MISSING: pl.col("event_time").is_null() | (pl.col("event_time").str.strip_chars() == ""),
         RejectReason.TIMESTAMP_UNPARSABLE: pl.col("event_ts").is_null(),
     }

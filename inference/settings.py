@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from inference.sources import DEFAULT_PATTERN, SourceFormat
 
 
 class TandemSettings(BaseSettings):
@@ -27,6 +30,28 @@ class TandemSettings(BaseSettings):
     demo_days: int = Field(default=7, ge=1)
     demo_rows_per_day: int = Field(default=20_000, ge=1)
     demo_poison_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+    source: Literal["demo", "files", "sql"] = Field(
+        default="demo", description="where `transactions` reads a day: the demo generator, files, or a SQL query"
+    )
+    source_location: str | None = Field(
+        default=None, description="landing directory or object-store URL; unset means data_dir/landing"
+    )
+    source_pattern: str = Field(default=DEFAULT_PATTERN, description="one file (or folder, ending in /) per day")
+    source_format: SourceFormat | None = Field(default=None, description="unset: from the file extension")
+    source_url: str | None = Field(default=None, description="SQLAlchemy URL of the source database (sql)")
+    source_query: str | None = Field(default=None, description="SQL with :start, :end (UTC, [start, end)) and :day")
+
+    @model_validator(mode="after")
+    def _source_complete(self) -> Self:
+        if self.source == "sql" and not (self.source_url and self.source_query):
+            raise ValueError(
+                "TANDEM_SOURCE=sql needs TANDEM_SOURCE_URL (a SQLAlchemy URL) and TANDEM_SOURCE_QUERY "
+                "(a query over :start and :end, the day's UTC window [start, end), or :day)"
+            )
+        return self
+
+    def resolved_source_location(self) -> str:
+        return self.source_location or str((self.data_dir / "landing").resolve())
 
     def resolved_database_url(self) -> str:
         if self.database_url:

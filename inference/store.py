@@ -72,8 +72,17 @@ predictions = sa.Table(
     metadata,
     sa.Column("transaction_id", sa.Text, primary_key=True),
     sa.Column("model_version", sa.Text, primary_key=True),
+    sa.Column("path", sa.Text, primary_key=True),
+    # Both paths' answers are kept side by side (docs/decisions/0002): a version's batch answer is
+    # one row, rewritten when its input or history changes; every distinct online answer is a row
+    # of its own that nothing rewrites, because a client received it.
+    sa.Column(
+        "answer_key",
+        sa.Text,
+        primary_key=True,
+        comment="batch: ''; online: input_hash|history_hash, one row per distinct answer",
+    ),
     sa.Column("score", sa.Float(precision=53), nullable=False),
-    sa.Column("path", sa.Text, nullable=False),
     sa.Column("run_id", sa.Text, nullable=True, comment="Dagster run (batch)"),
     sa.Column("partition_key", sa.Text, nullable=True, comment="Dagster partition (batch)"),
     sa.Column("request_id", sa.Text, nullable=True, comment="HTTP request (online)"),
@@ -84,20 +93,38 @@ predictions = sa.Table(
         "history_hash",
         sa.Text,
         nullable=True,
-        comment="digest of the stored records the features read as history; null before migration 0004",
+        comment="digest of the stored records the features read as history; null when degraded",
     ),
     sa.Column("idempotency_key", sa.Text, nullable=True),
     sa.Column("produced_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("latency_ms", sa.Float, nullable=True, comment="online: service time of the producing request"),
-    # The other path's verdict on the same (transaction, model version, input): first writer wins,
-    # a later write from the other path is recorded here instead of rewriting history.
-    sa.Column("cross_path", sa.Text, nullable=True),
-    sa.Column("cross_path_score", sa.Float(precision=53), nullable=True),
-    sa.Column("cross_path_producer", sa.Text, nullable=True),
-    sa.Column("cross_checked_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column(
+        "degraded",
+        sa.Boolean,
+        nullable=False,
+        server_default=sa.false(),
+        comment="online: scored without account history (the store was unreachable)",
+    ),
+    sa.Column(
+        "unseen_fields",
+        sa.Text,
+        nullable=True,
+        comment="comma-separated fields scored through the unknown bucket; null = none",
+    ),
     sa.CheckConstraint("path IN ('batch', 'online')", name="ck_predictions_path"),
     sa.Index("ix_predictions_partition_key", "partition_key"),
     sa.Index("ix_predictions_idempotency_key", "idempotency_key"),
+)
+
+idempotency_keys = sa.Table(
+    "idempotency_keys",
+    metadata,
+    sa.Column("idempotency_key", sa.Text, primary_key=True),
+    sa.Column("request_hash", sa.Text, nullable=False, comment="digest of the request's transactions, in order"),
+    sa.Column("request_id", sa.Text, nullable=False, comment="the request that claimed the key"),
+    sa.Column("response", sa.Text, nullable=True, comment="the answers as JSON; null while in flight"),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True),
 )
 
 rejected_records = sa.Table(
@@ -128,9 +155,10 @@ rejected_records = sa.Table(
 # Stored rows as history for features: the record, its parsed time, and its hash (for the digest).
 HISTORY_SCHEMA: dict[str, pl.DataType] = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "input_hash": pl.String()}
 
-CROSS_PATH_COLUMNS = ("cross_path", "cross_path_score", "cross_path_producer", "cross_checked_at")
-# What a writer supplies; the cross-path columns are filled by the merge itself.
-PREDICTION_COLUMNS: tuple[str, ...] = tuple(c.name for c in predictions.columns if c.name not in CROSS_PATH_COLUMNS)
+PREDICTION_COLUMNS: tuple[str, ...] = tuple(c.name for c in predictions.columns)
+# Columns a writer may leave out: the merge derives answer_key, and the rest default.
+_DERIVED_OR_DEFAULTED = {"answer_key": None, "degraded": False, "unseen_fields": None, "latency_ms": None}
+NO_HISTORY = "nohistory"
 # SQLite's default host-parameter limit is 32766; stay well below it per statement.
 _SQLITE_ROWS_PER_STATEMENT = 500
 # SQLite's default SQLITE_MAX_COMPOUND_SELECT is 500 terms per UNION ALL.
@@ -287,76 +315,80 @@ def prior_history(conn: Connection, account_ids: Sequence[str], before: date, hi
 
 
 # ------------------------------------------------------------------ predictions
-def upsert_predictions(conn: Connection, rows: pl.DataFrame) -> int:
-    """Write prediction rows (PREDICTION_COLUMNS) idempotently; returns rows inserted or changed.
+def _polars_type(column: sa.Column[Any]) -> pl.DataType:
+    if isinstance(column.type, sa.Float):
+        return pl.Float64()
+    if isinstance(column.type, sa.DateTime):
+        return EVENT_TS_DTYPE
+    if isinstance(column.type, sa.Boolean):
+        return pl.Boolean()
+    return pl.String()
 
-    Keyed by (transaction_id, model_version), and deterministic whichever path writes first:
-    - a new key is inserted;
-    - the same key with a different input (a corrected record, or a changed history: a late or
-      corrected earlier record of the account) is rewritten;
-    - the same key and input from the same path is a no-op (retries, reruns, duplicates);
-    - the same key and input from the other path records that path's score and producer in the
-      cross_path columns (once), leaving the first writer's row untouched, so batch/online parity
-      is visible per row (see `lineage_of`).
+
+PREDICTION_SCHEMA: dict[str, pl.DataType] = {c.name: _polars_type(c) for c in predictions.columns}
+
+
+def prediction_frame(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
+    """Result rows (dicts, as the online path builds them) as a frame of `predictions` columns;
+    the optional columns may be absent."""
+    return pl.DataFrame(
+        [{name: row.get(name, _DERIVED_OR_DEFAULTED.get(name)) for name in PREDICTION_COLUMNS} for row in rows],
+        schema=PREDICTION_SCHEMA,
+    )
+
+
+def answer_key_expr() -> pl.Expr:
+    """The row's place in the key: '' for a batch answer (one per version, rewritten on change);
+    input and history for an online one, so each distinct answer a client received is kept."""
+    online_key = pl.concat_str([pl.col("input_hash"), pl.col("history_hash").fill_null(NO_HISTORY)], separator="|")
+    return pl.when(pl.col("path") == ResultPath.BATCH.value).then(pl.lit("")).otherwise(online_key).alias("answer_key")
+
+
+def upsert_predictions(conn: Connection, rows: pl.DataFrame) -> int:
+    """Write prediction rows idempotently; returns rows inserted or changed.
+
+    Keyed by (transaction_id, model_version, path, answer_key), so one path never touches what the
+    other recorded:
+    - a batch answer is rewritten when the record or the history it read changed (a correction,
+      a late earlier record); the same input again (a rerun, a retry) is a no-op;
+    - an online answer is never rewritten: the same key means the same input and history, i.e.
+      the same answer replayed.
     """
     if rows.is_empty():
         return 0
-    frame = rows.select(PREDICTION_COLUMNS).unique(["transaction_id", "model_version"], keep="last")
-    return _merge(conn, predictions, frame, ["transaction_id", "model_version"], _prediction_conflict)
+    missing = [
+        pl.lit(default, dtype=PREDICTION_SCHEMA[name]).alias(name)
+        for name, default in _DERIVED_OR_DEFAULTED.items()
+        if name not in rows.columns
+    ]
+    frame = (
+        rows.with_columns(*missing)
+        .with_columns(answer_key_expr(), pl.col("degraded").cast(pl.Boolean).fill_null(False))
+        .select(PREDICTION_COLUMNS)
+        .unique(["transaction_id", "model_version", "path", "answer_key"], keep="last")
+    )
+    return _merge(
+        conn, predictions, frame, ["transaction_id", "model_version", "path", "answer_key"], _prediction_conflict
+    )
 
 
 def _prediction_conflict(excluded: Any) -> tuple[dict[str, Any], Any]:
     p = predictions.c
-    # The score is a function of the record and of the history it read: either changing rewrites it.
+    # A batch score is a function of the record and of the history it read: either changing rewrites it.
     changed = sa.or_(p.input_hash != excluded.input_hash, p.history_hash.is_distinct_from(excluded.history_hash))
-    other_path = sa.and_(p.path != excluded.path, p.cross_path.is_(None))
-    producer = sa.case(
-        (
-            excluded.path == ResultPath.BATCH.value,
-            "run "
-            + sa.func.coalesce(excluded.run_id, "?")
-            + " partition "
-            + sa.func.coalesce(excluded.partition_key, "?"),
-        ),
-        else_="request "
-        + sa.func.coalesce(excluded.request_id, "?")
-        + " batch "
-        + sa.func.coalesce(excluded.batch_id, "?"),
-    )
-    set_: dict[str, Any] = {
-        name: sa.case((changed, excluded[name]), else_=p[name])
-        for name in PREDICTION_COLUMNS
-        if name not in ("transaction_id", "model_version")
-    }
-    cross_values = {
-        "cross_path": excluded.path,
-        "cross_path_score": excluded.score,
-        "cross_path_producer": producer,
-        "cross_checked_at": excluded.produced_at,
-    }
-    for name, value in cross_values.items():
-        set_[name] = sa.case((changed, sa.null()), (other_path, value), else_=p[name])
-    return set_, sa.or_(changed, other_path)
-
-
-PREDICTION_SCHEMA: dict[str, pl.DataType] = {
-    c.name: (
-        pl.Float64()
-        if isinstance(c.type, sa.Float)
-        else EVENT_TS_DTYPE
-        if isinstance(c.type, sa.DateTime)
-        else pl.String()
-    )
-    for c in predictions.columns
-}
+    key = ("transaction_id", "model_version", "path", "answer_key")
+    set_ = {name: excluded[name] for name in PREDICTION_COLUMNS if name not in key}
+    return set_, sa.and_(excluded.path == ResultPath.BATCH.value, changed)
 
 
 def read_predictions(conn: Connection, **equal_to: Any) -> pl.DataFrame:
-    stmt = sa.select(predictions).order_by(predictions.c.transaction_id, predictions.c.model_version)
+    stmt = sa.select(predictions).order_by(
+        predictions.c.transaction_id, predictions.c.model_version, predictions.c.path, predictions.c.produced_at
+    )
     for name, value in equal_to.items():
         stmt = stmt.where(predictions.c[name] == value)
     frame = _frame_from_rows(conn.execute(stmt).all(), PREDICTION_SCHEMA)
-    return frame.with_columns(_as_utc(pl.col("produced_at")), _as_utc(pl.col("cross_checked_at")))
+    return frame.with_columns(_as_utc(pl.col("produced_at")))
 
 
 # ------------------------------------------------------------------ quarantine
@@ -623,7 +655,8 @@ class PartitionCounts:
     scored: int
     rejected: int
     scores_out_of_range: int
-    duplicate_keys: int
+    stale_answers: int  # batch answers whose input is no longer the stored record's
+    answered_online: int  # input rows that the online path answered too (never skipped by batch)
 
 
 def partition_counts(
@@ -646,16 +679,19 @@ def partition_counts(
         .select_from(predictions)
         .where(batch_rows, sa.not_(sa.and_(p.score >= 0, p.score <= 1)))
     ).scalar_one()
-    duplicates = conn.execute(
-        sa.select(sa.func.count()).select_from(
-            sa.select(p.transaction_id)
-            .where(p.partition_key == partition_key)
-            .group_by(p.transaction_id, p.model_version)
-            .having(sa.func.count() > 1)
-            .subquery()
-        )
+    stale = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(predictions.join(transactions, p.transaction_id == t.transaction_id, isouter=True))
+        .where(batch_rows, sa.or_(t.input_hash.is_(None), t.input_hash != p.input_hash))
     ).scalar_one()
-    return PartitionCounts(int(input_rows), int(scored), int(rejected), int(out_of_range), int(duplicates))
+    answered_online = conn.execute(
+        sa.select(sa.func.count(sa.distinct(t.transaction_id)))
+        .select_from(transactions.join(predictions, p.transaction_id == t.transaction_id))
+        .where(t.partition_date == partition_date, p.path == ResultPath.ONLINE.value)
+    ).scalar_one()
+    return PartitionCounts(
+        int(input_rows), int(scored), int(rejected), int(out_of_range), int(stale), int(answered_online)
+    )
 
 
 def stored_partition_dates(conn: Connection) -> list[date]:
@@ -696,7 +732,7 @@ def stale_scored_partitions(
     """Partitions already scored by the batch path whose scores a change made stale.
 
     A change is a record changed (late or corrected) after `changed_after` whose current contents
-    have no result yet: no prediction and no open rejection for its current input hash. Stale are
+    have no batch result yet: no batch prediction and no open rejection for its current input hash. Stale are
     the change's own partition and the partitions of the account's next `history_length` valid
     records, whose features read (or, for a record now invalid, read) the changed one as history.
     Every such partition, however many changed in the same interval, is returned, with the newest
@@ -707,7 +743,10 @@ def stale_scored_partitions(
     """
     t, p, r = transactions.c, predictions.c, rejected_records.c
     changed_filter = [
-        ~sa.select(p.transaction_id).where(p.transaction_id == t.transaction_id, p.input_hash == t.input_hash).exists(),
+        # Only a batch answer counts: an online answer to the corrected body leaves the batch stale.
+        ~sa.select(p.transaction_id)
+        .where(p.transaction_id == t.transaction_id, p.input_hash == t.input_hash, p.path == ResultPath.BATCH.value)
+        .exists(),
         ~sa.select(r.rejection_id)
         .where(r.transaction_id == t.transaction_id, r.input_hash == t.input_hash, r.resolved.is_(False))
         .exists(),
@@ -853,3 +892,140 @@ def online_activity(conn: Connection, *, produced_after: datetime | None) -> Onl
         latency_ms_p99=float(latency.quantile(0.99) or 0.0) if latency.len() else None,
         latest=latest if isinstance(latest, datetime) else None,
     )
+
+
+# ------------------------------------------------------------------ online answers, idempotency keys
+def online_answers(conn: Connection, *, model_version: str, transaction_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """Stored online answers of these transactions under one model version (for replays)."""
+    p = predictions.c
+    stmt = sa.select(predictions).where(
+        p.model_version == model_version, p.path == ResultPath.ONLINE.value, p.transaction_id.in_(list(transaction_ids))
+    )
+    return [dict(row._mapping) for row in conn.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class KeyClaim:
+    """The store's word on an idempotency key: who holds it, for which body, and its answer if done."""
+
+    request_hash: str
+    request_id: str
+    response: str | None
+    created_at: datetime
+
+    def owned_by(self, request_id: str) -> bool:
+        return self.request_id == request_id
+
+
+def claim_idempotency_key(conn: Connection, *, key: str, request_hash: str, request_id: str) -> KeyClaim:
+    """Claim `key` for this request body unless some request (any process) already did; returns
+    the claim that stands. Atomic on both backends: INSERT ... ON CONFLICT DO NOTHING, then read."""
+    insert = _insert_for(conn, idempotency_keys)
+    conn.execute(
+        insert.values(
+            idempotency_key=key, request_hash=request_hash, request_id=request_id, created_at=utc_now()
+        ).on_conflict_do_nothing(index_elements=["idempotency_key"])
+    )
+    k = idempotency_keys.c
+    row = conn.execute(
+        sa.select(k.request_hash, k.request_id, k.response, k.created_at).where(k.idempotency_key == key)
+    ).one()
+    return KeyClaim(row.request_hash, row.request_id, row.response, _aware(row.created_at))
+
+
+def complete_idempotency_key(conn: Connection, *, key: str, request_id: str, response: str) -> None:
+    k = idempotency_keys.c
+    conn.execute(
+        sa.update(idempotency_keys)
+        .where(k.idempotency_key == key, k.request_id == request_id, k.response.is_(None))
+        .values(response=response, completed_at=utc_now())
+    )
+
+
+def release_idempotency_key(conn: Connection, *, key: str, request_id: str) -> None:
+    """Give up an unanswered claim (the request was shed or expired), so a retry may score."""
+    k = idempotency_keys.c
+    conn.execute(
+        sa.delete(idempotency_keys).where(k.idempotency_key == key, k.request_id == request_id, k.response.is_(None))
+    )
+
+
+def take_over_idempotency_key(conn: Connection, *, key: str, request_id: str, claimed_before: datetime) -> bool:
+    """Move an unanswered claim older than `claimed_before` (its process died) to this request."""
+    k = idempotency_keys.c
+    stmt = (
+        sa.update(idempotency_keys)
+        .where(k.idempotency_key == key, k.response.is_(None), k.created_at < claimed_before)
+        .values(request_id=request_id, created_at=utc_now())
+    )
+    return bool(conn.execute(stmt).rowcount)
+
+
+# ------------------------------------------------------------------ path agreement
+ANSWER_PAIR_SCHEMA: dict[str, pl.DataType] = {
+    "transaction_id": pl.String(),
+    "online_model_version": pl.String(),
+    "online_answer_key": pl.String(),
+    "online_score": pl.Float64(),
+    "online_input_hash": pl.String(),
+    "online_history_hash": pl.String(),
+    "online_degraded": pl.Boolean(),
+    "online_request_id": pl.String(),
+    "online_produced_at": EVENT_TS_DTYPE,
+    # Null when the transaction has no batch answer (yet): not scored, or rejected by batch.
+    "batch_model_version": pl.String(),
+    "batch_score": pl.Float64(),
+    "batch_input_hash": pl.String(),
+    "batch_history_hash": pl.String(),
+    "batch_run_id": pl.String(),
+    "batch_produced_at": EVENT_TS_DTYPE,
+}
+
+
+def answer_pairs(conn: Connection, partition_date: date) -> pl.DataFrame:
+    """Every online answer to a transaction stored in `partition_date`, beside the batch answer it
+    is compared with (ANSWER_PAIR_SCHEMA): the batch answer under the same model version if there
+    is one, else the transaction's newest batch answer. Several online answers to one transaction
+    (retries with a changed body, other model versions) are several pairs."""
+    t = transactions.c
+    online, batch, candidate = predictions.alias("online"), predictions.alias("batch"), predictions.alias("candidate")
+    o, b, c = online.c, batch.c, candidate.c
+    is_batch = sa.and_(c.transaction_id == o.transaction_id, c.path == ResultPath.BATCH.value)
+    same_version = sa.select(c.model_version).where(is_batch, c.model_version == o.model_version).scalar_subquery()
+    newest = (
+        sa.select(c.model_version)
+        .where(is_batch)
+        .order_by(c.produced_at.desc(), c.model_version.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    paired = sa.and_(
+        b.transaction_id == o.transaction_id,
+        b.path == ResultPath.BATCH.value,
+        b.answer_key == "",
+        b.model_version == sa.func.coalesce(same_version, newest),
+    )
+    stmt = (
+        sa.select(
+            o.transaction_id,
+            o.model_version,
+            o.answer_key,
+            o.score,
+            o.input_hash,
+            o.history_hash,
+            o.degraded,
+            o.request_id,
+            o.produced_at,
+            b.model_version,
+            b.score,
+            b.input_hash,
+            b.history_hash,
+            b.run_id,
+            b.produced_at,
+        )
+        .select_from(online.join(transactions, t.transaction_id == o.transaction_id).outerjoin(batch, paired))
+        .where(t.partition_date == partition_date, o.path == ResultPath.ONLINE.value)
+        .order_by(o.transaction_id, o.produced_at, o.model_version, o.answer_key)
+    )
+    frame = _frame_from_rows(conn.execute(stmt).all(), ANSWER_PAIR_SCHEMA)
+    return frame.with_columns(_as_utc(pl.col("online_produced_at")), _as_utc(pl.col("batch_produced_at")))

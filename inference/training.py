@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import date, timedelta
 
 import numpy as np
 from sqlalchemy.engine import Engine
 
-from inference.features import build_features
+from inference.features import UNKNOWN_CATEGORY, UNKNOWN_COUNTRY, UNSEEN_FIELD_COLUMNS, FeatureBatch, build_features
 from inference.model import ModelConfig, RiskModel, TrainingReport, auc, score_batch, train_model
 from inference.store import valid_rows_between
+
+# Share of the training rows' categorical values (currency, category, country; the record's and
+# its history's) replaced by their field's unknown index. Without it no training row ever holds
+# the unknown index (every stored value is in the vocabulary), so the unknown embedding rows keep
+# their random initialisation and an unseen value would get an arbitrary score. Masking a small
+# share (as word dropout trains an NLP model's UNK token) teaches each row "a value of this field
+# the model cannot tell apart", and costs the known values next to nothing.
+UNKNOWN_MASK_SHARE = 0.02
+
+
+def mask_to_unknown(features: FeatureBatch, *, share: float, seed: int) -> FeatureBatch:
+    """A copy of `features` with a seeded `share` of categorical values set to the unknown bucket.
+
+    History padding (mask False) stays padding; history indices are shifted by one (0 = padding).
+    """
+    rng = np.random.default_rng([seed, 0x0B5E])
+    current = features.current_categorical.copy()
+    for _, column, unknown in UNSEEN_FIELD_COLUMNS:
+        current[rng.random(len(features)) < share, column] = unknown
+    history_unknown = np.array([UNKNOWN_CATEGORY + 1, UNKNOWN_COUNTRY + 1], dtype=np.int64)
+    hit = (rng.random(features.history_categorical.shape) < share) & features.history_mask[:, :, None]
+    history = np.where(hit, history_unknown, features.history_categorical)
+    return dataclasses.replace(features, current_categorical=current, history_categorical=history)
 
 
 def train_from_store(
@@ -45,7 +69,7 @@ def train_from_store(
         train_positions = np.sort(np.concatenate([positives, rng.choice(negatives, size=keep, replace=False)]))
     holdout_positions = np.flatnonzero(is_holdout)
     return train_model(
-        features.take(train_positions),
+        mask_to_unknown(features.take(train_positions), share=UNKNOWN_MASK_SHARE, seed=seed),
         labels[train_positions],
         features.take(holdout_positions),
         labels[holdout_positions],

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import date
+from typing import Literal, cast, get_args
 
 import polars as pl
 from dagster import ConfigurableResource, InitResourceContext
-from pydantic import PrivateAttr
+from pydantic import PrivateAttr, field_validator
 from sqlalchemy.engine import Engine
 
-from inference.demo import DemoConfig, generate_day
+from inference.demo import DemoConfig
 from inference.migrate import upgrade
 from inference.model import RiskModel
 from inference.settings import TandemSettings
+from inference.sources import FileSource, SourceError, SourceFormat, SourceRead, SqlSource, write_demo_day
 from inference.store import make_engine
 from tandem import modelstore
 
@@ -64,17 +67,45 @@ class ModelStoreResource(ConfigurableResource):
         return modelstore.production_tag(self.model_name)
 
 
-class DemoSourceResource(ConfigurableResource):
-    """The default transaction source: the deterministic generator (same day, same rows).
+SourceKind = Literal["demo", "files", "sql"]
 
-    A field left unset takes TANDEM_DEMO_SEED / TANDEM_DEMO_ROWS_PER_DAY / TANDEM_DEMO_POISON_RATE
-    (TandemSettings), read when the run asks for records, so a deployment sizes its demo source
-    from the environment like every other knob.
+
+class TransactionSourceResource(ConfigurableResource):
+    """Where `transactions` reads a day: files in a landing location, a SQL query, or the demo.
+
+    A field left unset takes its TANDEM_SOURCE_* / TANDEM_DEMO_* value (TandemSettings), read when
+    the run asks for records, never at import. The demo writes its generated day as a CSV file into
+    the landing location first and then reads it back through the same FileSource as a user's
+    files, so `make run` exercises the path a user's data takes.
     """
 
+    # Plain strings (Dagster config has no Literal), checked below.
+    kind: str | None = None
+    location: str | None = None
+    pattern: str | None = None
+    format: str | None = None
+    url: str | None = None
+    query: str | None = None
     seed: int | None = None
     rows_per_day: int | None = None
     poison_rate: float | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str | None) -> str | None:
+        if value is not None and value not in get_args(SourceKind):
+            raise ValueError(f"kind must be one of {get_args(SourceKind)}, not {value!r}")
+        return value
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        if value is not None and value not in get_args(SourceFormat):
+            raise ValueError(f"format must be one of {get_args(SourceFormat)}, not {value!r}")
+        return value
+
+    def resolved_kind(self) -> SourceKind:
+        return cast(SourceKind, self.kind) if self.kind else TandemSettings().source
 
     def demo_config(self) -> DemoConfig:
         settings = TandemSettings()
@@ -84,5 +115,34 @@ class DemoSourceResource(ConfigurableResource):
             poison_rate=settings.demo_poison_rate if self.poison_rate is None else self.poison_rate,
         )
 
+    def file_source(self) -> FileSource | None:
+        """The landing location as files (demo and files); None for a SQL source."""
+        kind = self.resolved_kind()
+        if kind == "sql":
+            return None
+        settings = TandemSettings()
+        return FileSource(
+            self.location or settings.resolved_source_location(),
+            self.pattern or settings.source_pattern,
+            # The demo writes CSV whatever the pattern's extension says.
+            "csv" if kind == "demo" else (cast(SourceFormat | None, self.format) or settings.source_format),
+        )
+
+    def sql_source(self) -> SqlSource:
+        settings = TandemSettings()
+        url, query = self.url or settings.source_url, self.query or settings.source_query
+        if not (url and query):
+            raise SourceError("a sql source needs a url and a query (TANDEM_SOURCE_URL, TANDEM_SOURCE_QUERY)")
+        return SqlSource(url, query)
+
+    def read(self, day: date) -> SourceRead:
+        files = self.file_source()
+        if files is None:
+            return self.sql_source().read(day)
+        if self.resolved_kind() == "demo":
+            write_demo_day(files.location, day, self.demo_config(), files.pattern.text)
+            return dataclasses.replace(files.read(day), kind="demo")
+        return files.read(day)
+
     def records_for(self, day: date) -> pl.DataFrame:
-        return generate_day(day, self.demo_config())
+        return self.read(day).frame

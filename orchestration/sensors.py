@@ -9,14 +9,21 @@ are all seen (Dagster #32853 affects `@asset_sensor`, which these are not).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from dagster import (
     AssetKey,
     AssetObservation,
+    AssetRecordsFilter,
+    DagsterInstance,
+    DagsterRunStatus,
     DefaultSensorStatus,
     MetadataValue,
+    PartitionsDefinition,
     RunRequest,
+    RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
@@ -33,10 +40,14 @@ from inference.store import (
     scored_partition_keys,
     stale_scored_partitions,
 )
-from orchestration.resources import DatabaseResource, ModelStoreResource
+from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+
+if TYPE_CHECKING:  # what define_asset_job returns; dagster does not export the name
+    from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 DAILY_JOB = "daily_scoring"
 RESCORE_JOB = "rescore_predictions"
+INGEST_JOB = "ingest_transactions"
 ONLINE_PREDICTIONS = AssetKey("online_predictions")
 
 
@@ -192,3 +203,90 @@ def build_online_observer(settings: SensorSettings) -> SensorDefinition:
         return SensorResult(asset_events=[observation], cursor=_cursor(activity.latest))
 
     return online_predictions_observer
+
+
+_IN_FLIGHT = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+]
+
+
+def _ingested_version(instance: DagsterInstance, partition_key: str) -> str | None:
+    """The file version the latest `transactions` materialization of this day read, if any."""
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey("transactions"), asset_partitions=[partition_key]), limit=1
+    ).records
+    if not records or records[0].asset_materialization is None:
+        return None
+    version = records[0].asset_materialization.metadata.get("source_version")
+    return str(version.value) if version is not None else None
+
+
+def _is_scored(instance: DagsterInstance, partition_key: str) -> bool:
+    return bool(
+        instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=AssetKey("predictions"), asset_partitions=[partition_key]), limit=1
+        ).records
+    )
+
+
+def build_landing_sensor(
+    settings: SensorSettings,
+    *,
+    partitions: PartitionsDefinition,
+    jobs: Sequence[UnresolvedAssetJobDefinition],
+) -> SensorDefinition:
+    """Files landing for a day -> ingest and score it; a day's file changing -> re-ingest it.
+
+    The cursor is {day: file version}. A day already ingested from this very version (the demo
+    writes its file inside the ingest, a run started by hand) requests nothing; a day with a run in
+    flight is looked at again next tick. A changed day that is already scored only re-ingests:
+    `late_records_sensor` then rescores exactly the partitions whose records or history changed.
+    """
+
+    @sensor(
+        jobs=list(jobs),
+        minimum_interval_seconds=settings.interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="New day files in the landing location -> daily_scoring; a changed day file -> "
+        "ingest_transactions (late_records_sensor then rescores what changed). Demo and files sources.",
+    )
+    def landing_sensor(
+        context: SensorEvaluationContext, source: TransactionSourceResource
+    ) -> SensorResult | SkipReason:
+        files = source.file_source()
+        if files is None:
+            return SkipReason("the source is a SQL query: no landing location to watch")
+        seen: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
+        requests: list[RunRequest] = []
+        for day, version in sorted(files.versions().items()):
+            key = day.isoformat()
+            if seen.get(key) == version:
+                continue
+            if not partitions.has_partition_key(key):
+                # Before the first partition, or a day not over yet (a key outside the set is refused).
+                context.log.info(f"landing: {key} is not a partition (yet); skipped")
+                continue
+            in_flight = context.instance.get_runs(
+                RunsFilter(tags={"dagster/partition": key}, statuses=_IN_FLIGHT), limit=1
+            )
+            if in_flight:
+                continue  # maybe writing this very file (the demo): decide once it is done
+            if _ingested_version(context.instance, key) != version:
+                job = INGEST_JOB if _is_scored(context.instance, key) else DAILY_JOB
+                requests.append(
+                    RunRequest(
+                        run_key=f"landing:{key}:{version}",
+                        job_name=job,
+                        partition_key=key,
+                        tags={"tandem/trigger": "landing", "tandem/source_version": version},
+                    )
+                )
+            seen[key] = version
+        if not requests and json.dumps(seen, sort_keys=True) == (context.cursor or "{}"):
+            return SkipReason(f"no new or changed day files at {files.location}")
+        return SensorResult(run_requests=requests, cursor=json.dumps(seen, sort_keys=True))
+
+    return landing_sensor

@@ -34,6 +34,7 @@ from inference.records import ID_MAX_LENGTH
 from inference.settings import TandemSettings
 from serving.admission import Decision
 from serving.batcher import SCORING_PROCESS_DIED
+from serving.idempotency import IDEMPOTENCY_IN_PROGRESS, IDEMPOTENCY_REUSED, KeyInProgress, KeyReused
 from serving.metrics import ServingMetrics, target_seconds
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import (
@@ -269,6 +270,16 @@ async def _run(call: _Call, scorer: OnlineScorer, request_id: str) -> tuple[Resp
     except DeadlineExceeded:
         items.labels(outcome="expired").inc(count)
         return _error(504, "deadline_exceeded", request_id, f"no answer within {call.deadline_ms:g} ms"), 0.0
+    except KeyReused as reused:
+        # Stripe's rule: a key names one body; answering another body under it would hand back
+        # (or store) an answer computed for other inputs.
+        items.labels(outcome="rejected").inc(count)
+        detail = {"idempotency_key": reused.key, "message": str(reused)}
+        return _error(422, IDEMPOTENCY_REUSED, request_id, detail), 0.0
+    except KeyInProgress as busy:
+        items.labels(outcome="shed").inc(count)
+        detail = {"idempotency_key": busy.key, "message": str(busy)}
+        return _error(409, IDEMPOTENCY_IN_PROGRESS, request_id, detail, **{"Retry-After": "1"}), 0.0
     if any(r.error is not None and r.error.reason == SCORING_PROCESS_DIED for r in results):
         # The batch died with the scoring process: not an answer about these items, a server fault.
         items.labels(outcome="failed").inc(count)
@@ -281,7 +292,8 @@ async def _run(call: _Call, scorer: OnlineScorer, request_id: str) -> tuple[Resp
 
 
 def _count_answers(metrics: ServingMetrics, results: list[ItemResult]) -> None:
-    """Items of a 200, by outcome, and the scores returned (cached answers included: the caller got them)."""
+    """Items of a 200, by outcome, the scores returned and the unseen vocabulary values they were
+    scored with (cached answers included: the caller got them)."""
     outcomes = {"scored": 0, "degraded": 0, "rejected": 0}
     for result in results:
         if result.status != "scored" or result.score is None:
@@ -289,6 +301,8 @@ def _count_answers(metrics: ServingMetrics, results: list[ItemResult]) -> None:
             continue
         outcomes["degraded" if result.degraded else "scored"] += 1
         metrics.scores.observe(result.score)
+        for name in result.unseen_fields:
+            metrics.unseen_values.labels(field=name).inc()
     for outcome, count in outcomes.items():
         if count:
             metrics.items.labels(outcome=outcome).inc(count)

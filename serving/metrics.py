@@ -16,6 +16,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from inference.records import VOCABULARY_FIELDS
 from serving.settings import ServingSettings
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -147,6 +148,16 @@ class ServingMetrics:
         self.degraded = Counter(
             "tandem_serving_degraded_total", "Items scored without account history (database down).", registry=r
         )
+        self.unseen_values = Counter(
+            "tandem_unseen_values_total",
+            "Scored items whose field held a value outside the training vocabulary (scored through the "
+            "model's unknown bucket), by field: vocabulary drift, a reason to retrain.",
+            ["field"],
+            registry=r,
+        )
+        for name in VOCABULARY_FIELDS:
+            # Exported at 0 from the start, so a rate() over the first unseen value sees it.
+            self.unseen_values.labels(field=name)
         self.model_info = Gauge(
             "tandem_serving_model_info",
             "1 for the model version being served, 0 for versions served earlier by this process.",

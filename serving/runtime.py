@@ -6,7 +6,6 @@ the HTTP app are thin shells around it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import math
@@ -22,12 +21,19 @@ from sqlalchemy.engine import Engine
 
 from inference.records import MERCHANT_CATEGORIES, Transaction, raw_frame, validate
 from serving.admission import BatchCostModel, Decision
-from serving.batcher import EXPIRED, AdaptiveBatcher, ProcessFn, WorkItem
+from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, WorkItem
 from serving.breaker import BreakerState, CircuitBreaker
+from serving.idempotency import (
+    Admission,
+    IdempotencyKeys,
+    KeyInProgress,
+    KeyReused,
+    request_fingerprint,
+)
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.schemas import ItemResult
-from serving.scoring import IDEMPOTENCY_REUSED, BatchResult, ItemSpec
+from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
 from serving.writer import ResultWriter
 
@@ -39,8 +45,6 @@ _T = TypeVar("_T")
 SCHEMA_INVALID = "schema_invalid"
 # A scoring process that cannot be replaced this many times running is past in-process repair.
 RESTORE_ATTEMPTS_BEFORE_RESTART = 3
-# Deterministic per-item failures: a retry would fail the same way, so the answer is cached.
-_CACHEABLE_ERRORS = frozenset({"model_error", "nonfinite_score"})
 
 
 class Shed(Exception):
@@ -53,26 +57,8 @@ class DeadlineExceeded(Exception):
     pass
 
 
-class ResultCache:
-    """Recent answers by idempotency key, so a retry is answered without the database."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._entries: collections.OrderedDict[str, ItemResult] = collections.OrderedDict()
-
-    def get(self, key: str) -> ItemResult | None:
-        found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
-        return found
-
-    def put(self, key: str, result: ItemResult) -> None:
-        if self.size <= 0:
-            return
-        self._entries[key] = result
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+class ScoringUnavailable(Exception):
+    """The batch was lost with the scoring process: no answer about its items."""
 
 
 @dataclass(frozen=True)
@@ -129,14 +115,6 @@ def warm_up_backend(
     return samples
 
 
-def item_key(transaction_id: str, header: str | None, items_in_request: int, model_version: str) -> tuple[str, bool]:
-    """(key, explicit): the client's key (suffixed per transaction in a multi-item request), or
-    transaction id + model version, so a plain retry of the same transaction is idempotent too."""
-    if header is None:
-        return f"{transaction_id}:{model_version}", False
-    return (header if items_in_request == 1 else f"{header}/{transaction_id}"), True
-
-
 class OnlineScorer:
     def __init__(
         self,
@@ -170,8 +148,15 @@ class OnlineScorer:
             drain_interval_s=settings.outbox_drain_interval_s,
             drain_chunk=settings.outbox_drain_chunk,
         )
-        self.cache = ResultCache(settings.idempotency_cache_size)
-        self.in_flight: dict[str, WorkItem] = {}
+        self.keys = IdempotencyKeys(
+            engine,
+            self.breaker,
+            size=settings.idempotency_cache_size,
+            # An unanswered claim outlives its request only when the process holding it died.
+            stale_after_s=max(2 * settings.request_timeout_ms / 1000, 10.0),
+        )
+        # Identical items being scored now, by (transaction, body): a duplicate waits for the first.
+        self.in_flight: dict[tuple[str, str], WorkItem] = {}
         self.restore_failures = 0  # consecutive failed attempts to replace a dead scoring process
         self.batcher: AdaptiveBatcher | None = None
         self.warm = False
@@ -297,63 +282,103 @@ class OnlineScorer:
     ) -> tuple[list[ItemResult], float]:
         """Answers in request order, and the CPU seconds of the batches spent on them.
 
-        Raises Shed (refused at admission) or DeadlineExceeded.
+        Raises Shed (refused at admission), DeadlineExceeded, KeyReused (the key named another
+        body) or KeyInProgress (another process is still answering the key).
         """
+        if idempotency_key is None:
+            return await self._score_items(transactions, request_id=request_id, key=None, deadline=deadline)
+        fingerprint = request_fingerprint(transactions)
+        try:
+            admission = await self.keys.admit(idempotency_key, fingerprint, request_id=request_id, deadline=deadline)
+        except TimeoutError as error:
+            raise DeadlineExceeded from error
+        if admission.results is not None:
+            return admission.results, 0.0
+        return await self._score_keyed(
+            transactions, admission, request_id=request_id, key=idempotency_key, deadline=deadline
+        )
+
+    async def _score_keyed(
+        self, transactions: list[Transaction], admission: Admission, *, request_id: str, key: str, deadline: float
+    ) -> tuple[list[ItemResult], float]:
+        """Score under a key this request holds; then store the answer, or free the key when the
+        request got none (shed, expired, the scoring process died), so that a retry may score."""
+        try:
+            results, cpu = await self._score_items(transactions, request_id=request_id, key=key, deadline=deadline)
+        except BaseException as error:
+            self.keys.release(key, admission, error)
+            self._store_key_outcome(admission, key, request_id, None)
+            raise
+        if any(r.error is not None and r.error.reason == SCORING_PROCESS_DIED for r in results):
+            self.keys.release(key, admission, ScoringUnavailable())
+            self._store_key_outcome(admission, key, request_id, None)
+        else:
+            self._store_key_outcome(admission, key, request_id, self.keys.complete(key, admission, results))
+        return results, cpu
+
+    def _store_key_outcome(self, admission: Admission, key: str, request_id: str, response: str | None) -> None:
+        # Off the event loop and not awaited: the client's answer does not wait for its bookkeeping.
+        if not admission.claimed_in_store:
+            return
+        loop = asyncio.get_running_loop()
+        if response is None:
+            loop.run_in_executor(None, self.keys.store_release, key, request_id)
+        else:
+            loop.run_in_executor(None, self.keys.store_answer, key, request_id, response)
+
+    async def _score_items(
+        self, transactions: list[Transaction], *, request_id: str, key: str | None, deadline: float
+    ) -> tuple[list[ItemResult], float]:
         assert self.batcher is not None, "start() first"
         batcher = self.batcher
-        plan: list[ItemResult | WorkItem] = []
+        plan: list[WorkItem] = []
         fresh: list[WorkItem] = []
         now = time.monotonic()
+        loop = asyncio.get_running_loop()
         for tx in transactions:
-            key, explicit = item_key(tx.transaction_id, idempotency_key, len(transactions), self.model_version)
-            cached = self.cache.get(key)
-            if cached is not None:
-                plan.append(cached)
-                continue
-            running = self.in_flight.get(key)
-            if running is not None:
+            raw = tx.to_raw()
+            # Only a truly identical item coalesces: same transaction, same body.
+            identity = (tx.transaction_id, request_fingerprint([tx]))
+            running = self.in_flight.get(identity)
+            if running is not None and not running.abandoned:
                 plan.append(running)
                 continue
-            spec = ItemSpec(raw=tx.to_raw(), key=key, explicit_key=explicit, request_id=request_id)
-            item = WorkItem(spec, deadline, now, asyncio.get_running_loop().create_future())
+            item = WorkItem(
+                ItemSpec(raw=raw, request_id=request_id, idempotency_key=key), deadline, now, loop.create_future()
+            )
             plan.append(item)
             fresh.append(item)
+            self.in_flight[identity] = item
+            item.future.add_done_callback(functools.partial(self._forget, identity, item))
         if fresh:
             decision = batcher.decide(len(fresh), deadline)
             if not decision.admitted:
+                for item in fresh:
+                    item.future.cancel()  # and so out of in_flight
                 self.metrics.shed.labels(reason=decision.reason or "unknown").inc()
                 raise Shed(decision)
-            for item in fresh:
-                self.in_flight[item.spec.key] = item
-                item.future.add_done_callback(functools.partial(self._forget, item))
             batcher.enqueue(fresh)
-        waiting = [entry for entry in plan if isinstance(entry, WorkItem)]
-        for item in waiting:
+        for item in plan:
             if item not in fresh:
                 item.waiters += 1
                 item.deadline = max(item.deadline, deadline)
-        if waiting:
-            _, pending = await asyncio.wait([item.future for item in waiting], timeout=deadline - time.monotonic())
-            expired = bool(pending) or any(item.future.result() is EXPIRED for item in waiting)
-            if expired:
-                for item in waiting:
-                    batcher.abandon(item)
-                raise DeadlineExceeded
+        _, pending = await asyncio.wait([item.future for item in plan], timeout=deadline - time.monotonic())
+        if pending or any(item.future.cancelled() or item.future.result() is EXPIRED for item in plan):
+            for item in plan:
+                batcher.abandon(item)
+            raise DeadlineExceeded
         results: list[ItemResult] = []
         cpu = 0.0
-        for entry in plan:
-            if isinstance(entry, WorkItem):
-                answer = entry.future.result()
-                assert isinstance(answer, ItemResult)
-                results.append(answer)
-                cpu += entry.cpu_share
-            else:
-                results.append(entry)
+        for item in plan:
+            answer = item.future.result()
+            assert isinstance(answer, ItemResult)
+            results.append(answer)
+            cpu += item.cpu_share
         return results, cpu
 
-    def _forget(self, item: WorkItem, _: object = None) -> None:
-        if self.in_flight.get(item.spec.key) is item:
-            del self.in_flight[item.spec.key]
+    def _forget(self, identity: tuple[str, str], item: WorkItem, _: object = None) -> None:
+        if self.in_flight.get(identity) is item:
+            del self.in_flight[identity]
 
     def _after_batch(self, batch: list[WorkItem], outcome: BatchResult) -> None:
         try:
@@ -367,26 +392,14 @@ class OnlineScorer:
         share = outcome.cpu_seconds / max(len(batch), 1)
         finished = time.monotonic()
         waited_ms = {item.transaction_id: (finished - item.enqueued_at) * 1000 for item in batch}
-        keys: dict[str, str] = {}
         for item, result in zip(batch, outcome.results, strict=True):
             item.cpu_share = share
-            key = item.spec.key
-            if not item.spec.explicit_key:
-                # Queued before a swap, answered after it: the default key names the version that
-                # answered, or a rollback would replay this answer as the earlier version's.
-                key = item_key(item.transaction_id, None, 1, result.model_version)[0]
-                keys[item.transaction_id] = key
             if result.error is not None:
                 self.metrics.item_errors.labels(reason=result.error.reason).inc()
             if result.degraded:
                 self.metrics.degraded.inc()
-            # A degraded answer is provisional: once the history is readable a retry rescoring it is better.
-            elif result.status == "scored" or (result.error and result.error.reason in _CACHEABLE_ERRORS):
-                self.cache.put(key, result)
         for row in outcome.rows:
             row["latency_ms"] = waited_ms.get(row["transaction_id"])
-            if (rekeyed := keys.get(row["transaction_id"])) is not None:
-                row["idempotency_key"] = rekeyed
         self.writer.submit_rows(outcome.rows)
         self.writer.submit_rejections(outcome.rejected)
         self.metrics.breaker_state.set(max(int(self.breaker.state), outcome.breaker_state))
@@ -423,16 +436,15 @@ def _warm_up_spec(index: int) -> ItemSpec:
         country="US",
         event_time=moment,
     )
-    return ItemSpec(raw=tx.to_raw(), key=f"warm-up-{index}", explicit_key=False, request_id="warm-up")
+    return ItemSpec(raw=tx.to_raw(), request_id="warm-up")
 
 
 __all__ = [
-    "IDEMPOTENCY_REUSED",
     "DeadlineExceeded",
+    "KeyInProgress",
+    "KeyReused",
     "OnlineScorer",
-    "ResultCache",
     "ScoringBackend",
     "Shed",
-    "item_key",
     "warm_up_backend",
 ]

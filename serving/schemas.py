@@ -37,6 +37,11 @@ class ItemResult(BaseModel):
     produced_at: datetime
     input_hash: str | None = None
     degraded: bool = Field(default=False, description="Scored without account history: the database was down.")
+    unseen_fields: list[str] = Field(
+        default_factory=list,
+        description="Fields (sorted; among merchant_category, country, currency) whose value the model was not "
+        "trained on: well-formed, so scored through the model's 'unknown' bucket, with less to go on.",
+    )
     error: ItemError | None = None
 
 
@@ -100,8 +105,10 @@ def openapi_document(*, bearer_auth: bool = False) -> dict[str, Any]:
                             "in": "header",
                             "required": False,
                             "schema": {"type": "string", "minLength": 1, "maxLength": 200},
-                            "description": "Retries with the same key get the stored answer and write nothing. "
-                            "Default: transaction id + model version.",
+                            "description": "Names one request body (Stripe's semantics): a retry with the "
+                            "same key and body gets the first answer and writes nothing; the same key with "
+                            "another body is refused with 422 idempotency_key_reused. Without a key only a "
+                            "truly identical input and account history is answered from earlier.",
                         },
                     ],
                     "requestBody": {"required": True, "content": {"application/json": {"schema": ref(ScoreRequest)}}},
@@ -110,8 +117,17 @@ def openapi_document(*, bearer_auth: bool = False) -> dict[str, Any]:
                         "200": body(ScoreResponse, "One result per transaction, scored or failed with a reason."),
                         "400": body(ErrorBody, "A malformed header."),
                         "401": body(ErrorBody, "A token is configured and the request lacks it.", unauthorized),
+                        "409": body(
+                            ErrorBody,
+                            "idempotency_key_in_progress: another request with this key is still being answered.",
+                            retry_after,
+                        ),
                         "413": body(ErrorBody, "The body is over the size limit, or too many transactions."),
-                        "422": body(ErrorBody, "Schema-invalid input (or malformed JSON): the field and the reason."),
+                        "422": body(
+                            ErrorBody,
+                            "Schema-invalid input (or malformed JSON): the field and the reason; or "
+                            "idempotency_key_reused: the key was used with another request body.",
+                        ),
                         "503": body(
                             ErrorBody,
                             "Shed: the predicted wait exceeds the target or deadline (with Retry-After); "
@@ -161,9 +177,10 @@ def openapi_document(*, bearer_auth: bool = False) -> dict[str, Any]:
 
 
 def _with_value_sets(components: dict[str, Any]) -> dict[str, Any]:
-    """Spell out the closed value sets that `Transaction` checks in validators (invisible to its
-    JSON schema), so clients and fuzzers (schemathesis) can generate valid records."""
+    """List the training vocabularies as examples, not as an `enum`: any value of the field's
+    pattern is accepted (an unseen one is scored through the unknown bucket and flagged), and
+    the known ones show clients (and fuzzers such as schemathesis) what the model knows best."""
     properties = components["Transaction"]["properties"]
     for name, values in (("currency", CURRENCIES), ("merchant_category", MERCHANT_CATEGORIES), ("country", COUNTRIES)):
-        properties[name] = {**properties[name], "enum": list(values)}
+        properties[name] = {**properties[name], "examples": list(values)}
     return components

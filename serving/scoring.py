@@ -1,43 +1,42 @@
-"""The work of one adaptive batch, run in the scoring thread: replay stored answers, read history,
-score through the shared Predictor, and shape result rows. No asyncio here; no HTTP either.
+"""The work of one adaptive batch, run in the scoring process: read history, score through the
+shared Predictor, replay an answer already given for exactly this input and history, and shape
+result rows. No asyncio here; no HTTP either.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import polars as pl
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import Predictor
-from inference.records import EVENT_TS_DTYPE, hash_inputs, raw_frame, validate
-from inference.store import HISTORY_SCHEMA, PREDICTION_COLUMNS, ResultPath, fetch_history, predictions, utc_now
+from inference.records import hash_inputs, raw_frame, validate
+from inference.store import HISTORY_SCHEMA, NO_HISTORY, ResultPath, fetch_history, online_answers, utc_now
 from serving.breaker import CircuitBreaker
 from serving.schemas import ItemError, ItemResult
 
 logger = logging.getLogger(__name__)
 
-# Marks a score computed without account history. The batch path's upsert rewrites a row whose
-# input_hash differs, so any later full-history score (batch or online) replaces a degraded one.
-DEGRADED_HASH_SUFFIX = "+nohistory"
-IDEMPOTENCY_REUSED = "idempotency_key_reused"
+# Answers this process gave, for replays that arrive before the result writer has stored them.
+_RECENT_ANSWERS = 50_000
 
 
 @dataclass(frozen=True)
 class ItemSpec:
-    """A schema-valid transaction as the scoring thread sees it (plain data, no futures)."""
+    """A schema-valid transaction as the scoring process sees it (plain data, no futures)."""
 
     raw: dict[str, Any]
-    key: str
-    explicit_key: bool
     request_id: str
+    idempotency_key: str | None = None  # the client's, for lineage; replays are decided before batching
 
 
 @dataclass
@@ -74,6 +73,13 @@ class GuardedHistory:
 
 
 class ScoringCore:
+    """One model version's scoring of adaptive batches, in the scoring process.
+
+    Every item is scored; an item whose (transaction, model version, input, history) was answered
+    before gets that earlier answer instead, so a true replay returns what the client got then and
+    writes nothing, and a changed body or a changed history is always a fresh answer.
+    """
+
     def __init__(
         self,
         predictor: Predictor,
@@ -86,33 +92,73 @@ class ScoringCore:
         self.engine = engine
         self.breaker = breaker
         self.code_version = code_version
+        self._recent: collections.OrderedDict[tuple[str, str], ItemResult] = collections.OrderedDict()
 
     @property
     def model_version(self) -> str:
         return self.predictor.model_version
 
     def score(self, items: list[ItemSpec], *, lookup: bool = True) -> BatchResult:
+        """`lookup`: replay earlier answers (off only for measurements of the scoring itself)."""
         cpu_started = time.thread_time()
-        checked = validate(raw_frame([item.raw for item in items]))
-        checked = checked.with_columns(hash_inputs(checked))
-        hashes: list[str] = checked["input_hash"].to_list()
-        answers: list[ItemResult | None] = [None] * len(items)
-        if lookup:
-            self._replay_stored(items, hashes, answers)
-        pending = [i for i, answer in enumerate(answers) if answer is None]
         outcome = BatchResult(results=[])
-        if pending:
-            history = GuardedHistory(self.engine, self.breaker)
-            scored = self.predictor.predict(checked[pending], history)
-            outcome.degraded = history.degraded
-            batch_id = uuid.uuid4().hex
-            produced_at = utc_now()
-            for position, row in zip(pending, scored.iter_rows(named=True), strict=True):
-                answers[position] = self._answer(items[position], row, batch_id, produced_at, outcome)
+        answers: list[ItemResult | None] = [None] * len(items)
+        for positions in _rounds_of_distinct_transactions(items):
+            part = [items[i] for i in positions]
+            for position, answer in zip(positions, self._score_round(part, outcome, lookup=lookup), strict=True):
+                answers[position] = answer
         outcome.results = [answer for answer in answers if answer is not None]
         outcome.cpu_seconds = time.thread_time() - cpu_started
         outcome.breaker_state = int(self.breaker.state)
         return outcome
+
+    def _score_round(self, items: list[ItemSpec], outcome: BatchResult, *, lookup: bool) -> list[ItemResult]:
+        checked = validate(raw_frame([item.raw for item in items]))
+        checked = checked.with_columns(hash_inputs(checked))
+        history = GuardedHistory(self.engine, self.breaker)
+        scored = self.predictor.predict(checked, history)
+        outcome.degraded = outcome.degraded or history.degraded
+        stored = self._stored_answers(items) if lookup else {}
+        batch_id = uuid.uuid4().hex
+        produced_at = utc_now()
+        answers = []
+        for item, row in zip(items, scored.iter_rows(named=True), strict=True):
+            # A degraded score read an empty history, not the account's: it replays nothing and is
+            # provisional, so it is never replayed either.
+            history_hash = None if history.degraded else row["history_hash"]
+            answer_id = (str(item.raw["transaction_id"]), answer_key(row["input_hash"], history_hash))
+            earlier = self._recent.get(answer_id) or stored.get(answer_id) if lookup and history_hash else None
+            if earlier is not None and row["reject_reason"] is None:
+                answers.append(earlier)
+                continue
+            answer = self._answer(item, row, batch_id, produced_at, outcome)
+            if answer.status == "scored" and history_hash is not None:
+                self._remember(answer_id, answer)
+            answers.append(answer)
+        return answers
+
+    def _stored_answers(self, items: list[ItemSpec]) -> dict[tuple[str, str], ItemResult]:
+        """Online answers already stored for these transactions under this version, by answer key."""
+        if not self.breaker.allow():
+            return {}
+        try:
+            with self.engine.connect() as conn:
+                rows = online_answers(
+                    conn,
+                    model_version=self.model_version,
+                    transaction_ids=[str(item.raw["transaction_id"]) for item in items],
+                )
+        except SQLAlchemyError as error:
+            self.breaker.record_failure()
+            logger.warning("stored-answer lookup failed; answering afresh: %s", error)
+            return {}
+        self.breaker.record_success()
+        return {(row["transaction_id"], row["answer_key"]): _replayed(row) for row in rows}
+
+    def _remember(self, answer_id: tuple[str, str], answer: ItemResult) -> None:
+        self._recent[answer_id] = answer
+        while len(self._recent) > _RECENT_ANSWERS:
+            self._recent.popitem(last=False)
 
     def _answer(
         self,
@@ -144,7 +190,6 @@ class ScoringCore:
             return ItemResult(
                 status="error", error=ItemError(reason=row["reject_reason"], detail=row["reject_detail"]), **common
             )
-        stored_hash = row["input_hash"] + (DEGRADED_HASH_SUFFIX if outcome.degraded else "")
         outcome.rows.append(
             {
                 "transaction_id": item.raw["transaction_id"],
@@ -156,61 +201,42 @@ class ScoringCore:
                 "request_id": item.request_id,
                 "batch_id": batch_id,
                 "code_version": self.code_version,
-                "input_hash": stored_hash,
+                "input_hash": row["input_hash"],
                 # Unknown when degraded: the empty history scored is not the account's history.
                 "history_hash": None if outcome.degraded else row["history_hash"],
-                "idempotency_key": item.key,
+                "degraded": outcome.degraded,
+                "idempotency_key": item.idempotency_key,
                 "produced_at": produced_at,
+                "unseen_fields": row["unseen_fields"],
             }
         )
-        return ItemResult(status="scored", score=float(row["score"]), **common)
-
-    def _replay_stored(self, items: list[ItemSpec], hashes: list[str], answers: list[ItemResult | None]) -> None:
-        """Answer retries from `predictions`: by explicit key, else by (transaction, model version)."""
-        if not self.breaker.allow():
-            return
-        try:
-            stored = find_stored(
-                self.engine,
-                model_version=self.model_version,
-                transaction_ids=[item.raw["transaction_id"] for item in items],
-                keys=[item.key for item in items if item.explicit_key],
-            )
-        except SQLAlchemyError as error:
-            self.breaker.record_failure()
-            logger.warning("idempotency lookup failed; scoring afresh: %s", error)
-            return
-        self.breaker.record_success()
-        by_key = {row["idempotency_key"]: row for row in stored if row["idempotency_key"] is not None}
-        by_pair = {row["transaction_id"]: row for row in stored if row["model_version"] == self.model_version}
-        for position, (item, digest) in enumerate(zip(items, hashes, strict=True)):
-            keyed = by_key.get(item.key) if item.explicit_key else None
-            if keyed is not None:
-                same_input = keyed["transaction_id"] == item.raw["transaction_id"] and keyed["input_hash"].startswith(
-                    digest
-                )
-                answers[position] = _replayed(keyed) if same_input else _reused_key(item, keyed)
-                continue
-            paired = by_pair.get(item.raw["transaction_id"])
-            # A degraded row is provisional: with the history readable again it is scored afresh.
-            if paired is not None and paired["input_hash"] == digest:
-                answers[position] = _replayed(paired)
+        unseen = row["unseen_fields"].split(",") if row["unseen_fields"] else []
+        return ItemResult(status="scored", score=float(row["score"]), unseen_fields=unseen, **common)
 
 
-def find_stored(
-    engine: Engine, *, model_version: str, transaction_ids: list[str], keys: list[str]
-) -> list[dict[str, Any]]:
-    p = predictions.c
-    condition = sa.and_(p.model_version == model_version, p.transaction_id.in_(transaction_ids))
-    if keys:
-        condition = sa.or_(condition, p.idempotency_key.in_(keys))
-    with engine.connect() as conn:
-        return [dict(row._mapping) for row in conn.execute(sa.select(predictions).where(condition))]
+def answer_key(input_hash: str, history_hash: str | None) -> str:
+    """The online answer's place in `predictions`' key (see store.answer_key_expr)."""
+    return f"{input_hash}|{history_hash or NO_HISTORY}"
+
+
+def _rounds_of_distinct_transactions(items: list[ItemSpec]) -> Iterator[list[int]]:
+    """Positions split so that no round holds one transaction twice (two requests may send the
+    same id with different bodies): within a frame, validation refuses a repeated id, and the
+    features would read one version as the other's history."""
+    pending = list(range(len(items)))
+    while pending:
+        seen: set[str] = set()
+        this_round: list[int] = []
+        later: list[int] = []
+        for position in pending:
+            transaction_id = str(items[position].raw["transaction_id"])
+            (later if transaction_id in seen else this_round).append(position)
+            seen.add(transaction_id)
+        yield this_round
+        pending = later
 
 
 def _replayed(row: dict[str, Any]) -> ItemResult:
-    input_hash: str = row["input_hash"]
-    degraded = input_hash.endswith(DEGRADED_HASH_SUFFIX)
     return ItemResult(
         transaction_id=row["transaction_id"],
         status="scored",
@@ -220,41 +246,12 @@ def _replayed(row: dict[str, Any]) -> ItemResult:
         request_id=row["request_id"],
         batch_id=row["batch_id"],
         produced_at=_as_utc(row["produced_at"]),
-        input_hash=input_hash.removesuffix(DEGRADED_HASH_SUFFIX),
-        degraded=degraded,
-    )
-
-
-def _reused_key(item: ItemSpec, row: dict[str, Any]) -> ItemResult:
-    return ItemResult(
-        transaction_id=item.raw["transaction_id"],
-        status="error",
-        model_version=row["model_version"],
-        path=ResultPath.ONLINE.value,
-        request_id=item.request_id,
-        produced_at=utc_now(),
-        error=ItemError(
-            reason=IDEMPOTENCY_REUSED,
-            detail=f"key {item.key!r} already answered transaction {row['transaction_id']!r} with other input",
-        ),
+        input_hash=row["input_hash"],
+        degraded=bool(row["degraded"]),
+        unseen_fields=[name for name in (row["unseen_fields"] or "").split(",") if name],
     )
 
 
 def _as_utc(moment: datetime) -> datetime:
     # SQLite hands back naive datetimes; every stored instant is UTC.
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-
-
-def prediction_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
-    """Rows as a frame of the writable `predictions` columns; optional columns may be absent."""
-    schema: dict[str, pl.DataType] = {}
-    for name in PREDICTION_COLUMNS:
-        column_type = predictions.c[name].type
-        schema[name] = (
-            pl.Float64()
-            if isinstance(column_type, sa.Float)
-            else EVENT_TS_DTYPE
-            if isinstance(column_type, sa.DateTime)
-            else pl.String()
-        )
-    return pl.DataFrame([{name: row.get(name) for name in PREDICTION_COLUMNS} for row in rows], schema=schema)

@@ -15,7 +15,6 @@ from typing import Any
 
 import polars as pl
 import psycopg
-import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -24,7 +23,7 @@ from inference.records import raw_frame
 from inference.store import (
     RejectStage,
     ResultPath,
-    predictions,
+    prediction_frame,
     quarantine,
     quarantine_unwritable_result,
     upsert_predictions,
@@ -32,7 +31,6 @@ from inference.store import (
 from serving.breaker import CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.scoring import DEGRADED_HASH_SUFFIX, prediction_frame
 
 logger = logging.getLogger(__name__)
 
@@ -51,25 +49,8 @@ _STOP = object()
 
 
 def write_prediction_rows(conn: Connection, rows: list[dict[str, Any]]) -> int:
-    """Upsert rows; a degraded (history-less) row never replaces a row already stored."""
-    degraded = [row for row in rows if row["input_hash"].endswith(DEGRADED_HASH_SUFFIX)]
-    if degraded:
-        p = predictions.c
-        pairs = {(row["transaction_id"], row["model_version"]) for row in degraded}
-        existing = {
-            (found.transaction_id, found.model_version)
-            for found in conn.execute(
-                sa.select(p.transaction_id, p.model_version).where(p.transaction_id.in_([pair[0] for pair in pairs]))
-            )
-        }
-        rows = [
-            row
-            for row in rows
-            if not (
-                row["input_hash"].endswith(DEGRADED_HASH_SUFFIX)
-                and (row["transaction_id"], row["model_version"]) in existing
-            )
-        ]
+    """Upsert online answers: each distinct answer is a row of its own, never rewritten, so a
+    degraded answer is kept beside (not instead of) a full one."""
     return upsert_predictions(conn, prediction_frame(rows)) if rows else 0
 
 

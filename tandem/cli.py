@@ -76,6 +76,8 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
         "scored": scored.scored,
         "quarantined": scored.rejected,
         "quarantined_by_reason": dict(sorted(scored.rejected_by_reason.items())),
+        "scored_with_unseen_values": scored.scored_with_unseen,
+        "unseen_values_by_field": dict(sorted(scored.unseen_by_field.items())),
         "model_version": tag,
         "auc": round(training.auc, 4),
         "rows_per_second": round(scored.rows_per_second),
@@ -104,17 +106,21 @@ def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bo
         return 1
     _say(f"{transaction_id}: partition {report.partition_date}, current input hash {report.current_input_hash}")
     for result in report.results:
-        agreement = {None: "not cross-checked", True: "agree", False: "DISAGREE"}[result.paths_agree]
+        flags = [
+            "CURRENT" if result.current else "",
+            "" if result.input_is_current else "superseded input",
+            "degraded" if result.degraded else "",
+            f"unseen {','.join(result.unseen_fields)}" if result.unseen_fields else "",
+        ]
         _say(
             f"  {result.model_version}: score {result.score:.6f} via {result.path} ({result.producer}), "
-            f"code {result.code_version}, input {result.input_hash}"
-            f"{'' if result.input_is_current else ' (superseded input)'}, at {result.produced_at}"
+            f"code {result.code_version}, input {result.input_hash}, history {result.history_hash}, "
+            f"at {result.produced_at} {' '.join(flag for flag in flags if flag)}".rstrip()
         )
         if result.dagster_run_url:
             _say(f"    run: {result.dagster_run_url}")
-        if result.other_path:
-            other = f"{result.other_path} path: {result.other_path_score:.6f} ({result.other_path_producer})"
-            _say(f"    {other}: {agreement}")
+        if result.batch_score is not None:
+            _say(f"    batch path: {result.batch_score:.6f}: {result.versus_batch}")
     return 0
 
 

@@ -7,22 +7,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import polars as pl
-import sqlalchemy as sa
 
-from inference.store import PREDICTION_COLUMNS, make_engine, predictions, upsert_predictions
+from inference.store import PREDICTION_COLUMNS, PREDICTION_SCHEMA, make_engine, upsert_predictions
 
 PRODUCED_AT = datetime(2026, 11, 2, 3, 4, 5, 678901, tzinfo=UTC)
-
-
-def _dtype(column: sa.Column[Any]) -> pl.DataType:
-    if isinstance(column.type, sa.Float):
-        return pl.Float64()
-    if isinstance(column.type, sa.DateTime):
-        return pl.Datetime("us", "UTC")
-    return pl.String()
-
-
-PREDICTION_SCHEMA: dict[str, pl.DataType] = {name: _dtype(predictions.c[name]) for name in PREDICTION_COLUMNS}
 
 
 def prediction_rows(
@@ -41,6 +29,8 @@ def prediction_rows(
         "model_version": [model_version] * n,
         "score": [score + i / 10_000 for i in range(n)],
         "path": ["batch"] * n,
+        "answer_key": [""] * n,
+        "degraded": [False] * n,
         "run_id": [run_id] * n,
         "partition_key": ["2026-11-01"] * n,
         "code_version": ["test"] * n,

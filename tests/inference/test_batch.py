@@ -17,6 +17,7 @@ from inference.batch import BatchProducer, IngestReport, PartitionReport, ingest
 from inference.contract import TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, day_range, generate_day
 from inference.model import ModelConfig, RiskModel
+from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import read_predictions, rejected_records
 from tests.inference.support import DAY
 
@@ -153,3 +154,27 @@ def test_small_chunks_give_the_same_scores_as_one_chunk(engine: Engine) -> None:
     batched = predictions_of(engine, model_version="batched-chunks")
     assert batched["transaction_id"].equals(whole["transaction_id"])
     assert np.allclose(batched["score"].to_numpy(), whole["score"].to_numpy(), rtol=0, atol=1e-6)
+
+
+def test_unseen_values_are_scored_flagged_and_counted(engine: Engine) -> None:
+    drifting = DemoConfig(seed=5, rows_per_day=600, poison_rate=0.05, unseen_rate=0.02)
+    for day in DAYS:
+        ingest_day(engine, generate_day(day, drifting), day)
+    day = DAYS[-1]
+    clean = generate_day(day, drifting).filter(pl.col("poison_kind").is_null())
+    vocabularies = {"country": COUNTRIES, "currency": CURRENCIES, "merchant_category": MERCHANT_CATEGORIES}
+    expected = {
+        row["transaction_id"]: ",".join(name for name, known in vocabularies.items() if row[name] not in known) or None
+        for row in clean.iter_rows(named=True)
+    }
+    assert sum(flag is not None for flag in expected.values()) == round(600 * 0.02)
+
+    report = score(engine, day)
+
+    stored = predictions_of(engine, partition_key=day.isoformat())
+    assert dict(zip(stored["transaction_id"], stored["unseen_fields"], strict=True)) == expected
+    assert stored["score"].is_finite().all()
+    flags = [flag for flag in expected.values() if flag is not None]
+    assert report.scored_with_unseen == len(flags)
+    assert report.unseen_by_field == Counter(name for flag in flags for name in flag.split(","))
+    assert set(report.unseen_by_field) == set(vocabularies)

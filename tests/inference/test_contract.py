@@ -205,7 +205,7 @@ def test_bisection_costs_k_log_n_forwards_not_n(poison_count: int) -> None:
 
 
 def test_nothing_valid_means_no_forward_at_all() -> None:
-    frame = day(40, poison_rate=0.0).with_columns(currency=pl.lit("XXX"))
+    frame = day(40, poison_rate=0.0).with_columns(currency=pl.lit("US$"))
     forward = FakeForward()
     results = predictor(forward).predict(frame, FrameHistory(frame))
     assert forward.calls == 0
@@ -218,3 +218,43 @@ def test_an_empty_frame_gives_an_empty_result() -> None:
     results = predictor(FakeForward()).predict(frame, FrameHistory(frame))
     assert results.height == 0
     assert results.schema == pl.Schema(RESULT_SCHEMA)
+
+
+def with_unseen_values(frame: pl.DataFrame) -> pl.DataFrame:
+    """Rows 3, 4, 5 get an unseen category, country, currency; row 6 all three."""
+    row = pl.int_range(pl.len())
+    return frame.with_columns(
+        merchant_category=pl.when(row.is_in([3, 6])).then(pl.lit("ev_charging")).otherwise("merchant_category"),
+        country=pl.when(row.is_in([4, 6])).then(pl.lit("KR")).otherwise("country"),
+        currency=pl.when(row.is_in([5, 6])).then(pl.lit("KRW")).otherwise("currency"),
+    )
+
+
+def test_unseen_values_are_scored_finite_and_flagged_per_row() -> None:
+    frame = with_unseen_values(generate_day(DAY, DemoConfig(seed=8, rows_per_day=300, poison_rate=0.05, unseen_rate=0)))
+    assert frame["poison_kind"].slice(3, 4).null_count() == 4, "the rows given unseen values are clean"
+    results = predictor().predict(frame, FrameHistory(frame))
+
+    flags = results["unseen_fields"].to_list()
+    assert flags[3:7] == ["merchant_category", "country", "currency", "country,currency,merchant_category"]
+    scored = results.filter(pl.col("reject_reason").is_null())
+    assert scored["score"].is_finite().all()
+    assert ((scored["score"] > 0) & (scored["score"] < 1)).all()
+    assert scored["unseen_fields"].null_count() == scored.height - 4
+    # A rejected row carries no flag, whatever its values.
+    assert results.filter(pl.col("reject_reason").is_not_null())["unseen_fields"].null_count() == (
+        results.height - scored.height
+    )
+
+
+def test_an_unseen_value_changes_the_score_only_through_its_bucket() -> None:
+    """Two different unseen categories are one bucket: the same features, the same score."""
+    frame = generate_day(DAY, DemoConfig(seed=8, rows_per_day=120, poison_rate=0.0, unseen_rate=0))
+    first = frame.with_columns(merchant_category=pl.lit("ev_charging"))
+    second = frame.with_columns(merchant_category=pl.lit("space tourism"))
+    one = predictor().predict(first, FrameHistory(first))
+    other = predictor().predict(second, FrameHistory(second))
+    assert one["score"].equals(other["score"])
+    assert set(one["unseen_fields"]) == {"merchant_category"}
+    known = predictor().predict(frame, FrameHistory(frame))
+    assert not known["score"].equals(one["score"])

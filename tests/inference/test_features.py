@@ -19,18 +19,28 @@ from sqlalchemy.engine import Engine
 
 from inference.batch import ingest_day
 from inference.contract import FrameHistory
-from inference.demo import DemoConfig, day_range, generate_day, generate_days
+from inference.demo import UNSEEN_VALUES, DemoConfig, day_range, generate_day, generate_days
 from inference.features import (
     CURRENT_CATEGORICAL,
+    CURRENT_CATEGORICAL_CARDINALITY,
     CURRENT_NUMERIC,
+    HISTORY_CATEGORICAL_CARDINALITY,
     HISTORY_NUMERIC_WIDTH,
     FeatureBatch,
     build_features,
+    unseen_fields,
 )
 from inference.migrate import upgrade
-from inference.records import hash_inputs, split_valid
+from inference.records import (
+    COUNTRIES,
+    CURRENCIES,
+    MERCHANT_CATEGORIES,
+    USD_PER_UNIT,
+    hash_inputs,
+    split_valid,
+)
 from inference.store import StoreHistory, make_engine
-from tests.inference.support import DAY, postgres_database
+from tests.inference.support import DAY, frame_of, postgres_database, record
 
 SEEDS = (21, 22)
 DAYS = day_range(DAY, 3)
@@ -38,8 +48,9 @@ ARRAYS = ("current_categorical", "current_numeric", "history_categorical", "hist
 
 
 def demo_config(seed: int) -> DemoConfig:
-    # Few accounts, so most records have a full history reaching back into earlier days.
-    return DemoConfig(seed=seed, rows_per_day=600, poison_rate=0.03, accounts=40)
+    # Few accounts, so most records have a full history reaching back into earlier days; more
+    # unseen values than the default, so histories hold them too.
+    return DemoConfig(seed=seed, rows_per_day=600, poison_rate=0.03, accounts=40, unseen_rate=0.02)
 
 
 @functools.cache
@@ -170,3 +181,93 @@ def test_a_changed_history_record_changes_the_digest_of_exactly_the_records_that
     assert differing == set(own["transaction_id"][2 : 2 + k])
     # Features without hashes (training) carry no digest.
     assert build_features(valid.drop("input_hash"), valid.drop("input_hash"), k).history_digests is None
+
+
+def test_unseen_values_are_encoded_as_the_unknown_bucket_of_their_field() -> None:
+    records = [
+        record(transaction_id="a", merchant_category="ev_charging", event_time="2026-11-01T10:00:00Z"),
+        record(transaction_id="b", country="KR", event_time="2026-11-01T11:00:00Z"),
+        record(transaction_id="c", currency="KRW", amount=13_000.0, event_time="2026-11-01T12:00:00Z"),
+        record(
+            transaction_id="d",
+            merchant_category="b2b/saas",
+            country="ZZ",
+            currency="XXX",
+            event_time="2026-11-01T13:00:00Z",
+        ),
+        record(transaction_id="e", event_time="2026-11-01T14:00:00Z"),
+    ]
+    valid, rejected = split_valid(frame_of(*records))
+    assert rejected.is_empty()
+    k = 4
+    features = build_features(valid, valid, k)
+    currency, category, country = (
+        CURRENT_CATEGORICAL.index(c) for c in ("currency_idx", "category_idx", "country_idx")
+    )
+    encoded = features.current_categorical
+    assert encoded[:, category].tolist() == [
+        len(MERCHANT_CATEGORIES),
+        *[MERCHANT_CATEGORIES.index("grocery")] * 2,
+        len(MERCHANT_CATEGORIES),
+        MERCHANT_CATEGORIES.index("grocery"),
+    ]
+    assert encoded[:, country].tolist() == [
+        COUNTRIES.index("DE"),
+        len(COUNTRIES),
+        COUNTRIES.index("DE"),
+        len(COUNTRIES),
+        COUNTRIES.index("DE"),
+    ]
+    assert encoded[:, currency].tolist() == [CURRENCIES.index("EUR")] * 2 + [len(CURRENCIES)] * 2 + [
+        CURRENCIES.index("EUR")
+    ]
+    assert unseen_fields(features) == [
+        "merchant_category",
+        "country",
+        "currency",
+        "country,currency,merchant_category",
+        None,
+    ]
+    # An unseen currency has no rate: its amount is taken as is (and flagged above).
+    amount_log = features.current_numeric[:, CURRENT_NUMERIC.index("amount_log")]
+    assert amount_log[2] == np.float32(np.log1p(13_000.0))
+    assert amount_log[4] == np.float32(np.log1p(42.5 * USD_PER_UNIT["EUR"]))
+    # The last record's history holds the unseen values as the unknown bucket, shifted by one.
+    assert features.history_categorical[4, :, 0].tolist() == [
+        len(MERCHANT_CATEGORIES) + 1,
+        MERCHANT_CATEGORIES.index("grocery") + 1,
+        MERCHANT_CATEGORIES.index("grocery") + 1,
+        len(MERCHANT_CATEGORIES) + 1,
+    ]
+    assert features.history_categorical[4, :, 1].tolist() == [
+        len(COUNTRIES) + 1,
+        COUNTRIES.index("DE") + 1,
+        len(COUNTRIES) + 1,
+        COUNTRIES.index("DE") + 1,
+    ]
+    # Every index has an embedding row.
+    assert (encoded < np.array(CURRENT_CATEGORICAL_CARDINALITY)).all()
+    assert (features.history_categorical < np.array(HISTORY_CATEGORICAL_CARDINALITY)).all()
+
+
+def test_a_record_with_unseen_values_alone_matches_the_partition(stores: dict[int, Engine]) -> None:
+    """The property test above draws rows at random; this one takes every row holding an unseen
+    value, or reading one in its history, and scores it alone against the store."""
+    k = 8
+    for seed in SEEDS:
+        valid = partition_valid(seed)
+        features = partition_features(seed, k)
+        flagged = np.array([fields is not None for fields in unseen_fields(features)])
+        in_history = (features.history_categorical[:, :, 0] == len(MERCHANT_CATEGORIES) + 1).any(axis=1)
+        assert {value for _, value in UNSEEN_VALUES} <= set(
+            valid.filter(pl.Series(flagged))
+            .select(pl.concat_list("merchant_category", "country", "currency"))
+            .to_series()
+            .explode()
+        )
+        rows = np.flatnonzero(flagged | in_history)
+        assert flagged.sum() >= 3 and (in_history & ~flagged).sum() >= 1
+        for row in rows.tolist():
+            single = valid.slice(row, 1)
+            fetched = StoreHistory(stores[seed]).history_for(single, k)
+            assert_same_features(build_features(single, fetched, k), features.slice(row, row + 1))

@@ -12,7 +12,17 @@ import torch
 
 from inference.demo import DemoConfig, generate_day
 from inference.features import FeatureBatch, build_features
-from inference.model import ModelConfig, RiskModel, auc, load_model, save_model, score_batch, train_model
+from inference.model import (
+    WEIGHTS_FILE,
+    IncompatibleModelError,
+    ModelConfig,
+    RiskModel,
+    auc,
+    load_model,
+    save_model,
+    score_batch,
+    train_model,
+)
 from inference.records import split_valid
 from tests.inference.support import DAY, TINY_MODEL
 
@@ -114,3 +124,36 @@ def test_default_model_has_at_least_a_million_parameters() -> None:
     assert model.parameter_count >= 1_000_000
     # Every dense weight costs two FLOPs per item (more in the history encoder): cost follows size.
     assert model.flops_per_item() > model.parameter_count
+
+
+def test_a_model_saved_before_the_unknown_bucket_fails_to_load_in_one_line(tmp_path: Path) -> None:
+    """Models stored before the vocabularies gained an unknown bucket have one embedding row fewer
+    per field: loading one must say so, not load partly or dump torch's size-mismatch list."""
+    torch.manual_seed(0)
+    save_model(RiskModel(TINY_MODEL), tmp_path / "old")
+    state = torch.load(tmp_path / "old" / WEIGHTS_FILE, weights_only=True)
+    old = {
+        name: (tensor[:-1] if "embeddings" in name and not name.endswith(("3.weight", "4.weight")) else tensor)
+        for name, tensor in state.items()
+    }
+    torch.save(old, tmp_path / "old" / WEIGHTS_FILE)
+
+    with pytest.raises(IncompatibleModelError) as raised:
+        load_model(tmp_path / "old")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "vocabulary" in message
+    assert "current_embeddings.0.weight has 8 rows, this code expects 9" in message
+    assert "retrain" in message
+
+
+def test_a_model_of_another_layout_fails_to_load_naming_the_tensor(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    save_model(RiskModel(TINY_MODEL), tmp_path / "odd")
+    state = torch.load(tmp_path / "odd" / WEIGHTS_FILE, weights_only=True)
+    torch.save({**state, "head.0.bias": state["head.0.bias"][:-1]}, tmp_path / "odd" / WEIGHTS_FILE)
+    with pytest.raises(IncompatibleModelError, match=r"head\.0\.bias"):
+        load_model(tmp_path / "odd")
+    torch.save({k: v for k, v in state.items() if k != "head.0.bias"}, tmp_path / "odd" / WEIGHTS_FILE)
+    with pytest.raises(IncompatibleModelError, match="missing"):
+        load_model(tmp_path / "odd")

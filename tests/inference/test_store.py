@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import polars as pl
 import pytest
@@ -21,6 +22,7 @@ from inference.store import (
     PREDICTION_COLUMNS,
     RejectStage,
     ResultPath,
+    answer_pairs,
     make_engine,
     metadata,
     quarantine,
@@ -31,6 +33,7 @@ from inference.store import (
     upsert_predictions,
     upsert_transactions,
 )
+from tests.answers import answer, write_answers
 from tests.inference.store_worker import PRODUCED_AT, prediction_rows, upsert_repeatedly
 from tests.inference.support import DAY, frame_of, record
 
@@ -141,6 +144,203 @@ def test_concurrent_writers_leave_one_row_per_key(postgres_url: str) -> None:
     engine.dispose()
 
 
+# ------------------------------------------------------------------ both paths' answers
+def _rows_by_path(engine: Engine) -> dict[str, list[dict[str, Any]]]:
+    stored = read_all(engine).to_dicts()
+    return {path: [row for row in stored if row["path"] == path] for path in ("batch", "online")}
+
+
+@pytest.mark.parametrize("first", ["online", "batch"])
+def test_both_paths_answers_to_the_same_key_are_kept(engine: Engine, first: str) -> None:
+    """Same transaction, model version, input and history: before 0005 the second writer was folded
+    into the first's row; now each path's answer is a row of its own, and neither changes the other."""
+    answers = {
+        "online": answer("tx-1", path="online", score=0.25, produced_at=PRODUCED_AT),
+        "batch": answer("tx-1", path="batch", score=0.26, partition_key="2026-11-01", produced_at=PRODUCED_AT),
+    }
+    second = "batch" if first == "online" else "online"
+    assert write_answers(engine, answers[first]) == 1
+    (kept,) = _rows_by_path(engine)[first]
+    assert write_answers(engine, answers[second]) == 1
+
+    rows = _rows_by_path(engine)
+    assert rows[first] == [kept]
+    (other,) = rows[second]
+    expected_key = "" if second == "batch" else "input-1|history-1"
+    assert (other["score"], other["answer_key"]) == (answers[second]["score"], expected_key)
+    # Replays of either answer, even with another score, change nothing.
+    replays = [{**answers[path], "score": 0.99, "request_id": "req-retry", "run_id": "run-retry"} for path in answers]
+    assert write_answers(engine, *replays) == 0
+    assert read_all(engine).height == 2
+
+
+def test_every_distinct_online_answer_is_a_row_and_degraded_ones_are_marked(engine: Engine) -> None:
+    write_answers(
+        engine,
+        answer("tx-1", path="online", score=0.2),
+        answer("tx-1", path="online", score=0.3, history_hash="history-2"),
+        answer("tx-1", path="online", score=0.4, input_hash="input-2"),
+        answer("tx-1", path="online", score=0.5, degraded=True),
+    )
+    stored = sorted(_rows_by_path(engine)["online"], key=lambda row: row["score"])
+    assert [(row["answer_key"], row["degraded"]) for row in stored] == [
+        ("input-1|history-1", False),
+        ("input-1|history-2", False),
+        ("input-2|history-1", False),
+        ("input-1|nohistory", True),
+    ]
+
+
+def test_answer_pairs_compare_each_online_answer_with_the_right_batch_answer(engine: Engine) -> None:
+    with engine.begin() as conn:
+        upsert_transactions(
+            conn, validate(frame_of(*(record(transaction_id=tx) for tx in ("tx-a", "tx-b", "tx-c")))), DAY
+        )
+        upsert_transactions(conn, validate(frame_of(record(transaction_id="tx-other-day"))), DAY + timedelta(1))
+    t0 = datetime(2026, 11, 2, tzinfo=UTC)
+    key = DAY.isoformat()
+    write_answers(
+        engine,
+        # tx-a: batch answers under v1 and (newer) v2; online answers under v1 and v3.
+        answer("tx-a", path="batch", score=0.1, model_version="v1", partition_key=key, produced_at=t0),
+        answer("tx-a", path="batch", score=0.2, model_version="v2", partition_key=key, produced_at=t0 + timedelta(1)),
+        answer("tx-a", path="online", score=0.11, model_version="v1", produced_at=t0 - timedelta(hours=2)),
+        answer("tx-a", path="online", score=0.33, model_version="v3", produced_at=t0 - timedelta(hours=1)),
+        # tx-b: two online answers (a retry with a changed body), one batch answer.
+        answer("tx-b", path="batch", score=0.5, model_version="v1", partition_key=key, produced_at=t0),
+        answer("tx-b", path="online", score=0.5, model_version="v1", produced_at=t0 - timedelta(hours=2)),
+        answer("tx-b", path="online", score=0.6, model_version="v1", input_hash="input-2", produced_at=t0),
+        # tx-c: answered online only (say batch rejected it).
+        answer("tx-c", path="online", score=0.7, model_version="v1", produced_at=t0),
+        # Another day's transaction, and an online answer to a transaction never stored.
+        answer("tx-other-day", path="online", score=0.7, model_version="v1", produced_at=t0),
+        answer("tx-never-stored", path="online", score=0.7, model_version="v1", produced_at=t0),
+    )
+    with engine.connect() as conn:
+        pairs = answer_pairs(conn, DAY)
+    compared = ("online_model_version", "online_score", "online_input_hash", "batch_model_version", "batch_score")
+    got = pairs.select("transaction_id", *compared).rows()
+    assert got == [
+        ("tx-a", "v1", 0.11, "input-1", "v1", 0.1),  # the same version's batch answer
+        ("tx-a", "v3", 0.33, "input-1", "v2", 0.2),  # none under v3: the newest batch answer
+        ("tx-b", "v1", 0.5, "input-1", "v1", 0.5),
+        ("tx-b", "v1", 0.6, "input-2", "v1", 0.5),
+        ("tx-c", "v1", 0.7, "input-1", None, None),
+    ]
+    assert pairs["online_produced_at"].dtype == pl.Datetime("us", "UTC")
+    assert pairs.filter(pl.col("batch_run_id").is_not_null())["batch_run_id"].unique().to_list() == ["run-1"]
+
+
+# ------------------------------------------------------------------ migration 0005 from 0004 with data
+T_OLD = datetime(2026, 11, 1, 3, 0, tzinfo=UTC)
+
+
+def _old_row(transaction_id: str, path: str, **changes: Any) -> dict[str, Any]:
+    batch = path == "batch"
+    return {
+        "transaction_id": transaction_id,
+        "model_version": "v1",
+        "score": 0.25,
+        "path": path,
+        "run_id": "run-old" if batch else None,
+        "partition_key": "2026-11-01" if batch else None,
+        "request_id": None if batch else "req-old",
+        "batch_id": None if batch else "b-old",
+        "code_version": "old",
+        "input_hash": f"in-{transaction_id}",
+        "history_hash": f"hist-{transaction_id}",
+        "idempotency_key": None,
+        "produced_at": T_OLD,
+        "latency_ms": None if batch else 4.0,
+        "cross_path": None,
+        "cross_path_score": None,
+        "cross_path_producer": None,
+        "cross_checked_at": None,
+        **changes,
+    }
+
+
+def test_migration_0005_splits_cross_path_verdicts_into_rows_and_marks_degraded_answers(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine, "0004")
+        old = sa.Table("predictions", sa.MetaData(), autoload_with=engine)
+        assert "cross_path" in old.c and "answer_key" not in old.c
+        checked_at = T_OLD + timedelta(hours=5)
+        with engine.begin() as conn:
+            conn.execute(
+                old.insert(),
+                [
+                    _old_row("tx-plain", "batch"),
+                    # Batch wrote first; the online answer to the same input was folded into its row.
+                    _old_row(
+                        "tx-both",
+                        "batch",
+                        cross_path="online",
+                        cross_path_score=0.31,
+                        cross_path_producer="request req-7 batch b-7",
+                        cross_checked_at=checked_at,
+                    ),
+                    # Online wrote first; batch's verdict was folded in (an unknown partition: '?').
+                    _old_row(
+                        "tx-online-first",
+                        "online",
+                        cross_path="batch",
+                        cross_path_score=0.27,
+                        cross_path_producer="run run-9 partition ?",
+                        cross_checked_at=checked_at,
+                    ),
+                    # A degraded online answer: the old service marked its input hash.
+                    _old_row("tx-degraded", "online", input_hash="in-tx-degraded+nohistory", history_hash=None),
+                ],
+            )
+        upgrade(engine)
+        assert schema_diffs(engine) == []
+        columns = sa.inspect(engine).get_columns("predictions")
+        assert not {c["name"] for c in columns} & {"cross_path", "cross_path_score", "cross_path_producer"}
+
+        stored = {(row["transaction_id"], row["path"]): row for row in read_all(engine).to_dicts()}
+        assert set(stored) == {
+            ("tx-plain", "batch"),
+            ("tx-both", "batch"),
+            ("tx-both", "online"),
+            ("tx-online-first", "online"),
+            ("tx-online-first", "batch"),
+            ("tx-degraded", "online"),
+        }
+
+        def picked(key: tuple[str, str], *names: str) -> tuple[Any, ...]:
+            return tuple(stored[key][name] for name in names)
+
+        lineage = ("score", "answer_key", "run_id", "partition_key", "request_id", "batch_id", "degraded")
+        assert picked(("tx-plain", "batch"), *lineage) == (0.25, "", "run-old", "2026-11-01", None, None, False)
+        assert picked(("tx-both", "batch"), *lineage) == (0.25, "", "run-old", "2026-11-01", None, None, False)
+        assert picked(("tx-both", "online"), *lineage) == (
+            0.31, "in-tx-both|hist-tx-both", None, None, "req-7", "b-7", False
+        )  # fmt: skip
+        assert stored[("tx-both", "online")]["produced_at"] == checked_at
+        assert picked(("tx-online-first", "online"), *lineage) == (
+            0.25, "in-tx-online-first|hist-tx-online-first", None, None, "req-old", "b-old", False
+        )  # fmt: skip
+        assert picked(("tx-online-first", "batch"), *lineage) == (0.27, "", "run-9", None, None, None, False)
+        assert picked(("tx-degraded", "online"), "input_hash", "history_hash", "answer_key", "degraded") == (
+            "in-tx-degraded",
+            None,
+            "in-tx-degraded|nohistory",
+            True,
+        )
+        assert stored[("tx-plain", "batch")]["latency_ms"] is None
+        assert stored[("tx-degraded", "online")]["latency_ms"] == 4.0
+
+        # The migrated table takes new answers under the new key like a fresh one.
+        same = {"model_version": "v1", "input_hash": "in-tx-plain", "history_hash": "hist-tx-plain"}
+        assert write_answers(engine, answer("tx-plain", path="online", score=0.5, **same)) == 1
+        assert write_answers(engine, answer("tx-plain", path="batch", score=0.9, **same)) == 0  # a replay
+        assert write_answers(engine, answer("tx-plain", path="batch", score=0.9, **{**same, "input_hash": "new"})) == 1
+    finally:
+        engine.dispose()
+
+
 # ------------------------------------------------------------------ quarantine
 def rejected_rows(engine: Engine) -> pl.DataFrame:
     with engine.connect() as conn:
@@ -151,7 +351,7 @@ def rejected_rows(engine: Engine) -> pl.DataFrame:
 def test_quarantine_is_idempotent_on_the_rejection_key(engine: Engine) -> None:
     bad = validate(
         frame_of(
-            record(transaction_id="bad-1", currency="XXX"),
+            record(transaction_id="bad-1", currency="US$"),
             record(transaction_id="bad-2", amount=math.nan),
             record(transaction_id="bad-3", event_time="yesterday"),
         )
@@ -181,7 +381,7 @@ def test_quarantine_is_idempotent_on_the_rejection_key(engine: Engine) -> None:
     assert set(again["run_id"]) == {"run-3"}
 
     # A changed record is a new rejection, not a sighting of the old one.
-    send(validate(frame_of(record(transaction_id="bad-1", currency="ZZZ"))), "run-4")
+    send(validate(frame_of(record(transaction_id="bad-1", currency="EURO"))), "run-4")
     assert rejected_rows(engine).height == 4
 
 

@@ -13,9 +13,10 @@ import sqlalchemy as sa
 from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult, materialize
 
 from inference.model import ModelConfig
+from inference.settings import TandemSettings
 from inference.store import make_engine, predictions, rejected_records
 from orchestration.definitions import build_definitions
-from orchestration.resources import DatabaseResource, DemoSourceResource, ModelStoreResource
+from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.settings import OrchestrationSettings
 from tests.shared import register_untrained_model
 
@@ -52,8 +53,20 @@ def batch_resources(
     return {
         "database": database if database is not None else DatabaseResource(url=url),
         "model_store": ModelStoreResource(model_name=model_name),
-        "source": DemoSourceResource(seed=DEMO_SEED, rows_per_day=rows_per_day, poison_rate=poison_rate),
+        "source": demo_source(rows_per_day=rows_per_day, poison_rate=poison_rate),
     }
+
+
+def demo_source(*, rows_per_day: int, poison_rate: float) -> TransactionSourceResource:
+    """The demo source, landing in a folder of its own per demo config.
+
+    The demo writes a day only if its file is not there yet, and these tests share one data
+    folder per session, so days of another size must not land where this one reads.
+    """
+    landing = TandemSettings().data_dir / "landing" / f"demo-{DEMO_SEED}-{rows_per_day}-{poison_rate}"
+    return TransactionSourceResource(
+        kind="demo", location=str(landing), seed=DEMO_SEED, rows_per_day=rows_per_day, poison_rate=poison_rate
+    )
 
 
 def predictions_config(**config: Any) -> dict[str, Any]:

@@ -7,9 +7,10 @@ from datetime import date
 from typing import Any
 
 import polars as pl
-from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult
+from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, ExecuteInProcessResult
 
-from inference.demo import EXPECTED_REASON, PoisonKind
+from inference.demo import EXPECTED_REASON, PoisonKind, generate_day
+from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import RejectStage, ResultPath
 from tests.orchestration.support import (
     PARTITION,
@@ -21,7 +22,13 @@ from tests.orchestration.support import (
     run_partition,
 )
 
-CHECKS = {"rows_accounted_for", "scores_in_unit_interval", "no_duplicate_keys", "reject_rate_bounded"}
+CHECKS = {
+    "rows_accounted_for",
+    "scores_in_unit_interval",
+    "batch_answers_current",
+    "reject_rate_bounded",
+    "unseen_vocabulary_share",
+}
 RUN_METADATA = {"rows_in", "scored", "rejected", "model_version", "rows_per_second", "peak_rss_mb", "duration_s"}
 
 
@@ -62,7 +69,8 @@ def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
     assets: list[AssetsDefinition], production_tag: str, instance: DagsterInstance, database_url: str
 ) -> None:
     resources = batch_resources(database_url, rows_per_day=3000, poison_rate=0.01)
-    source = resources["source"].records_for(date.fromisoformat(PARTITION))
+    # The generator's own frame: it knows which rows it poisoned (the landing CSV does not say).
+    source = generate_day(date.fromisoformat(PARTITION), resources["source"].demo_config())
     poison = source.filter(pl.col("poison_kind").is_not_null())
     assert set(poison["poison_kind"]) == {kind.value for kind in PoisonKind}, "every kind of poison is exercised"
     duplicates = poison.filter(pl.col("poison_kind") == PoisonKind.DUPLICATE_ID.value)
@@ -112,3 +120,33 @@ def test_materializing_a_partition_three_times_changes_nothing(
     assert snapshots[1] == snapshots[0]
     assert snapshots[2] == snapshots[0]
     assert {row["seen_count"] for row in rejection_rows(database_url)} == {3}
+
+
+def test_unseen_vocabulary_is_reported_and_warned_about_without_blocking(
+    assets: list[AssetsDefinition], production_tag: str, instance: DagsterInstance, database_url: str
+) -> None:
+    resources = batch_resources(database_url, rows_per_day=2000)
+    source = generate_day(date.fromisoformat(PARTITION), resources["source"].demo_config())
+    clean = source.filter(pl.col("poison_kind").is_null())
+    vocabularies = {"country": COUNTRIES, "currency": CURRENCIES, "merchant_category": MERCHANT_CATEGORIES}
+    expected = {name: clean.filter(~pl.col(name).is_in(list(known))).height for name, known in vocabularies.items()}
+    assert all(count > 0 for count in expected.values()), "the demo day drifts in every field"
+
+    # A bound below the demo's ~0.2 % drift: the check fails as a warning, the run still succeeds.
+    result = run_partition(
+        assets, resources, instance, run_config=predictions_config(parity_sample=0, unseen_share_warn=0.001)
+    )
+
+    assert result.success
+    scored = _metadata(result, "predictions")
+    assert scored["unseen_values_by_field"] == expected
+    flagged = [row for row in prediction_rows(database_url) if row["unseen_fields"] is not None]
+    assert len(flagged) == sum(expected.values())  # one unseen field per drifted demo row
+    assert scored["unseen_share"] == len(flagged) / scored["scored"]
+    evaluations = {evaluation.check_name: evaluation for evaluation in result.get_asset_check_evaluations()}
+    unseen = evaluations["unseen_vocabulary_share"]
+    assert not unseen.passed
+    assert unseen.severity == AssetCheckSeverity.WARN
+    assert unseen.metadata["warn_above"].value == 0.001
+    # Only that check failed: drift is not poison.
+    assert {name for name, evaluation in evaluations.items() if not evaluation.passed} == {"unseen_vocabulary_share"}

@@ -7,7 +7,7 @@ from dagster import AssetKey, AssetsDefinition, BackfillPolicy, Backoff, Definit
 
 from orchestration.definitions import defs
 
-PARTITIONED = ("transactions", "predictions")
+PARTITIONED = ("transactions", "predictions", "path_agreement")
 
 
 def _asset(key: str) -> AssetsDefinition:
@@ -21,6 +21,14 @@ def test_definitions_load() -> None:
         key.to_user_string() for key in repository.asset_graph.get_all_asset_keys()
     }
     assert repository.has_job("daily_scoring")
+
+
+def test_path_agreement_runs_after_predictions_in_both_scoring_jobs() -> None:
+    assert _asset("path_agreement").partitions_def == _asset("predictions").partitions_def
+    assert AssetKey("predictions") in _asset("path_agreement").dependency_keys
+    for job_name in ("daily_scoring", "rescore_predictions"):
+        selected = defs.resolve_job_def(job_name).asset_layer.selected_asset_keys
+        assert {AssetKey("predictions"), AssetKey("path_agreement")} <= selected, job_name
 
 
 def test_nightly_schedule_scores_the_daily_job_at_two_utc() -> None:

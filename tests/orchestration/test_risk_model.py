@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+import bentoml
 import pytest
+import torch
 from dagster import AssetsDefinition, DagsterInstance, materialize
 
-from inference.model import ModelConfig, RiskModel
+from inference.model import WEIGHTS_FILE, IncompatibleModelError, ModelConfig, RiskModel
 from tandem import modelstore
 from tests.orchestration.support import SETTINGS, batch_resources, run_partition
+from tests.shared import register_untrained_model
 
 # A name of its own: these promotions must not touch the production model of the other tests.
 MODEL = "risk_model_promotion_test"
 DAYS = ("2026-11-01", "2026-11-02", "2026-11-03")
 QUICK = {"max_train_rows": 2000, "epochs": 1}
+# The embeddings of currency, category, country (the record's and the history's).
+VOCABULARY_EMBEDDINGS = (
+    "current_embeddings.0.weight",
+    "current_embeddings.1.weight",
+    "current_embeddings.2.weight",
+    "history_embeddings.0.weight",
+    "history_embeddings.1.weight",
+)
 
 
 def _train(assets: list[AssetsDefinition], resources: dict[str, Any], instance: DagsterInstance, **config: Any):
@@ -78,3 +90,26 @@ def test_risk_model_is_trained_registered_and_promoted_only_per_the_rule(
     assert forced["auc"] < forced["production_auc_same_holdout"]
     assert forced["promoted"] is True
     assert forced["production_tag"] == forced["version_tag"] == modelstore.production_tag(MODEL)
+
+
+def test_a_production_model_of_the_old_vocabulary_is_replaced_not_compared(
+    assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
+) -> None:
+    """A production version saved before the unknown bucket cannot be loaded by this code: the
+    asset must still train and promote a new one, or no model could ever replace it."""
+    name = f"{MODEL}_old_vocabulary"
+    resources = batch_resources(sqlite_url, rows_per_day=1500, model_name=name)
+    for key in DAYS:
+        run_partition(assets, resources, instance, partition_key=key, selection=["transactions"])
+    old_tag = register_untrained_model(name, config=ModelConfig(history_length=SETTINGS.history_length))
+    weights = Path(bentoml.models.get(old_tag).path) / WEIGHTS_FILE
+    state = torch.load(weights, weights_only=True)
+    # One row fewer per vocabulary embedding: the shapes such a model was saved with.
+    torch.save({k: v[:-1] if k.endswith(VOCABULARY_EMBEDDINGS) else v for k, v in state.items()}, weights)
+    with pytest.raises(IncompatibleModelError, match="vocabulary"):
+        modelstore.load(old_tag)
+
+    trained = _train(assets, resources, instance, **QUICK)
+    assert math.isnan(trained["production_auc_same_holdout"])
+    assert trained["promoted"] is True
+    assert modelstore.production_tag(name) == trained["version_tag"] != old_tag

@@ -272,7 +272,7 @@ def prediction_row(
         "batch_id": batch_id,
         "code_version": "test",
         "input_hash": "h",
-        "idempotency_key": f"{transaction_id}:{model_version}" if idempotency_key is None else idempotency_key,
+        "idempotency_key": idempotency_key,
         "produced_at": utc_now() if produced_at is None else produced_at,
     }
 
@@ -308,7 +308,7 @@ def scored_batch(specs: list[ItemSpec], *, model_version: str, score: float, bat
             score=score,
             request_id=spec.request_id,
             batch_id=batch_id,
-            idempotency_key=spec.key,
+            idempotency_key=spec.idempotency_key,
             produced_at=now,
         )
         for tx, spec in zip(ids, specs, strict=True)

@@ -287,7 +287,7 @@ def test_a_batch_in_flight_on_the_old_pool_completes_there(sqlite_engine: Engine
         assert not swapping.done(), "the swap waits for the running batch"
         assert scorer.model_version == "v1"
         assert not store.pools["v1"][0].shut_down
-        # Admitted under v1, so its default idempotency key names v1; it runs after the swap.
+        # Admitted under v1, it runs after the swap: v2 answers it and its row names v2.
         queued = asyncio.create_task(score(scorer, "queued"))
         await asyncio.sleep(0.02)
         assert not queued.done()
@@ -308,9 +308,9 @@ def test_a_batch_in_flight_on_the_old_pool_completes_there(sqlite_engine: Engine
     assert (second.model_version, second.score) == ("v2", 0.75)
     with sqlite_engine.connect() as conn:
         stored = read_predictions(conn).sort("transaction_id")
-    assert stored.select("transaction_id", "model_version", "idempotency_key").rows() == [
-        ("in-flight", "v1", "in-flight:v1"),
-        ("queued", "v2", "queued:v2"),
+    assert stored.select("transaction_id", "model_version", "path").rows() == [
+        ("in-flight", "v1", "online"),
+        ("queued", "v2", "online"),
     ]
 
 

@@ -239,6 +239,51 @@ def test_fifty_concurrent_duplicates_make_one_row(server: Server) -> None:
     assert stored["score"][0] == pytest.approx(answers[0][0]["score"])
 
 
+def _stored_online(server: Server, transaction_id: str, rows_expected: int) -> pl.DataFrame:
+    """The online rows of one transaction, once the result writer has landed `rows_expected`."""
+    engine = make_engine(server.database_url)
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            with engine.connect() as conn:
+                stored = read_predictions(conn, transaction_id=transaction_id, path="online")
+            if stored.height >= rows_expected or time.monotonic() > deadline:
+                return stored
+            time.sleep(0.1)
+    finally:
+        engine.dispose()
+
+
+def test_a_changed_body_without_a_key_is_scored_afresh(server: Server) -> None:
+    row = _rows(server, 340, 1)[0]
+    first = server.score([row])
+    identical = server.score([row])
+    changed = server.score([{**row, "amount": row["amount"] * 50 + 1}])
+    assert first.status_code == identical.status_code == changed.status_code == 200
+    (answer,), (replayed,), (fresh,) = (r.json()["results"] for r in (first, identical, changed))
+    assert replayed == answer, "a truly identical retry gets the stored answer"
+    assert fresh["request_id"] == changed.json()["request_id"] != answer["request_id"]
+    assert fresh["input_hash"] != answer["input_hash"] and fresh["score"] != answer["score"]
+    stored = _stored_online(server, row["transaction_id"], 2)
+    assert sorted(stored["request_id"].to_list()) == sorted([answer["request_id"], fresh["request_id"]])
+
+
+def test_a_key_reused_with_another_body_is_422_and_never_the_old_answer(server: Server) -> None:
+    row = _rows(server, 350, 1)[0]
+    key = f"reuse-{uuid.uuid4().hex}"
+    first = server.score([row], {"Idempotency-Key": key})
+    reused = server.score([{**row, "amount": row["amount"] + 9999.0}], {"Idempotency-Key": key})
+    again = server.score([row], {"Idempotency-Key": key})
+    assert first.status_code == 200 and again.status_code == 200
+    assert again.json()["results"] == first.json()["results"]
+    assert reused.status_code == 422
+    assert reused.json()["error"] == "idempotency_key_reused"
+    assert reused.json()["detail"]["idempotency_key"] == key
+    assert "results" not in reused.json()
+    stored = _stored_online(server, row["transaction_id"], 1)
+    assert stored["request_id"].to_list() == [first.json()["request_id"]]
+
+
 def test_database_outage_keeps_answers_and_loses_no_rows(server: Server) -> None:
     rows = _rows(server, 400, 120)
     scored: dict[str, float] = {}

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
+from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import utc_now
 from serving.admission import Decision
 from serving.app import build_app
@@ -110,8 +111,12 @@ def test_multiprocess_modes_sum_in_flight_and_agree_on_targets() -> None:
 
 
 # ------------------------------------------------------------------ /score through a real OnlineScorer
+VOCABULARIES = {"country": COUNTRIES, "currency": CURRENCIES, "merchant_category": MERCHANT_CATEGORIES}
+
+
 class OutcomeScoring:
-    """Scores 0.25; ids starting `bad` get a per-item input error, `deg` a degraded score."""
+    """Scores 0.25; ids starting `bad` get a per-item input error, `deg` a degraded score; values
+    outside the vocabularies are flagged as the real scoring step flags them."""
 
     def __call__(self, specs: list[ItemSpec]) -> BatchResult:
         now = utc_now()
@@ -129,7 +134,16 @@ class OutcomeScoring:
             if tx_id.startswith("bad"):
                 results.append(ItemResult(status="error", error=ItemError(reason="bad_currency"), **common))
             else:
-                results.append(ItemResult(status="scored", score=0.25, degraded=tx_id.startswith("deg"), **common))
+                unseen = [name for name, known in VOCABULARIES.items() if spec.raw[name] not in known]
+                results.append(
+                    ItemResult(
+                        status="scored",
+                        score=0.25,
+                        degraded=tx_id.startswith("deg"),
+                        unseen_fields=unseen,
+                        **common,
+                    )
+                )
         return BatchResult(results=results)
 
 
@@ -186,6 +200,54 @@ def test_score_counts_items_by_outcome_and_observes_scores(sqlite_engine: Engine
     assert sample(metrics, "tandem_serving_request_latency_seconds_count", status="200") == 2
     assert sample(metrics, "tandem_serving_requests_over_target_total") == 0
     assert sample(metrics, "tandem_serving_requests_in_flight") == 0
+
+
+def test_unseen_values_are_counted_per_scored_item_and_field(sqlite_engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[ServingMetrics, list[dict[str, Any]]]:
+        settings = ServingSettings(p99_target_ms=60_000)
+        metrics = ServingMetrics(settings=settings)
+        assert {name: unseen(metrics, name) for name in VOCABULARIES} == dict.fromkeys(VOCABULARIES, 0.0)
+        scorer = OnlineScorer(
+            process=OutcomeScoring(),
+            executor=ThreadPoolExecutor(max_workers=1),
+            model_version=MODEL,
+            engine=sqlite_engine,
+            settings=settings,
+            outbox=Outbox(tmp_path / "outbox.sqlite3"),
+            metrics=metrics,
+        )
+        scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
+        scorer.warm = True
+        await scorer.start()
+        try:
+            async with client_for(scorer) as client:
+                body = [
+                    tx("a"),
+                    {**tx("new-1"), "merchant_category": "ev_charging"},
+                    {**tx("new-2"), "merchant_category": "ev_charging", "country": "KR"},
+                    # An error answer counts no unseen value, whatever its fields hold.
+                    {**tx("bad-1"), "currency": "KRW"},
+                ]
+                answer = await client.post("/score", json={"transactions": body})
+                assert answer.status_code == 200
+                # Malformed is not unseen: refused with the request, counted as rejected only.
+                refused = await client.post("/score", json={"transactions": [{**tx("m"), "country": "usa"}]})
+                assert refused.status_code == 422
+        finally:
+            await scorer.close()
+        return metrics, answer.json()["results"]
+
+    metrics, results = asyncio.run(scenario())
+    assert [r["unseen_fields"] for r in results] == [[], ["merchant_category"], ["country", "merchant_category"], []]
+    assert {name: unseen(metrics, name) for name in VOCABULARIES} == {
+        "country": 1.0,
+        "currency": 0.0,
+        "merchant_category": 2.0,
+    }
+
+
+def unseen(metrics: ServingMetrics, field: str) -> float:
+    return sample(metrics, "tandem_unseen_values_total", field=field)
 
 
 # ------------------------------------------------------------------ /score with a scripted scorer

@@ -14,8 +14,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+import torch
 from sqlalchemy.engine import Engine
 
+from inference.contract import TorchPredictor
+from inference.model import ModelConfig, RiskModel
+from inference.records import Transaction
 from inference.store import make_engine, predictions, read_predictions
 from serving.batcher import SCORING_PROCESS_DIED
 from serving.breaker import CircuitBreaker
@@ -24,7 +28,7 @@ from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, ScoringBackend
 from serving.schemas import ItemError, ItemResult
-from serving.scoring import BatchResult, ItemSpec
+from serving.scoring import BatchResult, ItemSpec, ScoringCore
 from serving.settings import ServingSettings
 from serving.writer import ResultWriter
 from tests.serving.support import prediction_rows, scored_batch, transaction
@@ -273,3 +277,62 @@ def test_a_request_is_refused_before_it_is_read_once_even_one_item_would_wait_to
         await scorer.close()
 
     asyncio.run(scenario())
+
+
+def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_row(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """The real scoring step (ScoringCore over a small torch model) in the scoring thread: a
+    well-formed value outside the training vocabulary is scored through the unknown bucket and
+    flagged, in the ItemResult and in the `predictions` row the writer stores."""
+    torch.manual_seed(0)
+    config = ModelConfig(history_length=4, embedding_dim=4, history_dim=16, hidden_dim=32, head_tail_dim=8)
+    predictor = TorchPredictor(model=RiskModel(config).eval(), model_version=MODEL, history_length=4)
+    core = ScoringCore(predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
+
+    def drifted(tx: str, **changes: str) -> Transaction:
+        return transaction(tx).model_copy(update=changes)
+
+    async def scenario() -> list[ItemResult]:
+        settings = ServingSettings()
+        scorer = OnlineScorer(
+            process=core.score,
+            executor=ThreadPoolExecutor(max_workers=1),
+            model_version=MODEL,
+            engine=sqlite_engine,
+            settings=settings,
+            outbox=Outbox(tmp_path / "outbox.sqlite3"),
+            metrics=ServingMetrics(),
+        )
+        scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
+        scorer.warm = True
+        await scorer.start()
+        results, _ = await scorer.score(
+            [
+                transaction("known"),
+                drifted("new-category", merchant_category="ev_charging"),
+                drifted("new-everything", merchant_category="ev_charging", country="KR", currency="KRW"),
+            ],
+            request_id="r1",
+            idempotency_key=None,
+            deadline=time.monotonic() + 30,
+        )
+        scorer.writer.flush()
+        await scorer.close()
+        return results
+
+    results = {r.transaction_id: r for r in asyncio.run(scenario())}
+    assert {tx: r.status for tx, r in results.items()} == dict.fromkeys(results, "scored")
+    assert all(r.score is not None and 0.0 < r.score < 1.0 for r in results.values())
+    assert results["known"].unseen_fields == []
+    assert results["new-category"].unseen_fields == ["merchant_category"]
+    assert results["new-everything"].unseen_fields == ["country", "currency", "merchant_category"]
+    assert "unseen_fields" in results["known"].model_dump()
+
+    with sqlite_engine.connect() as conn:
+        stored = read_predictions(conn)
+    assert dict(zip(stored["transaction_id"], stored["unseen_fields"], strict=True)) == {
+        "known": None,
+        "new-category": "merchant_category",
+        "new-everything": "country,currency,merchant_category",
+    }

@@ -143,3 +143,24 @@ def test_two_workers_answer_and_metrics_add_up(server: Server) -> None:
     # Gauges that every worker sets to the same value are not summed ("max").
     assert server.metric("tandem_serving_availability_target") == 0.999
     assert server.metric("tandem_serving_p99_target_seconds") == 10.0
+
+
+def test_one_key_with_two_bodies_at_once_gets_one_answer_across_workers(server: Server) -> None:
+    """Pairs of requests, one key and two bodies each, sent at once on connections of their own:
+    the kernel spreads them over both processes, and the store lets exactly one of each pair in."""
+
+    def one(key: str, amount: float) -> httpx.Response:
+        body = _request(10_000)[:1]
+        body[0]["amount"] = amount
+        return httpx.post(
+            f"{server.url}/score", json={"transactions": body}, headers={"Idempotency-Key": key}, timeout=60
+        )
+
+    pairs = 20
+    with ThreadPoolExecutor(max_workers=2 * pairs) as pool:
+        answers = list(
+            pool.map(lambda args: one(*args), [(f"pair-{i}", amount) for i in range(pairs) for amount in (1.0, 2.0)])
+        )
+    for i in range(pairs):
+        statuses = sorted(response.status_code for response in answers[2 * i : 2 * i + 2])
+        assert statuses == [200, 422], (i, [r.text for r in answers[2 * i : 2 * i + 2]])

@@ -1,0 +1,212 @@
+"""Idempotency keys with Stripe's semantics: a key names one request body.
+
+- the same key with the same body gets the answer the first request got, and writes nothing;
+- the same key with another body is refused (422 `idempotency_key_reused`), never answered;
+- while the first request is still being answered, a duplicate waits for its answer (the same
+  process) or for the store to hold it (another process), up to its own deadline.
+
+Every server process and pod must agree, so the store decides: a key is claimed with one atomic
+INSERT ... ON CONFLICT DO NOTHING in `idempotency_keys`, and the answer is stored beside the claim.
+This process's recent keys are also kept in memory, so a retry here costs no query. With the store
+unreachable (breaker open) only this process's memory is consulted: a key reused on another
+process during an outage is not caught there, which the runbook says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TypeVar
+
+from pydantic import TypeAdapter
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from inference.records import Transaction
+from inference.store import (
+    KeyClaim,
+    claim_idempotency_key,
+    complete_idempotency_key,
+    release_idempotency_key,
+    take_over_idempotency_key,
+    utc_now,
+)
+from serving.breaker import CircuitBreaker
+from serving.schemas import ItemResult
+
+logger = logging.getLogger(__name__)
+
+IDEMPOTENCY_REUSED = "idempotency_key_reused"
+IDEMPOTENCY_IN_PROGRESS = "idempotency_key_in_progress"
+_RESULTS = TypeAdapter(list[ItemResult])
+# How often a duplicate polls the store for the answer another process is computing.
+_POLL_S = 0.01
+_T = TypeVar("_T")
+
+
+def _new_future() -> asyncio.Future[list[ItemResult]]:
+    return asyncio.get_running_loop().create_future()
+
+
+class KeyReused(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"Idempotency-Key {key!r} was already used with a different request body")
+        self.key = key
+
+
+class KeyInProgress(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"a request with Idempotency-Key {key!r} is still being answered; retry shortly")
+        self.key = key
+
+
+def request_fingerprint(transactions: Sequence[Transaction]) -> str:
+    """The body as the key names it: its transactions in order, in canonical form (so JSON
+    whitespace, key order and equivalent timestamp spellings are one body)."""
+    canonical = json.dumps([tx.to_raw() for tx in transactions], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+@dataclass(eq=False)
+class _LocalKey:
+    fingerprint: str
+    answered: asyncio.Future[list[ItemResult]] = field(default_factory=_new_future)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a keyed request does next: replay `results`, or score and then `complete` or `release`."""
+
+    results: list[ItemResult] | None
+    owner: _LocalKey | None
+    claimed_in_store: bool
+
+
+class IdempotencyKeys:
+    def __init__(self, engine: Engine, breaker: CircuitBreaker, *, size: int, stale_after_s: float) -> None:
+        """`stale_after_s`: an unanswered claim older than this belongs to a process that died."""
+        self.engine = engine
+        self.breaker = breaker
+        self.size = size
+        self.stale_after_s = stale_after_s
+        self._local: collections.OrderedDict[str, _LocalKey] = collections.OrderedDict()
+
+    async def admit(self, key: str, fingerprint: str, *, request_id: str, deadline: float) -> Admission:
+        """Raises KeyReused, KeyInProgress, or asyncio.TimeoutError past `deadline`."""
+        local = self._local.get(key)
+        if local is not None:
+            if local.fingerprint != fingerprint:
+                raise KeyReused(key)
+            self._local.move_to_end(key)
+            results = await asyncio.wait_for(asyncio.shield(local.answered), timeout=deadline - time.monotonic())
+            return Admission(results, None, False)
+        owner = _LocalKey(fingerprint)
+        self._remember(key, owner)
+        try:
+            claim = await self._claim(key, fingerprint, request_id)
+            if claim is not None and not claim.owned_by(request_id):
+                replay = await self._answer_of_other(key, fingerprint, claim, request_id, deadline)
+                if replay is not None:
+                    owner.answered.set_result(replay)
+                    return Admission(replay, None, False)
+        except BaseException:
+            self._forget(key, owner)
+            raise
+        return Admission(None, owner, claim is not None)
+
+    def complete(self, key: str, admission: Admission, results: list[ItemResult]) -> str | None:
+        """Record the answer; returns the JSON to store (the caller writes it off the event loop),
+        or None when nothing is to be stored. A degraded answer (scored without history) is not
+        kept for the key: a retry once the store is back deserves the full answer."""
+        assert admission.owner is not None
+        if any(result.degraded for result in results):
+            self._forget(key, admission.owner)
+            admission.owner.answered.set_result(results)
+            return None
+        admission.owner.answered.set_result(results)
+        return _RESULTS.dump_json(results).decode() if admission.claimed_in_store else None
+
+    def release(self, key: str, admission: Admission, error: BaseException) -> None:
+        """The request got no answer (shed, expired, failed): waiters get the same error, and the
+        key is free for a retry."""
+        assert admission.owner is not None
+        self._forget(key, admission.owner)
+        if not admission.owner.answered.done():
+            admission.owner.answered.set_exception(error)
+            admission.owner.answered.exception()  # retrieved here, so an unwaited future logs nothing
+
+    # ------------------------------------------------------------------ the store (blocking; off the loop)
+    def store_answer(self, key: str, request_id: str, response: str) -> None:
+        self._guarded(functools.partial(complete_idempotency_key, key=key, request_id=request_id, response=response))
+
+    def store_release(self, key: str, request_id: str) -> None:
+        self._guarded(functools.partial(release_idempotency_key, key=key, request_id=request_id))
+
+    async def _claim(self, key: str, fingerprint: str, request_id: str) -> KeyClaim | None:
+        claim = await asyncio.to_thread(
+            self._guarded,
+            functools.partial(claim_idempotency_key, key=key, request_hash=fingerprint, request_id=request_id),
+        )
+        if claim is not None and claim.request_hash != fingerprint:
+            raise KeyReused(key)
+        return claim
+
+    async def _answer_of_other(
+        self, key: str, fingerprint: str, claim: KeyClaim, request_id: str, deadline: float
+    ) -> list[ItemResult] | None:
+        """The answer another request (maybe another process) gave or is giving under `key`;
+        None when this request takes the claim over from a process that died holding it."""
+        while True:
+            if claim.response is not None:
+                return _RESULTS.validate_json(claim.response)
+            if claim.created_at < utc_now() - timedelta(seconds=self.stale_after_s):
+                take_over = functools.partial(
+                    take_over_idempotency_key,
+                    key=key,
+                    request_id=request_id,
+                    claimed_before=claim.created_at + timedelta(microseconds=1),
+                )
+                taken = await asyncio.to_thread(self._guarded, take_over)
+                if taken:
+                    return None
+            if time.monotonic() + _POLL_S >= deadline:
+                raise KeyInProgress(key)
+            await asyncio.sleep(_POLL_S)
+            again = await self._claim(key, fingerprint, request_id)
+            if again is None:  # the store went away meanwhile
+                raise KeyInProgress(key)
+            if again.owned_by(request_id):  # the other request gave up its claim and this one took it
+                return None
+            claim = again
+
+    def _guarded(self, work: Callable[[Connection], _T]) -> _T | None:
+        """`work` in one transaction, or None when the store is unreachable (breaker open)."""
+        if not self.breaker.allow():
+            return None
+        try:
+            with self.engine.begin() as conn:
+                result = work(conn)
+        except SQLAlchemyError as error:
+            self.breaker.record_failure()
+            logger.warning("idempotency store unavailable; this process's memory decides: %s", error)
+            return None
+        self.breaker.record_success()
+        return result
+
+    # ------------------------------------------------------------------ this process's memory
+    def _remember(self, key: str, entry: _LocalKey) -> None:
+        self._local[key] = entry
+        while len(self._local) > self.size:
+            self._local.popitem(last=False)
+
+    def _forget(self, key: str, entry: _LocalKey) -> None:
+        if self._local.get(key) is entry:
+            del self._local[key]

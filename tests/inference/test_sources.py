@@ -1,0 +1,394 @@
+"""Sources: a user's files (CSV, Parquet, NDJSON; a file or a folder per day), a SQL query, the demo.
+
+A whole-day problem is one SourceError naming the file, the column and the problem; a bad cell
+stays a row, for validation to quarantine alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Callable
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import polars as pl
+import pytest
+import sqlalchemy as sa
+
+from inference.demo import DemoConfig, generate_day
+from inference.records import RAW_COLUMNS, RAW_SCHEMA, RejectReason, validate
+from inference.sources import FileSource, SourceError, SqlSource, demo_path, write_demo_day
+
+DAY = date(2026, 11, 3)
+ROWS: list[dict[str, Any]] = [
+    {
+        "transaction_id": "u-1",
+        "account_id": "a-1",
+        "amount": 12.5,
+        "currency": "USD",
+        "merchant_category": "grocery",
+        "country": "US",
+        "event_time": "2026-11-03T09:30:00Z",
+        "label_fraud": 0,
+    },
+    {
+        "transaction_id": "u-2",
+        "account_id": "a-2",
+        "amount": 910.0,
+        "currency": "EUR",
+        "merchant_category": "jewelry",
+        "country": "FR",
+        "event_time": "2026-11-03T23:59:59.5+00:00",
+        "label_fraud": 1,
+    },
+]
+EXPECTED = pl.DataFrame(ROWS, schema={**RAW_SCHEMA, "label_fraud": pl.Int16()})
+
+
+def _frame(rows: list[dict[str, Any]] = ROWS) -> pl.DataFrame:
+    return pl.DataFrame(rows, schema={**RAW_SCHEMA, "label_fraud": pl.Int64()})
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> Path:
+    """By hand, as a user's export would look, not through polars."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = columns or list(rows[0])
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(names)
+        writer.writerows([[row.get(name, "") for name in names] for row in rows])
+    return path
+
+
+WRITERS: dict[str, Callable[[pl.DataFrame, Path], None]] = {
+    "csv": lambda frame, path: frame.write_csv(path),
+    "parquet": lambda frame, path: frame.write_parquet(path),
+    "ndjson": lambda frame, path: frame.write_ndjson(path),
+}
+
+
+def _raises(source: FileSource, *fragments: str) -> str:
+    with pytest.raises(SourceError) as caught:
+        source.read(DAY)
+    message = str(caught.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "ndjson"])
+def test_a_day_file_reads_as_raw_records_with_its_label(tmp_path: Path, fmt: str) -> None:
+    WRITERS[fmt](_frame().with_columns(note=pl.lit("ignored")), tmp_path / f"2026-11-03.{fmt}")
+    source = FileSource(str(tmp_path), "{date:%Y-%m-%d}." + fmt)
+
+    read = source.read(DAY)
+
+    assert read.frame.equals(EXPECTED), read.frame
+    assert read.kind == "files"
+    assert read.paths == (str(tmp_path / f"2026-11-03.{fmt}"),)
+    assert read.version == source.versions()[DAY]
+    assert source.records_for(DAY).equals(EXPECTED)
+
+
+def test_without_a_label_column_only_raw_columns_come_back(tmp_path: Path) -> None:
+    _write_csv(tmp_path / "2026-11-03.csv", ROWS, columns=list(RAW_COLUMNS))
+    assert FileSource(str(tmp_path)).read(DAY).frame.equals(EXPECTED.drop("label_fraud"))
+
+
+def test_a_day_folder_reads_every_file_of_its_format_in_name_order(tmp_path: Path) -> None:
+    folder = tmp_path / "20261103"
+    folder.mkdir()
+    first, second = _frame(ROWS[:1]), _frame(ROWS[1:])
+    second.write_parquet(folder / "part-1.parquet")
+    first.write_parquet(folder / "part-0.parquet")
+    first.write_parquet(folder / ".part-2.parquet.tmp")  # a writer's temporary file
+    (folder / "_SUCCESS").write_text("")
+    (folder / "notes.txt").write_text("not data")
+    source = FileSource(str(tmp_path), "{date:%Y%m%d}/", "parquet")
+
+    read = source.read(DAY)
+
+    assert read.frame.equals(EXPECTED)
+    assert read.paths == (str(folder / "part-0.parquet"), str(folder / "part-1.parquet"))
+    assert source.versions() == {DAY: read.version}
+
+
+def test_a_compact_date_pattern_is_parsed_back_from_file_names(tmp_path: Path) -> None:
+    for day in ("20261101", "20261103"):
+        _write_csv(tmp_path / f"tx_{day}.csv", ROWS)
+    _write_csv(tmp_path / "tx_20261399.csv", ROWS)  # no such date
+    _write_csv(tmp_path / "tx_2026110.csv", ROWS)  # not the pattern
+    source = FileSource(str(tmp_path), "tx_{date:%Y%m%d}.csv")
+
+    assert source.list_days() == [date(2026, 11, 1), DAY]
+    assert source.read(DAY).frame.equals(EXPECTED)
+
+
+def test_nested_date_folders(tmp_path: Path) -> None:
+    _write_csv(tmp_path / "2026" / "11" / "03.csv", ROWS)
+    source = FileSource(str(tmp_path), "{date:%Y}/{date:%m}/{date:%d}.csv")
+    assert source.list_days() == [DAY]
+    assert source.read(DAY).frame.equals(EXPECTED)
+
+
+def test_a_missing_day_is_an_error_not_an_empty_day(tmp_path: Path) -> None:
+    _write_csv(tmp_path / "2026-11-03.csv", ROWS)
+    with pytest.raises(SourceError, match=r"^no file for 2026-11-08 at .*2026-11-08\.csv$"):
+        FileSource(str(tmp_path)).read(date(2026, 11, 8))
+    with pytest.raises(SourceError, match="no folder for 2026-11-08"):
+        FileSource(str(tmp_path), "{date:%Y-%m-%d}/").read(date(2026, 11, 8))
+    (tmp_path / "2026-11-04").mkdir()
+    with pytest.raises(SourceError, match="no csv files in the folder for 2026-11-04"):
+        FileSource(str(tmp_path), "{date:%Y-%m-%d}/", "csv").read(date(2026, 11, 4))
+
+
+def test_a_missing_column_names_the_file_and_the_column(tmp_path: Path) -> None:
+    path = _write_csv(tmp_path / "2026-11-03.csv", ROWS, columns=[c for c in RAW_COLUMNS if c != "currency"])
+    _raises(FileSource(str(tmp_path)), str(path), "'currency'", "missing")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "column", "value", "problem"),
+    [
+        ("parquet", "amount", pl.lit("12.50"), "expected a number, found String"),
+        ("ndjson", "event_time", pl.lit(1_793_000_000), "expected ISO-8601 text or a timezone-aware timestamp"),
+        ("parquet", "currency", pl.lit(3), "expected text, found Int32"),
+        ("parquet", "event_time", pl.lit(datetime(2026, 11, 3, 9, 30)), "timestamp without a time zone"),
+    ],
+)
+def test_a_wrongly_typed_column_names_the_file_the_column_and_the_type(
+    tmp_path: Path, fmt: str, column: str, value: pl.Expr, problem: str
+) -> None:
+    path = tmp_path / f"2026-11-03.{fmt}"
+    WRITERS[fmt](_frame().with_columns(value.alias(column)), path)
+    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}." + fmt), str(path), repr(column), problem)
+
+
+def test_a_timezone_aware_timestamp_column_is_stored_as_canonical_utc_text(tmp_path: Path) -> None:
+    moment = pl.lit(datetime(2026, 11, 3, 10, 30, tzinfo=UTC)).dt.convert_time_zone("Europe/Paris")
+    _frame().with_columns(event_time=moment).write_parquet(tmp_path / "2026-11-03.parquet")
+    frame = FileSource(str(tmp_path), "{date:%Y-%m-%d}.parquet").read(DAY).frame
+    assert frame["event_time"].to_list() == ["2026-11-03T10:30:00.000000Z"] * 2
+
+
+@pytest.mark.parametrize(
+    ("fmt", "content"),
+    [("parquet", b"PAR1 this is not parquet"), ("ndjson", b'{"transaction_id": "u-1", '), ("csv", b"")],
+)
+def test_an_unreadable_file_names_the_file_and_the_problem(tmp_path: Path, fmt: str, content: bytes) -> None:
+    path = tmp_path / f"2026-11-03.{fmt}"
+    path.write_bytes(content)
+    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}." + fmt), str(path), f"cannot be read as {fmt}")
+
+
+def test_bad_cells_in_a_csv_are_rows_for_validation_to_reject(tmp_path: Path) -> None:
+    good = ROWS[0]
+    rows = [
+        good,
+        {**good, "transaction_id": "bad-amount", "amount": "12,50"},
+        {**good, "transaction_id": "no-amount", "amount": ""},
+        {**good, "transaction_id": "nan-amount", "amount": "NaN"},
+        {**good, "transaction_id": "bad-time", "event_time": "yesterday"},
+        {**good, "transaction_id": "no-time", "event_time": ""},
+        {**good, "transaction_id": "bad-label", "label_fraud": "maybe"},
+        {**good, "transaction_id": "", "account_id": "a-9"},
+    ]
+    _write_csv(tmp_path / "2026-11-03.csv", rows)
+
+    checked = validate(FileSource(str(tmp_path)).read(DAY).frame)
+
+    keys = checked["account_id"] + ":" + checked["transaction_id"].fill_null("")
+    reasons = dict(zip(keys, checked["reject_reason"], strict=True))
+    assert reasons == {
+        "a-1:u-1": None,
+        "a-1:bad-amount": RejectReason.AMOUNT_NOT_FINITE.value,
+        "a-1:no-amount": RejectReason.AMOUNT_NOT_FINITE.value,
+        "a-1:nan-amount": RejectReason.AMOUNT_NOT_FINITE.value,
+        "a-1:bad-time": RejectReason.TIMESTAMP_UNPARSABLE.value,
+        "a-1:no-time": RejectReason.TIMESTAMP_MISSING.value,
+        "a-1:bad-label": None,  # a label is ground truth, not an input: unknown, not poison
+        "a-9:": RejectReason.MISSING_FIELD.value,
+    }
+    assert checked.filter(pl.col("transaction_id") == "bad-label")["label_fraud"].to_list() == [None]
+
+
+def test_the_version_of_a_day_changes_when_its_file_does(tmp_path: Path) -> None:
+    path = _write_csv(tmp_path / "2026-11-03.csv", ROWS)
+    os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    source = FileSource(str(tmp_path))
+    before = source.versions()
+    assert before == source.versions() == {DAY: source.read(DAY).version}
+
+    _write_csv(path, [*ROWS, {**ROWS[0], "transaction_id": "u-3"}])
+    os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    grown = source.versions()
+    assert grown[DAY] != before[DAY]  # same mtime, another size
+
+    os.utime(path, ns=(1_700_000_001_000_000_000, 1_700_000_001_000_000_000))
+    assert source.versions()[DAY] not in (before[DAY], grown[DAY])  # touched
+
+    _write_csv(tmp_path / "2026-11-04.csv", ROWS)
+    assert source.versions().keys() == {DAY, date(2026, 11, 4)}
+    assert FileSource(str(tmp_path / "nowhere")).versions() == {}
+
+
+def test_an_object_store_url_is_read_through_fsspec() -> None:
+    fs = fsspec.filesystem("memory")
+    root = "memory://tandem-sources-test/landing"
+    try:
+        with fs.open(f"{root}/2026-11-03/part-0.csv", "wb") as handle:
+            _frame().write_csv(handle)
+        with fs.open(f"{root}/2026-11-05/part-0.csv", "wb") as handle:
+            _frame().write_csv(handle)
+        source = FileSource(root, "{date:%Y-%m-%d}/")
+
+        read = source.read(DAY)
+
+        assert read.frame.equals(EXPECTED)
+        assert read.paths == (f"{root}/2026-11-03/part-0.csv",)
+        versions = source.versions()
+        assert versions.keys() == {DAY, date(2026, 11, 5)}
+        assert versions[DAY] == read.version
+        with pytest.raises(SourceError, match=f"no folder for 2026-11-04 at {root}/2026-11-04"):
+            source.read(date(2026, 11, 4))
+    finally:
+        fs.rm("/tandem-sources-test", recursive=True)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "problem"),
+    [
+        ("{day}.csv", "only {date}"),
+        ("{date:%H}.csv", "%H is not supported"),
+        ("{date:%Y-%m}.csv", "must name the year, month and day"),
+        ("{date.year}.csv", "only {date}"),
+    ],
+)
+def test_a_pattern_that_cannot_name_a_day_is_refused(tmp_path: Path, pattern: str, problem: str) -> None:
+    with pytest.raises(SourceError, match=problem):
+        FileSource(str(tmp_path), pattern)
+
+
+# SQL -----------------------------------------------------------------------------------------
+
+
+def _source_table(url: str) -> sa.Table:
+    """A user's table: one row the day before, two on the day, one the day after (boundary)."""
+    postgres = url.startswith("postgresql")
+    metadata = sa.MetaData()
+    table = sa.Table(
+        "payments",
+        metadata,
+        sa.Column("transaction_id", sa.String, primary_key=True),
+        sa.Column("account_id", sa.String),
+        sa.Column("amount", sa.Numeric(12, 2)),
+        sa.Column("currency", sa.String),
+        sa.Column("merchant_category", sa.String),
+        sa.Column("country", sa.String),
+        sa.Column("event_time", sa.DateTime(timezone=True) if postgres else sa.String),
+        sa.Column("label_fraud", sa.Integer),
+        sa.Column("internal_note", sa.String),
+    )
+    moments = {
+        "before": datetime(2026, 11, 2, 23, 59, 59, tzinfo=UTC),
+        "u-1": datetime(2026, 11, 3, 9, 30, tzinfo=UTC),
+        "u-2": datetime(2026, 11, 3, 23, 59, 59, 500000, tzinfo=UTC),
+        "after": datetime(2026, 11, 4, tzinfo=UTC),
+    }
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            metadata.create_all(conn)
+            base = {k: v for k, v in ROWS[0].items() if k not in ("transaction_id", "event_time")}
+            for transaction_id, moment in moments.items():
+                row = ROWS[1] if transaction_id == "u-2" else base
+                conn.execute(
+                    table.insert().values(
+                        **{k: v for k, v in row.items() if k not in ("transaction_id", "event_time")},
+                        transaction_id=transaction_id,
+                        event_time=moment if postgres else moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                        internal_note="x",
+                    )
+                )
+    finally:
+        engine.dispose()
+    return table
+
+
+COLUMNS = "transaction_id, account_id, amount, currency, merchant_category, country, event_time, label_fraud"
+
+
+def test_a_sql_query_reads_the_partitions_time_window(database_url: str) -> None:
+    _source_table(database_url)
+    if database_url.startswith("postgresql"):
+        where = "event_time >= :start AND event_time < :end"
+    else:  # ISO text in SQLite: compare as instants
+        where = "julianday(event_time) >= julianday(:start) AND julianday(event_time) < julianday(:end)"
+    source = SqlSource(database_url, f"SELECT {COLUMNS}, internal_note FROM payments WHERE {where} ORDER BY 1")
+
+    read = source.read(DAY)
+
+    expected = EXPECTED.with_columns(
+        event_time=pl.Series(["2026-11-03T09:30:00.000000Z", "2026-11-03T23:59:59.500000Z"])
+    )
+    assert read.frame.equals(expected), read.frame
+    assert read.kind == "sql" and read.version is None
+
+
+def test_a_sql_query_can_use_the_day(sqlite_url: str) -> None:
+    _source_table(sqlite_url)
+    source = SqlSource(sqlite_url, f"SELECT {COLUMNS} FROM payments WHERE substr(event_time, 1, 10) = :day")
+    assert source.records_for(DAY)["transaction_id"].sort().to_list() == ["u-1", "u-2"]
+
+
+def test_a_sql_result_without_a_raw_column_names_it(sqlite_url: str) -> None:
+    _source_table(sqlite_url)
+    source = SqlSource(sqlite_url, "SELECT transaction_id, account_id, amount, currency, country FROM payments")
+    with pytest.raises(SourceError, match=r"query on sqlite:///.*: column 'merchant_category': missing"):
+        source.read(DAY)
+
+
+def test_a_sql_query_that_fails_is_a_source_error(sqlite_url: str) -> None:
+    _source_table(sqlite_url)
+    with pytest.raises(SourceError, match="the query failed"):
+        SqlSource(sqlite_url, f"SELECT {COLUMNS} FROM payments WHERE").read(DAY)
+
+
+@pytest.mark.postgres
+def test_a_sql_timestamp_without_time_zone_is_refused(postgres_url: str) -> None:
+    _source_table(postgres_url)
+    query = f"SELECT {COLUMNS.replace('event_time', 'event_time::timestamp AS event_time')} FROM payments"
+    with pytest.raises(SourceError, match="column 'event_time': timestamp without a time zone"):
+        SqlSource(postgres_url, query).read(DAY)
+
+
+# The demo ------------------------------------------------------------------------------------
+
+
+def test_the_demo_day_written_to_the_landing_folder_reads_back_as_generated(tmp_path: Path) -> None:
+    config = DemoConfig(seed=7, rows_per_day=600, poison_rate=0.05)
+    path, written = write_demo_day(tmp_path, DAY, config)
+    assert written and path == tmp_path / "2026-11-03.csv"
+    stat = path.stat()
+
+    again, written_again = write_demo_day(tmp_path, DAY, config)
+
+    assert (again, written_again) == (path, False)
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns  # untouched: its version stays the same
+    assert [p.name for p in tmp_path.iterdir()] == ["2026-11-03.csv"]  # no temporary file left behind
+    generated = generate_day(DAY, config)
+    back = FileSource(str(tmp_path)).read(DAY).frame
+    assert back.equals(generated.drop("poison_kind").with_columns(pl.col("label_fraud").cast(pl.Int16)))
+    # Every poison row is rejected for the same reason after the round trip through CSV.
+    assert validate(back)["reject_reason"].equals(validate(generated)["reject_reason"])
+
+
+def test_the_demo_writes_a_day_folder_when_the_pattern_names_one(tmp_path: Path) -> None:
+    config = DemoConfig(seed=3, rows_per_day=100, poison_rate=0.0)
+    path, _ = write_demo_day(tmp_path, DAY, config, "{date:%Y%m%d}/")
+    assert path == demo_path(tmp_path, DAY, "{date:%Y%m%d}/") == tmp_path / "20261103" / "demo.csv"
+    assert FileSource(str(tmp_path), "{date:%Y%m%d}/").read(DAY).frame.height == 100

@@ -1,0 +1,244 @@
+"""Idempotency keys in-process, on SQLite and PostgreSQL: a key names one body; without a key only
+a truly identical input is answered from earlier; two server processes (two scorers on one
+store) agree because the store decides."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from inference.records import Transaction
+from inference.store import idempotency_keys, read_predictions, utc_now
+from serving.metrics import ServingMetrics
+from serving.outbox import Outbox
+from serving.runtime import DeadlineExceeded, KeyInProgress, KeyReused, OnlineScorer, Shed
+from serving.schemas import ItemResult
+from serving.scoring import BatchResult, ItemSpec
+from serving.settings import ServingSettings
+from tests.serving.support import prediction_row, transaction
+
+MODEL = "risk_model:fake"
+
+
+class AmountScoring:
+    """Scores each item amount / 1000, so two bodies of one transaction get two answers."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.scored: list[tuple[str, float]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, specs: list[ItemSpec]) -> BatchResult:
+        time.sleep(self.delay_s)
+        now = utc_now()
+        results, rows = [], []
+        for spec in specs:
+            tx, amount = str(spec.raw["transaction_id"]), float(spec.raw["amount"])
+            with self.lock:
+                self.scored.append((tx, amount))
+            score = amount / 1000
+            results.append(
+                ItemResult(
+                    transaction_id=tx,
+                    status="scored",
+                    score=score,
+                    model_version=MODEL,
+                    path="online",
+                    request_id=spec.request_id,
+                    batch_id="b",
+                    produced_at=now,
+                    input_hash=f"h{amount}",
+                )
+            )
+            row = prediction_row(tx, MODEL, score=score, request_id=spec.request_id, produced_at=now)
+            rows.append({**row, "input_hash": f"h{amount}", "idempotency_key": spec.idempotency_key})
+        return BatchResult(results=results, rows=rows)
+
+
+def body(tx: str, amount: float) -> list[Transaction]:
+    return [transaction(tx).model_copy(update={"amount": amount})]
+
+
+async def scorer_on(
+    engine: Engine, tmp_path: Path, fake: AmountScoring, name: str, **overrides: object
+) -> OnlineScorer:
+    """One server process's scorer: its own outbox, the shared store."""
+    scorer = OnlineScorer(
+        process=fake,
+        executor=ThreadPoolExecutor(max_workers=1),
+        model_version=MODEL,
+        engine=engine,
+        settings=ServingSettings(**overrides),  # type: ignore[arg-type]
+        outbox=Outbox(tmp_path / f"outbox-{name}.sqlite3"),
+        metrics=ServingMetrics(),
+    )
+    scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
+    scorer.warm = True
+    await scorer.start()
+    return scorer
+
+
+async def ask(scorer: OnlineScorer, request_id: str, key: str | None, transactions: list[Transaction]) -> ItemResult:
+    results, _ = await scorer.score(
+        transactions, request_id=request_id, idempotency_key=key, deadline=time.monotonic() + 5
+    )
+    return results[0]
+
+
+async def settle(*scorers: OnlineScorer) -> None:
+    """Let the key bookkeeping (run off the loop, not awaited) and the writer finish."""
+    await asyncio.sleep(0.2)
+    for scorer in scorers:
+        scorer.writer.flush()
+        await scorer.close()
+
+
+def key_rows(engine: Engine) -> list[dict[str, object]]:
+    with engine.connect() as conn:
+        return [dict(row._mapping) for row in conn.execute(sa.select(idempotency_keys))]
+
+
+def test_the_same_key_and_body_replays_and_another_body_is_refused(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[ItemResult, ItemResult, AmountScoring]:
+        fake = AmountScoring()
+        scorer = await scorer_on(engine, tmp_path, fake, "a")
+        first = await ask(scorer, "r1", "key-1", body("demo-1", 42.5))
+        replay = await ask(scorer, "r2", "key-1", body("demo-1", 42.5))
+        with pytest.raises(KeyReused, match="key-1"):
+            await ask(scorer, "r3", "key-1", body("demo-1", 9999.5))
+        await settle(scorer)
+        return first, replay, fake
+
+    first, replay, fake = asyncio.run(scenario())
+    assert replay == first and first.request_id == "r1"
+    assert fake.scored == [("demo-1", 42.5)], "neither the replay nor the refused body was scored"
+    (stored,) = key_rows(engine)
+    assert stored["idempotency_key"] == "key-1" and stored["request_id"] == "r1" and stored["response"]
+
+
+def test_without_a_key_a_changed_body_is_scored_afresh(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[ItemResult, ItemResult]:
+        scorer = await scorer_on(engine, tmp_path, AmountScoring(), "a")
+        first = await ask(scorer, "r1", None, body("demo-1", 42.5))
+        changed = await ask(scorer, "r2", None, body("demo-1", 9999.5))
+        await settle(scorer)
+        return first, changed
+
+    first, changed = asyncio.run(scenario())
+    assert (first.score, first.request_id) == (0.0425, "r1")
+    assert (changed.score, changed.request_id) == (9.9995, "r2")
+    with engine.connect() as conn:
+        stored = read_predictions(conn)
+    assert sorted(stored["request_id"].to_list()) == ["r1", "r2"], "both answers the client received are kept"
+    assert key_rows(engine) == []
+
+
+def test_concurrent_identical_duplicates_without_a_key_are_scored_once(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[ItemResult], AmountScoring]:
+        fake = AmountScoring(delay_s=0.05)
+        scorer = await scorer_on(engine, tmp_path, fake, "a")
+        answers = await asyncio.gather(*(ask(scorer, f"r{i}", None, body("tx-1", 5.0)) for i in range(20)))
+        await settle(scorer)
+        return answers, fake
+
+    answers, fake = asyncio.run(scenario())
+    assert fake.scored == [("tx-1", 5.0)]
+    assert all(answer == answers[0] for answer in answers)
+
+
+def test_two_processes_agree_through_the_store(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[ItemResult, ItemResult, AmountScoring]:
+        fake_a, fake_b = AmountScoring(), AmountScoring()
+        a = await scorer_on(engine, tmp_path, fake_a, "a")
+        b = await scorer_on(engine, tmp_path, fake_b, "b")
+        first = await ask(a, "r1", "key-1", body("demo-1", 42.5))
+        await asyncio.sleep(0.2)  # a's answer reaches the store
+        with pytest.raises(KeyReused):
+            await ask(b, "r2", "key-1", body("demo-1", 9999.5))
+        replay = await ask(b, "r3", "key-1", body("demo-1", 42.5))
+        await settle(a, b)
+        return first, replay, fake_b
+
+    first, replay, fake_b = asyncio.run(scenario())
+    assert replay == first
+    assert fake_b.scored == [], "the other process answered from the store"
+
+
+def test_one_key_two_bodies_at_once_on_two_processes_gets_one_answer(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> list[ItemResult | BaseException]:
+        a = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.05), "a")
+        b = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.05), "b")
+        outcomes = await asyncio.gather(
+            ask(a, "ra", "key-1", body("demo-1", 1.0)),
+            ask(b, "rb", "key-1", body("demo-1", 2.0)),
+            return_exceptions=True,
+        )
+        await settle(a, b)
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    answered = [o for o in outcomes if isinstance(o, ItemResult)]
+    refused = [o for o in outcomes if isinstance(o, KeyReused)]
+    assert len(answered) == 1 and len(refused) == 1, outcomes
+    (stored,) = key_rows(engine)
+    assert stored["request_id"] == answered[0].request_id
+
+
+def test_the_same_key_and_body_on_another_process_waits_for_the_first_answer(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[ItemResult, ItemResult, AmountScoring]:
+        fake_b = AmountScoring()
+        a = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.3), "a")
+        b = await scorer_on(engine, tmp_path, fake_b, "b")
+        first_task = asyncio.create_task(ask(a, "r1", "key-1", body("demo-1", 3.0)))
+        await asyncio.sleep(0.1)  # a holds the claim, still scoring
+        second = await ask(b, "r2", "key-1", body("demo-1", 3.0))
+        first = await first_task
+        await settle(a, b)
+        return first, second, fake_b
+
+    first, second, fake_b = asyncio.run(scenario())
+    assert second == first and fake_b.scored == []
+
+
+def test_a_duplicate_still_in_progress_past_its_deadline_is_told_so(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        a = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.5), "a")
+        b = await scorer_on(engine, tmp_path, AmountScoring(), "b")
+        first_task = asyncio.create_task(ask(a, "r1", "key-1", body("demo-1", 3.0)))
+        await asyncio.sleep(0.1)
+        with pytest.raises(KeyInProgress):
+            await b.score(
+                body("demo-1", 3.0), request_id="r2", idempotency_key="key-1", deadline=time.monotonic() + 0.1
+            )
+        await first_task
+        await settle(a, b)
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_request_frees_its_key_for_the_retry(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> ItemResult:
+        scorer = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.3), "a", p99_target_ms=1000)
+        busy = asyncio.create_task(ask(scorer, "r0", None, body("busy", 1.0)))
+        await asyncio.sleep(0.05)
+        with pytest.raises((DeadlineExceeded, Shed)):
+            await scorer.score(
+                body("demo-1", 3.0), request_id="r1", idempotency_key="key-1", deadline=time.monotonic() + 0.05
+            )
+        await busy
+        await asyncio.sleep(0.1)
+        retry = await ask(scorer, "r2", "key-1", body("demo-1", 3.0))
+        await settle(scorer)
+        return retry
+
+    retry = asyncio.run(scenario())
+    assert retry.request_id == "r2" and retry.score == 0.003
+    (stored,) = key_rows(engine)
+    assert stored["request_id"] == "r2"
