@@ -24,12 +24,17 @@ from dagster import (
 )
 from pydantic import Field
 
+from assets.automation import follow_predictions
 from assets.batch import DATABASE_POOL
+from assets.metadata import frame_schema, table_metadata
 from assets.retries import TRANSIENT_RETRY, retry_only_transient_errors
 from inference.agreement import DECISION_THRESHOLD, AgreementReport, Cause, summarize
 from inference.parity import PARITY_TOLERANCE
-from inference.store import answer_pairs
+from inference.store import ANSWER_PAIR_SCHEMA, answer_pairs
 from orchestration.resources import DatabaseResource
+
+# Bumped by hand when the report would change for the same answers (see assets/batch.py).
+PATH_AGREEMENT_CODE_VERSION = "1"
 
 
 class PathAgreementConfig(Config):
@@ -61,6 +66,10 @@ def build_agreement_assets(partitions: DailyPartitionsDefinition) -> list[Assets
         partitions_def=partitions,
         # Same daily partitions: day D's report reads day D's batch answers once they are written.
         deps=["predictions"],
+        code_version=PATH_AGREEMENT_CODE_VERSION,
+        automation_condition=follow_predictions(),
+        # The report's rows are the answer pairs it compares; it writes no table of its own.
+        metadata={"dagster/column_schema": frame_schema(ANSWER_PAIR_SCHEMA)},
         retry_policy=TRANSIENT_RETRY,
         backfill_policy=BackfillPolicy.multi_run(1),
         pool=DATABASE_POOL,
@@ -84,6 +93,7 @@ def build_agreement_assets(partitions: DailyPartitionsDefinition) -> list[Assets
         by_cause = {cause.value: count for cause, count in report.by_cause.items()}
         return MaterializeResult(
             metadata={
+                **table_metadata(frame_schema(ANSWER_PAIR_SCHEMA), report.pairs),
                 "pairs": report.pairs,
                 "online_without_batch": report.online_without_batch,
                 **_distribution(report),

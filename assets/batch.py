@@ -4,10 +4,13 @@ Asset bodies stay short: read through a resource, call `inference/`, write throu
 return a MaterializeResult with metadata.
 """
 
+import hashlib
 import resource
 import time
 from datetime import date
+from pathlib import Path
 
+import polars as pl
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
@@ -18,6 +21,7 @@ from dagster import (
     BackfillPolicy,
     Config,
     DailyPartitionsDefinition,
+    DataVersion,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -26,13 +30,26 @@ from dagster import (
 )
 from pydantic import Field
 
-from assets.retries import TRANSIENT_RETRY, retry_only_transient_errors
-from inference.batch import BatchProducer, ChunkProgress, ingest_day, score_partition
+from assets.automation import PRODUCTION_MODEL, rescore_after_promotion
+from assets.metadata import score_distribution, table_metadata, table_schema
+from assets.model import build_production_model, production_model_observation
+from assets.retries import TRANSIENT_RETRY, fail_at_once, retry_only_transient_errors
+from inference.batch import (
+    FORWARD_BATCH_SIZE,
+    MODEL_WORKERS,
+    BatchProducer,
+    ChunkProgress,
+    ingest_day,
+    score_partition,
+)
 from inference.contract import TorchPredictor
 from inference.model import IncompatibleModelError, ModelConfig
 from inference.parity import PARITY_TOLERANCE, check_parity
+from inference.records import input_hash_expr
 from inference.sources import SourceError
-from inference.store import partition_counts, stored_partition_dates
+from inference.store import batch_scores, partition_counts, stored_partition_dates
+from inference.store import predictions as predictions_table
+from inference.store import transactions as transactions_table
 from inference.training import evaluate_auc, train_from_store
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from tandem import modelstore
@@ -40,6 +57,15 @@ from tandem.version import code_version
 
 # Concurrency pool shared by every asset that holds database connections (limit: dagster.yaml).
 DATABASE_POOL = "database"
+
+# Dagster code versions: a constant per asset, bumped by hand when that asset's output would change
+# for the same inputs (its body, or the inference/ code it calls: features, scoring). Not
+# tandem.version.code_version(), the git revision: every commit, a README edit included, would then
+# mark every partition stale and make rescore_after_promotion rescore the last week. Result rows
+# still record the git revision as their lineage.
+TRANSACTIONS_CODE_VERSION = "1"
+RISK_MODEL_CODE_VERSION = "1"
+PREDICTIONS_CODE_VERSION = "1"
 
 
 class RiskModelConfig(Config):
@@ -52,6 +78,12 @@ class RiskModelConfig(Config):
 
 class PredictionsConfig(Config):
     chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
+    forward_batch_size: int = Field(
+        default=FORWARD_BATCH_SIZE, ge=1, description="rows per forward pass (measured, see bench/findings.md)"
+    )
+    model_workers: int = Field(
+        default=MODEL_WORKERS, ge=1, description="threads running the forward passes; the torch threads are split"
+    )
     reject_rate_warn: float = Field(default=0.02, ge=0, le=1)
     reject_rate_max: float = Field(default=0.10, ge=0, le=1, description="above this the check blocks")
     parity_sample: int = Field(default=64, ge=0, description="rows re-scored through the online code path")
@@ -61,12 +93,31 @@ class PredictionsConfig(Config):
 
 
 def _peak_rss_mb() -> float:
+    """VmHWM of this process image; ru_maxrss survives exec, so a step process could report the
+    peak of the process that started it (bench/batch_worker.py)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: int) -> list[AssetsDefinition]:
+def content_version(frame: pl.DataFrame) -> DataVersion:
+    """A day's data version: the digest of its records as received, in any order. Re-ingesting the
+    same records keeps it (nothing downstream turns stale); a corrected record changes it."""
+    digest = hashlib.sha256()
+    canonical = frame.select(input_hash_expr().alias("record")).sort("record")
+    for chunk in canonical.iter_slices(65_536):
+        digest.update("\n".join(chunk["record"].fill_null("").to_list()).encode())
+    return DataVersion(digest.hexdigest()[:16])
+
+
+def build_batch_assets(
+    partitions: DailyPartitionsDefinition, history_length: int, *, rescore_days: int = 7
+) -> list[AssetsDefinition]:
     @asset(
         partitions_def=partitions,
+        code_version=TRANSACTIONS_CODE_VERSION,
+        metadata={"dagster/column_schema": table_schema(transactions_table)},
         retry_policy=TRANSIENT_RETRY,
         backfill_policy=BackfillPolicy.multi_run(1),
         pool=DATABASE_POOL,
@@ -87,7 +138,9 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
         with retry_only_transient_errors():
             report = ingest_day(database.engine, read.frame, day)
         return MaterializeResult(
+            data_version=content_version(read.frame),
             metadata={
+                **table_metadata(table_schema(transactions_table), report.rows_stored),
                 "rows_received": report.rows_received,
                 "rows_stored": report.rows_stored,
                 "rows_new_or_changed": report.rows_changed,
@@ -96,11 +149,12 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                 "source_paths": MetadataValue.json(list(read.paths)),
                 # The landing sensor compares this with the files now there: equal means ingested.
                 **({"source_version": read.version} if read.version is not None else {}),
-            }
+            },
         )
 
     @asset(
         deps=[transactions],
+        code_version=RISK_MODEL_CODE_VERSION,
         group_name="model",
         kinds={"pytorch", "bentoml"},
         pool=DATABASE_POOL,
@@ -143,19 +197,25 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
         promoted = config.force_promote or current_auc is None or report.auc >= current_auc
         if promoted:
             modelstore.promote(tag)
+            # Said at once, so that predictions written after this run record the new version as
+            # their input (production_model_observer would only see it on its next tick).
+            context.log_event(production_model_observation(tag))
         context.log.info(f"{tag}: AUC {report.auc:.4f} (production {current_auc}); promoted={promoted}")
+        production = model_store.production_tag() or ""
         return MaterializeResult(
+            # What the materialization leaves in production: a run that promotes nothing keeps it.
+            data_version=DataVersion(production or "none"),
             metadata={
                 "version_tag": tag,
                 "auc": report.auc,
                 "production_auc_same_holdout": current_auc if current_auc is not None else float("nan"),
                 "promoted": promoted,
-                "production_tag": model_store.production_tag() or "",
+                "production_tag": production,
                 "parameter_count": report.parameter_count,
                 "flops_per_item": report.flops_per_item,
                 "train_rows": report.train_rows,
                 "holdout_day": holdout.isoformat(),
-            }
+            },
         )
 
     @asset(
@@ -169,8 +229,11 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                     start_offset=-1, allow_nonexistent_upstream_partitions=True
                 ),
             ),
-            risk_model,
+            PRODUCTION_MODEL,
         ],
+        code_version=PREDICTIONS_CODE_VERSION,
+        automation_condition=rescore_after_promotion(rescore_days),
+        metadata={"dagster/column_schema": table_schema(predictions_table)},
         retry_policy=TRANSIENT_RETRY,
         backfill_policy=BackfillPolicy.multi_run(1),
         pool=DATABASE_POOL,
@@ -206,10 +269,10 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
         model_store: ModelStoreResource,
     ) -> MaterializeResult:
         day = date.fromisoformat(context.partition_key)
-        model, version = model_store.production()
-        predictor = TorchPredictor(
-            model=model, model_version=version, history_length=history_length, forward_batch_size=config.chunk_rows
-        )
+        with fail_at_once("the production model could not be loaded"):
+            model, version = model_store.production()
+        # Scored with the K the model was trained with (predictor.history_length), not a setting.
+        predictor = TorchPredictor(model=model, model_version=version, forward_batch_size=config.forward_batch_size)
         producer = BatchProducer(
             run_id=context.run.run_id, partition_key=context.partition_key, code_version=code_version()
         )
@@ -219,19 +282,23 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
 
         started = time.perf_counter()
         with retry_only_transient_errors():
+            cpu_started = time.process_time()  # every thread of this process: the pipeline's stages
             report = score_partition(
                 database.engine,
                 predictor,
                 day,
                 producer=producer,
-                history_length=history_length,
+                history_length=predictor.history_length,
                 chunk_rows=config.chunk_rows,
                 on_chunk=progress,
+                model_workers=config.model_workers,
             )
+            cpu_seconds = time.process_time() - cpu_started
             with database.engine.connect() as conn:
                 counts = partition_counts(
                     conn, partition_date=day, partition_key=context.partition_key, model_version=version
                 )
+                scores = batch_scores(conn, partition_key=context.partition_key, model_version=version)
             parity = check_parity(
                 database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
             )
@@ -241,6 +308,8 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
         rate_severity = AssetCheckSeverity.ERROR if reject_rate > config.reject_rate_max else AssetCheckSeverity.WARN
         return MaterializeResult(
             metadata={
+                **table_metadata(table_schema(predictions_table), counts.scored),
+                **score_distribution(scores),
                 "rows_in": report.rows_in,
                 "scored": report.scored,
                 "rejected": report.rejected,
@@ -251,7 +320,9 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
                 "unseen_share": unseen_share,
                 "model_version": version,
                 "rows_per_second": round(report.rows_per_second, 1),
+                "cpu_ms_per_record": round(cpu_seconds * 1000 / max(report.rows_in, 1), 4),
                 "peak_rss_mb": round(_peak_rss_mb(), 1),
+                "stage_busy_s": MetadataValue.json(report.stage_seconds),
                 "duration_s": round(time.perf_counter() - started, 3),
                 "chunks": report.chunks,
             },
@@ -312,4 +383,4 @@ def build_batch_assets(partitions: DailyPartitionsDefinition, history_length: in
             ],
         )
 
-    return [transactions, risk_model, predictions]
+    return [transactions, risk_model, build_production_model(), predictions]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from inference.batch import BatchProducer, score_partition
+from inference.batch import FORWARD_BATCH_SIZE, MODEL_WORKERS, BatchProducer, score_partition
 from inference.contract import TorchPredictor
 from inference.store import make_engine
 from tandem import modelstore
@@ -31,7 +31,9 @@ def main() -> None:
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--day", required=True)
     parser.add_argument("--chunk-rows", type=int, default=8192)
-    parser.add_argument("--forward-batch", type=int, default=1024)
+    parser.add_argument("--forward-batch", type=int, default=FORWARD_BATCH_SIZE)
+    parser.add_argument("--model-workers", type=int, default=MODEL_WORKERS)
+    parser.add_argument("--sequential", action="store_true", help="one chunk after another (the reference)")
     parser.add_argument("--model-name", default="risk_model")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -39,7 +41,6 @@ def main() -> None:
     predictor = TorchPredictor(
         model=model,
         model_version=version,
-        history_length=model.config.history_length,
         forward_batch_size=args.forward_batch,
     )
     engine = make_engine(args.database_url)
@@ -50,8 +51,10 @@ def main() -> None:
         predictor,
         date.fromisoformat(args.day),
         producer=BatchProducer(run_id="bench", partition_key=args.day, code_version="bench"),
-        history_length=model.config.history_length,
+        history_length=predictor.history_length,
         chunk_rows=args.chunk_rows,
+        pipelined=not args.sequential,
+        model_workers=args.model_workers,
     )
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
@@ -66,6 +69,11 @@ def main() -> None:
                 "rows_per_second": report.rows_in / wall,
                 "cpu_ms_per_record": cpu * 1000 / max(report.rows_in, 1),
                 "peak_rss_mb": _peak_rss_mb(),
+                "mode": "sequential" if args.sequential else "pipelined",
+                "forward_batch": args.forward_batch,
+                "model_workers": 1 if args.sequential else args.model_workers,
+                "torch_threads": torch.get_num_threads(),
+                "stage_busy_s": report.stage_seconds,
             }
         )
     )

@@ -33,6 +33,8 @@ class LoadResult:
     shed_latencies_ms: list[float] = field(repr=False)
     client_timeouts: int
     collateral_failures: int = 0  # good requests that failed (only counted when poison is mixed in)
+    shed_without_retry_after: int = 0  # 503/429 answers that carried no Retry-After header
+    connection_errors: int = 0
 
     def summary(self, target_ms: float) -> dict[str, Any]:
         within = int(np.sum(np.array(self.latencies_ms) <= target_ms)) if self.latencies_ms else 0
@@ -47,7 +49,9 @@ class LoadResult:
             "goodput_rps": within / self.duration_s,
             "shed": sum(v for k, v in self.statuses.items() if k in ("503", "429")),
             "shed_p99_ms": _percentile(self.shed_latencies_ms, 99),
+            "shed_without_retry_after": self.shed_without_retry_after,
             "client_timeouts": self.client_timeouts,
+            "connection_errors": self.connection_errors,
             "collateral_failures": self.collateral_failures,
         }
 
@@ -65,29 +69,28 @@ async def _run(
     body_for: Callable[[int], tuple[dict[str, Any], bool]],
     headers: dict[str, str],
     timeout_s: float,
+    start_delay_s: float = 0.0,
 ) -> LoadResult:
-    count = int(rate * duration_s)
+    count = round(rate * duration_s)
     latencies: list[float] = []
     shed: list[float] = []
     statuses: dict[str, int] = {}
     timeouts = 0
     collateral = 0
+    no_retry_after = 0
+    connection_errors = 0
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     client_timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
-        start = time.perf_counter() + 0.05
 
-        async def one(index: int) -> None:
-            nonlocal timeouts, collateral
-            scheduled = start + index / rate
-            delay = scheduled - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async def one(index: int, scheduled: float) -> None:
+            nonlocal timeouts, collateral, no_retry_after, connection_errors
             body, is_poison = body_for(index)
             try:
                 async with session.post(url, data=json.dumps(body), headers=headers) as response:
                     await response.read()
                     status = response.status
+                    retry_after = "Retry-After" in response.headers
             except TimeoutError:
                 timeouts += 1
                 statuses["timeout"] = statuses.get("timeout", 0) + 1
@@ -95,6 +98,7 @@ async def _run(
                     collateral += 1
                 return
             except aiohttp.ClientError:
+                connection_errors += 1
                 statuses["conn_error"] = statuses.get("conn_error", 0) + 1
                 if not is_poison:
                     collateral += 1
@@ -105,11 +109,28 @@ async def _run(
                 latencies.append(elapsed_ms)
             elif status in (503, 429):
                 shed.append(elapsed_ms)
+                no_retry_after += not retry_after
             elif not is_poison:
                 collateral += 1
 
-        await asyncio.gather(*(one(i) for i in range(count)))
-    return LoadResult(rate, duration_s, count, latencies, statuses, shed, timeouts, collateral)
+        # Each request is created at its send time. Creating all of them up front (each sleeping
+        # until its turn) made the event loop wake thousands of timers and measured the generator
+        # itself from ~400 rps; a late send still counts from its scheduled time.
+        in_flight: set[asyncio.Task[None]] = set()
+        start = time.perf_counter() + 0.05 + start_delay_s
+        for index in range(count):
+            scheduled = start + index / rate
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(index, scheduled))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+        if in_flight:
+            await asyncio.gather(*in_flight)
+    return LoadResult(
+        rate, duration_s, count, latencies, statuses, shed, timeouts, collateral, no_retry_after, connection_errors
+    )
 
 
 def best_goodput(sweep: list[dict[str, Any]], target_ms: float) -> float:
@@ -130,3 +151,24 @@ def run_load(
     return asyncio.run(
         _run(url, rate, duration_s, body_for, {"Content-Type": "application/json", **(headers or {})}, timeout_s)
     )
+
+
+def run_burst_under_load(
+    url: str,
+    background_rps: float,
+    background_s: float,
+    burst: int,
+    body_for: Callable[[int], tuple[dict[str, Any], bool]],
+    *,
+    timeout_s: float = 10.0,
+) -> tuple[LoadResult, LoadResult]:
+    """`burst` requests leaving within one millisecond, halfway through `background_s` of open-loop
+    background load at `background_rps`, from one event loop. Returns (background, burst)."""
+    headers = {"Content-Type": "application/json"}
+
+    async def both() -> tuple[LoadResult, LoadResult]:
+        background = asyncio.create_task(_run(url, background_rps, background_s, body_for, headers, timeout_s))
+        spike = await _run(url, burst * 1000, 0.001, body_for, headers, timeout_s, start_delay_s=background_s / 2)
+        return await background, spike
+
+    return asyncio.run(both())

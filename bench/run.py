@@ -33,7 +33,8 @@ import numpy as np
 import polars as pl
 import psutil
 
-from bench.loadgen import best_goodput, run_load
+from bench import online_targets
+from bench.loadgen import run_burst_under_load, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_P99_MS = float(os.environ.get("TANDEM_SERVING_P99_TARGET_MS", "50"))
@@ -64,10 +65,25 @@ def _minutes(seconds: float) -> str:
 # Rough rates for the duration estimates only, from earlier runs on this 2-core machine; nothing
 # is measured or judged against them.
 INGEST_ROWS_PER_S = 20_000
-SCORE_ROWS_PER_S = 9_000
+SCORE_ROWS_PER_S = 14_000
+# Forward batch sizes: the raw model at the default torch threads, and (one thread, as the batch
+# path's model workers run) the sizes the batch path is also measured at end to end.
+RAW_FORWARD_SIZES = (1, 8, 64, 128, 256, 1024)
+FORWARD_BATCH_SWEEP = (64, 128, 256, 1024)
 PROCESS_START_S = 8.0  # a batch worker or load-generator process: interpreter, torch, model
 SERVICE_START_S = 15.0  # start, readiness (model load + warm-up inference), the 2 s warm-up load, stop
 LOAD_SLACK_S = 1.0  # per load run: replies still in flight when the schedule ends
+STOCK_DRAIN_S = 10.0  # per stock BentoML level: its unbounded queue drains before the next one
+# Up to 1,500 rps so the 800 rps goodput target can be met with room above it, in steps of at most
+# 100 rps up to 1,000 so capacity (and the native/mounted comparison) is read finely enough.
+FULL_RATES = [50, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1500]
+# Stock BentoML also runs below the common sweep: it may miss the target at 50 rps already, and its
+# goodput at the target is the denominator of a ratio. The do-nothing ceiling covers these too.
+STOCK_LOW_RATES = [25]
+# A service without admission gets slower with every level past this p99; its sweep stops there.
+STOCK_STOP_P99_MS = 10 * TARGET_P99_MS
+BURST_BACKGROUND_S = 4.0  # the background load the 64-request burst lands in the middle of
+OVERLOAD_TIMEOUT_S = 5.0  # the client timeout of the overload runs ("0 timeouts" is against this)
 
 
 @dataclass(frozen=True)
@@ -88,29 +104,39 @@ class Plan:
     def for_mode(cls, quick: bool) -> Plan:
         if quick:
             return cls(True, 2_000, 3, 1.0, [20_000, 100_000], [50, 100, 200], 5.0, [1, 2])
-        return cls(False, 5_000, 3, 3.0, [100_000, 1_000_000], [50, 100, 200, 300, 400, 600, 800], 10.0, [1, 2, 4])
+        return cls(False, 5_000, 3, 3.0, [100_000, 1_000_000], FULL_RATES, 6.0, [1, 2, 4])
 
     def estimates(self, batch_only: bool) -> dict[str, float]:
         load = self.load_seconds + LOAD_SLACK_S
         sweep = len(self.rates) * load
         phases = {
             "environment": 2 + self.rows_per_day * self.history_days / INGEST_ROWS_PER_S,
-            "raw forward": 4 * self.forward_seconds + 2,
+            "raw forward": (len(RAW_FORWARD_SIZES) + len(FORWARD_BATCH_SWEEP)) * self.forward_seconds + 2,
+            # Each partition pipelined and sequential; the smallest also at each swept forward batch.
             "batch path": sum(
-                PROCESS_START_S + rows / INGEST_ROWS_PER_S + rows / SCORE_ROWS_PER_S for rows in self.partitions
+                2 * PROCESS_START_S + rows / INGEST_ROWS_PER_S + 2 * rows / SCORE_ROWS_PER_S for rows in self.partitions
             )
+            + len(FORWARD_BATCH_SWEEP) * (PROCESS_START_S + min(self.partitions) / SCORE_ROWS_PER_S)
             + 100_000 * 2 / INGEST_ROWS_PER_S,  # the upsert benchmark: insert, then replay
         }
         if batch_only:
             return phases
         drifted_rates = len([r for r in self.rates if r <= self.rates[1]])
+        # Stock BentoML stops once p99 passes 10x the target: about half the sweep on this machine.
+        stock_levels = len(STOCK_LOW_RATES) + (len(self.rates) + 1) // 2
+        overloads = len(online_targets.OVERLOAD_FACTORS)
+        burst = BURST_BACKGROUND_S + LOAD_SLACK_S
         phases["online services"] = (
-            5 * SERVICE_START_S
-            + 3 * sweep  # Tandem, unbatched Tandem, HTTP ceiling
-            + sweep  # stock BentoML
+            20  # the online databases: SQLite and PostgreSQL, each seeded with the history
+            + 8 * SERVICE_START_S  # 7 services, and the ceiling a second time for the rates found on the way
+            + 4 * sweep  # Tandem on SQLite and on PostgreSQL, the mounted route, unbatched Tandem
+            + sweep
+            + (len(STOCK_LOW_RATES) + overloads + 1) * load  # the ceiling over every rate judged
+            + stock_levels * (load + STOCK_DRAIN_S)
             + drifted_rates * (load + 10)  # its replies run into the 10 s client timeout
             + 2 * load  # 2% poison: Tandem and stock BentoML
-            + 2 * load  # Tandem: 64-request burst, then overload at 4x capacity
+            + 2 * burst  # 64-request burst at moderate load: Tandem and the ceiling
+            + overloads * (load + OVERLOAD_TIMEOUT_S)  # Tandem past capacity; replies up to the timeout
         )
         extra_workers = [n for n in self.worker_counts if n > 1]
         phases["workers scaling"] = sum(SERVICE_START_S * (1 + n / 4) + sweep for n in extra_workers)
@@ -209,8 +235,10 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
     torch.manual_seed(0)
     model = RiskModel(ModelConfig()).eval()
     rng = np.random.default_rng(0)
-    results: dict[str, Any] = {"threads": torch.get_num_threads(), "items_per_second": {}}
-    for size in (1, 8, 64, 1024):
+    threads = torch.get_num_threads()
+    results: dict[str, Any] = {"threads": threads, "items_per_second": {}, "items_per_second_1_thread": {}}
+
+    def rate(size: int) -> float:
         batch = FeatureBatch(
             [str(i) for i in range(size)],
             rng.integers(0, 5, (size, 5)).astype(np.int64),
@@ -224,10 +252,21 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
         while time.perf_counter() - started < seconds:
             score_batch(model, batch)
             done += size
-        results["items_per_second"][str(size)] = done / (time.perf_counter() - started)
+        return done / (time.perf_counter() - started)
+
+    for size in RAW_FORWARD_SIZES:
+        results["items_per_second"][str(size)] = rate(size)
+    # One thread per forward: how the batch path's model workers run (inference/batch.py).
+    torch.set_num_threads(1)
+    try:
+        for size in FORWARD_BATCH_SWEEP:
+            results["items_per_second_1_thread"][str(size)] = rate(size)
+    finally:
+        torch.set_num_threads(threads)
     results["parameter_count"] = model.parameter_count
     results["flops_per_item"] = model.flops_per_item()
-    _say(f"raw forward items/s: { ({k: round(v) for k, v in results['items_per_second'].items()}) }")
+    _say(f"raw forward items/s, {threads} threads: { ({k: round(v) for k, v in results['items_per_second'].items()}) }")
+    _say(f"raw forward items/s, 1 thread: { ({k: round(v) for k, v in results['items_per_second_1_thread'].items()}) }")
     return results
 
 
@@ -238,35 +277,68 @@ def bench_batch_path(bench: BenchEnv, partition_rows: list[int]) -> dict[str, An
     from inference.store import make_engine
 
     engine = make_engine(bench.database_url)
-    runs = {}
+    runs, sequential, sweep = {}, {}, {}
+
+    def score(day: date, *options: str) -> dict[str, Any]:
+        """One partition in its own worker process, written as new rows (the previous run's are
+        deleted first, outside the measurement), so every run pays for the same inserts."""
+        _clear_partition(engine, day)
+        output = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.batch_worker",
+                "--database-url",
+                bench.database_url,
+                "--day",
+                day.isoformat(),
+                *options,
+            ],
+            cwd=ROOT,
+            env=bench.env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return dict(json.loads(output.strip().splitlines()[-1]))
+
     for offset, rows in enumerate(partition_rows):
         day = START_DAY + timedelta(days=30 + offset)
         ingest_day(engine, generate_day(day, DemoConfig(rows_per_day=rows, poison_rate=0.01, accounts=None)), day)
-        output = (
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.batch_worker",
-                    "--database-url",
-                    bench.database_url,
-                    "--day",
-                    day.isoformat(),
-                ],
-                cwd=ROOT,
-                env=bench.env,
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            .stdout.strip()
-            .splitlines()[-1]
-        )
-        runs[str(rows)] = json.loads(output)
-        _say(f"batch partition {rows:,} rows: {runs[str(rows)]}")
+        # Side by side on the same partition: the pipeline, then the same steps one chunk at a time.
+        runs[str(rows)] = score(day)
+        _say(f"batch partition {rows:,} rows, pipelined: {runs[str(rows)]}")
+        sequential[str(rows)] = score(day, "--sequential")
+        _say(f"batch partition {rows:,} rows, sequential: {sequential[str(rows)]}")
+        if offset == 0:
+            for size in FORWARD_BATCH_SWEEP:
+                sweep[str(size)] = score(day, "--forward-batch", str(size))
+                _say(f"batch partition {rows:,} rows, forward batch {size}: {sweep[str(size)]}")
     upsert = _bench_upsert(engine)
     engine.dispose()
-    return {"partitions": runs, "upsert": upsert, "database": engine.dialect.name}
+    return {
+        "partitions": runs,
+        "sequential": sequential,
+        "forward_batch_sweep": {"partition_rows": min(partition_rows), "runs": sweep},
+        "upsert": upsert,
+        "database": engine.dialect.name,
+    }
+
+
+def _clear_partition(engine: Any, day: date) -> None:
+    """Remove a partition's batch results (its source rows and ingest rejections stay)."""
+    import sqlalchemy as sa
+
+    key = day.isoformat()
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM predictions WHERE partition_key = :key"), {"key": key})
+        conn.execute(
+            sa.text("DELETE FROM rejected_records WHERE partition_key = :key AND stage = 'score'"), {"key": key}
+        )
+    if engine.dialect.name == "postgresql":
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("VACUUM ANALYZE predictions"))
+            conn.execute(sa.text("VACUUM ANALYZE rejected_records"))
 
 
 def _bench_upsert(engine: Any, rows: int = 100_000) -> dict[str, Any]:
@@ -322,7 +394,7 @@ def tandem_spec(workers: int = 1) -> ServiceSpec:
     bentoml = str(Path(sys.executable).parent / "bentoml")
     return ServiceSpec(
         "tandem" if workers == 1 else f"tandem_workers_{workers}",
-        "(1) Tandem" if workers == 1 else f"Tandem, {workers} workers",
+        "(1) Tandem (embedded SQLite, the default)" if workers == 1 else f"Tandem, {workers} workers",
         lambda p: [bentoml, "serve", "serving.service:RiskScorer", "--port", str(p), "--host", "127.0.0.1"],
         # Explicit even for 1, so a TANDEM_SERVING_WORKERS in the caller's environment cannot leak in.
         {"TANDEM_SERVING_WORKERS": str(workers)},
@@ -330,12 +402,38 @@ def tandem_spec(workers: int = 1) -> ServiceSpec:
     )
 
 
+def tandem_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
+    """Tandem as `tandem_spec()`, on PostgreSQL: its own database and local state (the outbox)."""
+    spec = tandem_spec()
+    return ServiceSpec(
+        "tandem_postgres",
+        "(1p) Tandem on PostgreSQL",
+        spec.argv,
+        {**spec.extra_env, "DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir)},
+    )
+
+
 def service_specs() -> list[ServiceSpec]:
+    """The services of the online comparison; `tandem_postgres` is added by `bench_online`."""
     bin_dir = Path(sys.executable).parent
     bentoml = str(bin_dir / "bentoml")
     uvicorn = str(bin_dir / "uvicorn")
     return [
         tandem_spec(),
+        ServiceSpec(
+            "tandem_mounted",
+            "(1b) Tandem, /score mounted (before @bentoml.api)",
+            lambda p: [
+                bentoml,
+                "serve",
+                "bench.services.mounted:MountedScorer",
+                "--port",
+                str(p),
+                "--host",
+                "127.0.0.1",
+            ],
+            {"TANDEM_SERVING_WORKERS": "1"},
+        ),
         ServiceSpec(
             "tandem_unbatched",
             "(2) Tandem, batching off",
@@ -507,12 +605,18 @@ def _settle(service: RunningService, body: Body, *, limit_s: float = 90.0) -> fl
     return time.monotonic() - started
 
 
-def _sweep(service: RunningService, rates: list[int], seconds: float, body: Body) -> list[dict[str, Any]]:
+def _sweep(
+    service: RunningService, rates: list[int], seconds: float, body: Body, *, stop_above_p99_ms: float | None = None
+) -> list[dict[str, Any]]:
     """A warm-up, then one open-loop run per offered load, with the service's CPU and memory;
-    each level starts once the previous one's backlog is gone."""
+    each level starts once the previous one's backlog is gone. With `stop_above_p99_ms`, the sweep
+    ends after the first level whose p99 passed it."""
     run_load(service.url, 20, 2.0, body)
-    sweep = []
+    sweep: list[dict[str, Any]] = []
     for rate in rates:
+        if stop_above_p99_ms is not None and sweep and not sweep[-1]["p99_ms"] <= stop_above_p99_ms:
+            _say(f"{service.spec.name}: p99 {sweep[-1]['p99_ms']:.0f} ms, sweep stops before {rate} rps")
+            break
         drained_s = _settle(service, body)
         cpu_before = service.cpu_seconds()
         result = run_load(service.url, rate, seconds, body)
@@ -526,10 +630,55 @@ def _sweep(service: RunningService, rates: list[int], seconds: float, body: Body
         _say(
             f"{service.spec.name} @ {rate} rps: p50 {summary['p50_ms']:.1f} p99 {summary['p99_ms']:.1f} ms, "
             f"goodput {summary['goodput_rps']:.0f}, shed {summary['shed']}, "
-            f"timeouts {summary['client_timeouts']}, CPU {summary['cpu_ms_per_request']:.2f} ms/req, "
+            f"timeouts {summary['client_timeouts']}, conn errors {summary['connection_errors']}, "
+            f"CPU {summary['cpu_ms_per_request']:.2f} ms/req, "
             f"RSS {summary['rss_mb']:.0f} MB"
         )
     return sweep
+
+
+def online_environment(bench: BenchEnv, rows_per_day: int, days: int) -> tuple[BenchEnv, str | None]:
+    """The online services' own databases, apart from the batch path's, holding the same history:
+    the embedded default (no DATABASE_URL: a SQLite file under TANDEM_DATA_DIR), and a fresh
+    PostgreSQL database for `tandem_postgres` (None when no PostgreSQL is reachable). The returned
+    environment's `drop` drops the PostgreSQL one."""
+    data_dir = bench.root / "online"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in bench.env.items() if k != "DATABASE_URL"} | {"TANDEM_DATA_DIR": str(data_dir)}
+    sqlite_url = f"sqlite:///{(data_dir / 'tandem.db').resolve()}"  # as TandemSettings resolves it
+    _seed_history(sqlite_url, rows_per_day, days)
+    postgres_url: str | None
+    postgres_url, drop = _fresh_database(bench.root / "online_postgres")
+    if postgres_url.startswith("postgresql"):
+        _seed_history(postgres_url, rows_per_day, days)
+    else:
+        postgres_url = None
+    _say(f"online databases: {sqlite_url}, {postgres_url or 'no PostgreSQL'}")
+    return BenchEnv(bench.root, sqlite_url, env, drop), postgres_url
+
+
+def _seed_history(database_url: str, rows_per_day: int, days: int) -> None:
+    from inference.batch import ingest_day
+    from inference.demo import DemoConfig, day_range, generate_day
+    from inference.migrate import upgrade
+    from inference.store import make_engine
+
+    engine = make_engine(database_url)
+    upgrade(engine)
+    demo = DemoConfig(rows_per_day=rows_per_day, poison_rate=0.01)  # as prepare_environment's
+    for day in day_range(START_DAY, days):
+        ingest_day(engine, generate_day(day, demo), day)
+    engine.dispose()
+
+
+def _start(spec: ServiceSpec, bench: BenchEnv) -> RunningService | str:
+    """The running service, or why it did not start."""
+    _say(f"starting {spec.label}")
+    try:
+        return RunningService(spec, bench)
+    except RuntimeError as error:
+        _say(str(error))
+        return str(error)
 
 
 def bench_online(
@@ -539,17 +688,28 @@ def bench_online(
     seconds: float,
     good: list[dict[str, Any]],
     poison: list[dict[str, Any]],
+    postgres_url: str | None = None,
 ) -> dict[str, Any]:
+    """Every service over the sweep, the do-nothing ceiling first and again at the end over the
+    rates found on the way (Tandem's overload and burst background rates), so every level of
+    every service is checked against the ceiling at its own rate (`online_targets`)."""
+    specs = service_specs()
+    if postgres_url is not None:
+        specs.insert(1, tandem_postgres_spec(postgres_url, bench.root / "online_postgres"))
     everything: dict[str, Any] = {}
-    for spec in service_specs():
+    if postgres_url is None:
+        everything["tandem_postgres"] = {"label": "(1p) Tandem on PostgreSQL", "error": "no PostgreSQL reachable"}
+    ceiling_rates = sorted({*rates, *STOCK_LOW_RATES})
+    for spec in sorted(specs, key=lambda s: s.name != "do_nothing"):  # the ceiling first
         # At the higher rates every drifted request loads the model: minutes of timeouts, nothing learnt.
-        service_rates = [r for r in rates if not (spec.name == "drifted" and r > rates[1])]
-        _say(f"starting {spec.label}")
-        try:
-            service = RunningService(spec, bench)
-        except RuntimeError as error:
-            everything[spec.name] = {"label": spec.label, "error": str(error)}
-            _say(str(error))
+        service_rates = {
+            "drifted": [r for r in rates if r <= rates[1]],
+            "stock_bentoml": sorted({*STOCK_LOW_RATES, *rates}),
+            "do_nothing": ceiling_rates,
+        }.get(spec.name, rates)
+        service = _start(spec, bench)
+        if isinstance(service, str):
+            everything[spec.name] = {"label": spec.label, "error": service}
             continue
         try:
             body = _fresh_bodies(good, spec.name)
@@ -566,26 +726,107 @@ def bench_online(
                 result = run_load(service.url, mixed_rate, seconds, mixed)
                 extra["poison_2pct"] = result.summary(TARGET_P99_MS) | {"offered_rps": mixed_rate}
                 _say(f"{spec.name} with 2% poison @ {mixed_rate} rps: collateral failures {result.collateral_failures}")
-            sweep = _sweep(service, service_rates, seconds, body)
+            stop = STOCK_STOP_P99_MS if spec.name == "stock_bentoml" else None
+            sweep = _sweep(service, service_rates, seconds, body, stop_above_p99_ms=stop)
+            if len(sweep) < len(service_rates):
+                extra["sweep_stopped"] = (
+                    f"stopped after {sweep[-1]['offered_rps']:.0f} rps: p99 over {STOCK_STOP_P99_MS:.0f} ms, "
+                    "and without admission every higher level only queues longer"
+                )
             if spec.name == "tandem":
-                _settle(service, body)
-                extra["burst_64"] = _burst(service.url, body)
-                _settle(service, body)
-                # Capacity: the best goodput measured; if nothing met the target, the lowest offered load.
-                capacity = max((s["goodput_rps"] for s in sweep), default=0.0) or float(service_rates[0])
-                overload_rate = int(4 * capacity)
-                before = service.rss_mb()
-                result = run_load(service.url, overload_rate, seconds, body, timeout_s=5)
-                extra["overload_4x"] = result.summary(TARGET_P99_MS) | {
-                    "rss_mb_before": before,
-                    "rss_mb_after": service.rss_mb(),
-                }
-                _say(f"overload @ {overload_rate} rps: {extra['overload_4x']}")
+                extra |= _past_capacity(service, body, sweep, seconds, online_targets.ceiling_p99_by_rate(everything))
             everything[spec.name] = {"label": spec.label, "sweep": sweep, **extra}
         finally:
             service.stop()
         _write(out, f"online_{spec.name}", everything[spec.name])
+    _ceiling_again(bench, everything, good, seconds)
+    ceiling = online_targets.ceiling_p99_by_rate(everything)
+    ordered = {spec.name: everything[spec.name] for spec in specs if spec.name in everything}
+    everything = ordered | everything  # the declared order, for the report
+    for name, service in everything.items():
+        online_targets.mark_service(service, ceiling)
+        if "sweep" in service:
+            _write(out, f"online_{name}", service)
+    verdicts = online_targets.judge(everything, TARGET_P99_MS)
+    _write(out, "online_targets", verdicts)
+    for t in verdicts["targets"]:
+        _say(f"target {t['target']}: {t['verdict']} ({t['measured']})")
     return everything
+
+
+def _past_capacity(
+    service: RunningService, body: Body, sweep: list[dict[str, Any]], seconds: float, ceiling: dict[int, float]
+) -> dict[str, Any]:
+    """Tandem's burst at moderate load and its overload runs, at rates set by the capacity the
+    sweep measured (its usable levels only: those the ceiling so far vouches for)."""
+    for entry in sweep:
+        online_targets.mark(entry, ceiling)
+    capacity = online_targets.capacity({"sweep": sweep}, TARGET_P99_MS)
+    _say(f"tandem capacity at p99 <= {TARGET_P99_MS:.0f} ms: {capacity:.0f} rps")
+    _settle(service, body)
+    background_rps = online_targets.burst_background_rps(capacity)
+    background, burst = run_burst_under_load(
+        service.url, background_rps, BURST_BACKGROUND_S, online_targets.BURST_SIZE, body
+    )
+    burst_64: dict[str, Any] = {
+        "background_rps": background_rps,
+        "background": background.summary(TARGET_P99_MS),
+        "burst": burst.summary(TARGET_P99_MS),
+    }
+    _say(
+        f"burst of {online_targets.BURST_SIZE} over {background_rps} rps: statuses {burst_64['burst']['statuses']}, "
+        f"p99 {burst_64['burst']['p99_ms']:.1f} ms"
+    )
+    overload = {}
+    for factor, rate in online_targets.overload_rates(capacity).items():
+        _settle(service, body)
+        before = service.rss_mb()
+        result = run_load(service.url, rate, seconds, body, timeout_s=OVERLOAD_TIMEOUT_S)
+        overload[factor] = result.summary(TARGET_P99_MS) | {
+            "client_timeout_s": OVERLOAD_TIMEOUT_S,
+            "rss_mb_before": before,
+            "rss_mb_after": service.rss_mb(),
+        }
+        o = overload[factor]
+        _say(
+            f"overload {factor} @ {rate} rps: accepted p99 {o['p99_ms']:.1f} ms, goodput {o['goodput_rps']:.0f}, "
+            f"shed {o['shed']} (p99 {o['shed_p99_ms']:.1f} ms, {o['shed_without_retry_after']} no Retry-After), "
+            f"timeouts {o['client_timeouts']}, conn errors {o['connection_errors']}"
+        )
+    return {"capacity_rps": capacity, "burst_64": burst_64, "overload": overload}
+
+
+def _ceiling_again(bench: BenchEnv, everything: dict[str, Any], good: list[dict[str, Any]], seconds: float) -> None:
+    """The do-nothing ceiling over the rates Tandem's run chose (overload, burst background) and
+    the same burst, merged into its results."""
+    ceiling, tandem = everything.get("do_nothing", {}), everything.get("tandem", {})
+    if "sweep" not in ceiling or "overload" not in tandem:
+        return
+    measured = {online_targets.rate_key(s["offered_rps"]) for s in ceiling["sweep"]}
+    wanted = {tandem["burst_64"]["background_rps"], *(o["offered_rps"] for o in tandem["overload"].values())}
+    rates = sorted({online_targets.rate_key(r) for r in wanted} - measured)
+    spec = next(s for s in service_specs() if s.name == "do_nothing")
+    service = _start(spec, bench)
+    if isinstance(service, str):
+        return
+    try:
+        body = _fresh_bodies(good, "do_nothing_again")
+        more = _sweep(service, rates, seconds, body) if rates else []
+        background_rps = tandem["burst_64"]["background_rps"]
+        _settle(service, body)
+        background, burst = run_burst_under_load(
+            service.url, background_rps, BURST_BACKGROUND_S, online_targets.BURST_SIZE, body
+        )
+    finally:
+        service.stop()
+    ceiling["sweep"] = sorted([*ceiling["sweep"], *more], key=lambda s: s["offered_rps"])
+    ceiling["burst_64"] = {
+        "background_rps": background_rps,
+        "background": background.summary(TARGET_P99_MS),
+        "burst": burst.summary(TARGET_P99_MS),
+    }
+    tandem["burst_64"]["ceiling_burst_p99_ms"] = ceiling["burst_64"]["burst"]["p99_ms"]
+    _say(f"ceiling, same burst: p99 {tandem['burst_64']['ceiling_burst_p99_ms']:.1f} ms")
 
 
 def bench_workers(
@@ -596,8 +837,10 @@ def bench_workers(
     good: list[dict[str, Any]],
     worker_counts: list[int],
     single: dict[str, Any],
+    ceiling: dict[int, float] | None = None,
 ) -> dict[str, Any]:
-    """Tandem over the same sweep with more server processes; `single` is the 1-worker Tandem result."""
+    """Tandem over the same sweep with more server processes; `single` is the 1-worker Tandem result.
+    Levels are marked against the do-nothing `ceiling`; goodput counts the usable ones only."""
     counts: dict[str, Any] = {}
     for workers in worker_counts:
         if workers == 1:
@@ -624,8 +867,10 @@ def bench_workers(
                 service.stop()
         if "sweep" in entry:
             sweep = entry["sweep"]
+            for level in sweep:
+                online_targets.mark(level, ceiling or {})
             entry |= {
-                "goodput_rps": best_goodput(sweep, TARGET_P99_MS),
+                "goodput_rps": online_targets.goodput_at_target(sweep, TARGET_P99_MS) or 0.0,
                 "p99_ms_by_rate": {str(int(s["offered_rps"])): s["p99_ms"] for s in sweep},
                 "cpu_ms_per_request_by_rate": {str(int(s["offered_rps"])): s["cpu_ms_per_request"] for s in sweep},
                 "rss_mb_peak": max((s["rss_mb"] for s in sweep), default=float("nan")),
@@ -657,14 +902,6 @@ def _fresh_bodies(good: list[dict[str, Any]], run: str) -> Body:
     return body
 
 
-def _burst(url: str, body: Body) -> dict[str, Any]:
-    """64 requests leaving within one millisecond, below capacity on average: none may be shed."""
-    result = run_load(url, 64_000, 0.001, body)
-    summary = result.summary(TARGET_P99_MS)
-    _say(f"burst of 64: statuses {summary['statuses']}, p99 {summary['p99_ms']:.1f} ms")
-    return summary
-
-
 # ---------------------------------------------------------------- main
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -684,6 +921,7 @@ def main() -> int:
     started = time.perf_counter()
     with phases.run("environment"):
         bench = prepare_environment(plan.rows_per_day, plan.history_days)
+    drops: list[Callable[[], None]] = []
     try:
         with phases.run("raw forward"):
             raw = bench_raw_forward(plan.forward_seconds)
@@ -691,14 +929,31 @@ def main() -> int:
         with phases.run("batch path"):
             batch = bench_batch_path(bench, plan.partitions)
             _write(out, "batch_path", batch)
+        from bench.report import batch_section, batch_targets
+
+        for line in batch_section(raw, batch):
+            _say(line)
+        targets = [{"target": t, "measured": m, "met": ok} for t, m, ok in batch_targets(raw, batch)]
+        for target in targets:
+            _say(f"target: {target['target']}: {target['measured']} -> {'met' if target['met'] else 'MISSED'}")
+        _write(out, "batch_targets", targets)
         if args.batch_only:
             return 0
         good, poison = request_bodies(bench, 20_000)
         with phases.run("online services"):
-            online = bench_online(bench, out, plan.rates, plan.load_seconds, good, poison)
+            online_env, postgres_url = online_environment(bench, plan.rows_per_day, plan.history_days)
+            drops.append(online_env.drop)
+            online = bench_online(online_env, out, plan.rates, plan.load_seconds, good, poison, postgres_url)
         with phases.run("workers scaling"):
             workers = bench_workers(
-                bench, out, plan.rates, plan.load_seconds, good, plan.worker_counts, online.get("tandem", {})
+                online_env,
+                out,
+                plan.rates,
+                plan.load_seconds,
+                good,
+                plan.worker_counts,
+                online.get("tandem", {}),
+                online_targets.ceiling_p99_by_rate(online),
             )
         with phases.run("report"):
             from bench.report import write_report
@@ -716,6 +971,8 @@ def main() -> int:
             )
         _say(f"report: {out / 'report.md'}")
     finally:
+        for drop in drops:
+            drop()
         bench.drop()
         shutil.rmtree(bench.root, ignore_errors=True)
         _say(f"took {_minutes(time.perf_counter() - started)} in all")

@@ -1,28 +1,35 @@
 """The batch path's work, free of Dagster: ingest a source day, score a stored partition.
 
 Optimised for cost per item: the model is loaded by the caller once per run, a partition is
-streamed in large chunks (memory flat in partition size), scored in large tensors, and written in
-ONE transaction, so readers see the old partition or the new one and a rerun never duplicates.
+streamed in chunks through a pipeline of threads (read, features, forward passes, merge; memory
+flat in partition size) and written in ONE transaction, so readers see the old partition or the
+new one and a rerun never duplicates.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from datetime import date
+from typing import Any, TypeVar
 
 import polars as pl
-from sqlalchemy.engine import Engine
+import torch
+from sqlalchemy.engine import Connection, Engine
 
-from inference.contract import FrameHistory, Predictor
-from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RejectReason, validate
+from inference.contract import FrameHistory, Predictor, StagedPredictor
+from inference.records import RAW_COLUMNS, RejectReason, validate
 from inference.store import (
     HISTORY_SCHEMA,
+    BatchProducer,
     RejectStage,
     ResultPath,
     delete_batch_predictions,
+    prediction_rows,
     prior_history,
     quarantine,
     resolve_superseded_rejections,
@@ -59,15 +66,6 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
 
 
 @dataclass(frozen=True)
-class BatchProducer:
-    """Lineage of a batch write: which run wrote it, for which partition, from which code."""
-
-    run_id: str
-    partition_key: str
-    code_version: str
-
-
-@dataclass(frozen=True)
 class ChunkProgress:
     chunk: int
     rows_done: int
@@ -86,10 +84,121 @@ class PartitionReport:
     # Scored rows per field outside the training vocabulary, and rows with any such field.
     unseen_by_field: Counter[str] = field(default_factory=Counter)
     scored_with_unseen: int = 0
+    # Seconds each pipeline stage spent working (not waiting on its neighbours): the largest is
+    # the partition's bottleneck. read = stream + earlier days' history, features = history and
+    # features, model = forward passes, write = staging + merge statements.
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def rows_per_second(self) -> float:
         return self.rows_in / self.seconds if self.seconds else 0.0
+
+
+# Chunks each queue between two stages may hold. Between the features stage and the merge at most
+# 2 * QUEUE_DEPTH + model_workers chunks exist at once (a semaphore, so a slow worker cannot make
+# the others' results pile up while the merge waits for its chunk): memory is flat in the
+# partition size.
+QUEUE_DEPTH = 2
+# Model-stage threads; chosen by measurement on the 2-core machine (bench/findings.md). More cores:
+# more workers (PredictionsConfig.model_workers), until the features stage is the bottleneck.
+MODEL_WORKERS = 2
+# Rows per forward pass on the batch path (TorchPredictor.forward_batch_size), chosen by measurement
+# on the 2-core machine with MODEL_WORKERS single-threaded workers (bench/findings.md).
+FORWARD_BATCH_SIZE = 128
+_POLL_S = 0.05
+_T = TypeVar("_T")
+
+
+class _Aborted(Exception):
+    """Raised inside a stage when another stage failed: stop, the partition is not written."""
+
+
+class _End:
+    """Marks the end of the stream on a queue."""
+
+
+_END = _End()
+
+
+class _Pipeline:
+    """Stage threads joined by bounded queues; the first failure stops every stage.
+
+    A stage blocked on a full or empty queue wakes up within _POLL_S of a failure elsewhere, so
+    no thread outlives `close()` by more than the item it is working on.
+    """
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+        self.failure: BaseException | None = None
+        self.threads: list[threading.Thread] = []
+        self.busy: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def channel(self) -> queue.Queue[Any]:
+        return queue.Queue(maxsize=QUEUE_DEPTH)
+
+    def put(self, channel: queue.Queue[Any], item: Any) -> None:
+        while not self.aborted.is_set():
+            try:
+                channel.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+        raise _Aborted
+
+    def get(self, channel: queue.Queue[Any]) -> Any:
+        while not self.aborted.is_set():
+            try:
+                return channel.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        raise _Aborted
+
+    def acquire(self, permits: threading.Semaphore) -> None:
+        while not self.aborted.is_set():
+            if permits.acquire(timeout=_POLL_S):
+                return
+        raise _Aborted
+
+    def items(self, channel: queue.Queue[Any]) -> Iterator[Any]:
+        while not isinstance(item := self.get(channel), _End):
+            yield item
+
+    def timed(self, stage: str, started: float) -> None:
+        with self._lock:
+            self.busy[stage] = self.busy.get(stage, 0.0) + time.perf_counter() - started
+
+    def timing(self, stage: str, step: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        began = time.perf_counter()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self.timed(stage, began)
+
+    def start(self, stage: str, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+            except _Aborted:
+                pass
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread by close()
+                self.fail(error)
+
+        thread = threading.Thread(target=run, name=f"tandem-batch-{stage}", daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.failure is None:
+                self.failure = error
+        self.aborted.set()
+
+    def close(self) -> None:
+        """Stop every stage (a no-op for stages already done) and wait for each to return."""
+        self.aborted.set()
+        for thread in self.threads:
+            thread.join()
 
 
 def score_partition(
@@ -101,77 +210,205 @@ def score_partition(
     history_length: int,
     chunk_rows: int = 8192,
     on_chunk: Callable[[ChunkProgress], None] | None = None,
+    pipelined: bool = True,
+    model_workers: int = MODEL_WORKERS,
 ) -> PartitionReport:
-    """Score every stored row of one day and write predictions + rejections in one transaction."""
+    """Score every stored row of one day and write predictions + rejections in one transaction.
+
+    A pipeline, whatever the partition size: while chunk n goes through the model, chunk n+1 is
+    read and featurised, and chunk n-1 is copied into staging and merged (by the calling thread,
+    which owns the one write transaction). Stages are threads joined by bounded queues
+    (QUEUE_DEPTH), so memory stays flat in the partition size; polars, numpy, torch and psycopg
+    release the GIL in their heavy work. A failure in any stage stops all of them, rolls the
+    transaction back (the old partition stays, whole) and is raised here once every stage
+    thread has returned.
+
+    A StagedPredictor (TorchPredictor) is split at `prepare` / `complete`, so features are built
+    beside the forward passes; any other Predictor's `predict` runs whole in the model stage.
+    `model_workers` threads run the model stage on different chunks at once, sharing the torch
+    threads the caller set (torch.get_num_threads()) between them for the duration of the call:
+    on 2 cores, 2 single-threaded workers waste less than 1 worker whose 2 OpenMP threads wait
+    at every operator for a core that features, merge or PostgreSQL hold (bench/findings.md).
+    `pipelined=False` runs the same steps one chunk after another in this thread (the reference
+    the pipeline is measured and tested against).
+    """
     report = PartitionReport()
     started = time.perf_counter()
+    pipeline = _Pipeline()
+    staged = predictor if isinstance(predictor, StagedPredictor) else None
     carry = pl.DataFrame(schema=HISTORY_SCHEMA)
-    with engine.begin() as write:
-        for chunk in stream_partition_rows(engine, partition_date, chunk_rows):
-            accounts = chunk["account_id"].drop_nulls().unique().to_list()
-            with engine.connect() as read:
-                before = prior_history(read, accounts, partition_date, history_length)
-            history = FrameHistory(pl.concat([before, carry, chunk.select(*HISTORY_SCHEMA)]))
-            results = predictor.predict(chunk.select(RAW_COLUMNS), history)
-            scored = results.filter(pl.col("reject_reason").is_null())
-            rejected = (
-                chunk.select(RAW_COLUMNS)
-                .with_columns(results["reject_reason"], results["reject_detail"])
-                .filter(pl.col("reject_reason").is_not_null())
-            )
 
-            report.rows_written += upsert_predictions(write, _prediction_rows(scored, predictor, producer))
-            quarantine(
-                write,
-                rejected,
-                path=ResultPath.BATCH,
-                stage=RejectStage.SCORE,
-                partition_key=producer.partition_key,
-                run_id=producer.run_id,
-            )
-            delete_batch_predictions(
-                write,
-                partition_key=producer.partition_key,
-                model_version=predictor.model_version,
-                transaction_ids=rejected["transaction_id"].drop_nulls().to_list(),
-            )
-            carry = (
-                history.valid_rows.select(*HISTORY_SCHEMA)
-                .filter(pl.col("account_id") == chunk["account_id"][-1])
-                .tail(history_length)
-            )
+    def read_history(chunk: pl.DataFrame) -> pl.DataFrame:
+        accounts = chunk["account_id"].drop_nulls().unique().to_list()
+        with engine.connect() as conn:
+            return prior_history(conn, accounts, partition_date, history_length)
 
-            report.rows_in += chunk.height
-            report.scored += scored.height
-            report.rejected += rejected.height
-            report.rejected_by_reason.update(rejected["reject_reason"].to_list())
-            unseen = scored["unseen_fields"].drop_nulls()
-            report.scored_with_unseen += unseen.len()
-            report.unseen_by_field.update(unseen.str.split(",").explode().to_list())
-            report.chunks += 1
-            if on_chunk is not None:
-                elapsed = time.perf_counter() - started
-                on_chunk(ChunkProgress(report.chunks, report.rows_in, report.rows_in / elapsed if elapsed else 0.0))
-        resolve_superseded_rejections(write, partition_key=producer.partition_key)
+    def featurise(chunk: pl.DataFrame, before: pl.DataFrame) -> Any:
+        nonlocal carry
+        history = FrameHistory(pl.concat([before, carry, chunk.select(*HISTORY_SCHEMA)]))
+        inputs = chunk.select(RAW_COLUMNS)
+        work = staged.prepare(inputs, history) if staged is not None else (inputs, history)
+        # The last account may go on in the next chunk: its latest rows are that chunk's history.
+        carry = (
+            history.valid_rows.select(*HISTORY_SCHEMA)
+            .filter(pl.col("account_id") == chunk["account_id"][-1])
+            .tail(history_length)
+        )
+        return work
+
+    def score(work: Any) -> pl.DataFrame:
+        return staged.complete(work) if staged is not None else predictor.predict(*work)
+
+    def written(chunk: pl.DataFrame, results: pl.DataFrame, conn: Connection) -> None:
+        began = time.perf_counter()
+        _write_chunk(conn, chunk, results, predictor, producer, report)
+        pipeline.timed("write", began)
+        if on_chunk is not None:
+            elapsed = time.perf_counter() - started
+            on_chunk(ChunkProgress(report.chunks, report.rows_in, report.rows_in / elapsed if elapsed else 0.0))
+
+    def stream() -> Generator[tuple[pl.DataFrame, pl.DataFrame]]:
+        chunks = stream_partition_rows(engine, partition_date, chunk_rows)
+        try:
+            while True:
+                began = time.perf_counter()
+                chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                before = read_history(chunk)
+                pipeline.timed("read", began)
+                yield chunk, before
+        finally:
+            # Closing the generator now (not at garbage collection) releases its cursor's connection.
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    if not pipelined:
+        with engine.begin() as conn:
+            for chunk, before in stream():
+                work = pipeline.timing("features", featurise, chunk, before)
+                results = pipeline.timing("model", score, work)
+                written(chunk, results, conn)
+            pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
+        return _finished(report, pipeline, started)
+
+    if model_workers < 1:
+        raise ValueError(f"model_workers must be at least 1, not {model_workers}")
+    raw_chunks, prepared_chunks, scored_chunks = pipeline.channel(), pipeline.channel(), pipeline.channel()
+    in_flight = threading.Semaphore(2 * QUEUE_DEPTH + model_workers)
+
+    def read_stage() -> None:
+        items = stream()
+        try:
+            for item in items:
+                pipeline.put(raw_chunks, item)
+        finally:
+            items.close()
+        pipeline.put(raw_chunks, _END)
+
+    def features_stage() -> None:
+        for number, (chunk, before) in enumerate(pipeline.items(raw_chunks)):
+            work = pipeline.timing("features", featurise, chunk, before)
+            pipeline.acquire(in_flight)  # released once the chunk is merged
+            pipeline.put(prepared_chunks, (number, chunk, work))
+        pipeline.put(prepared_chunks, _END)
+
+    def model_stage() -> None:
+        for number, chunk, work in pipeline.items(prepared_chunks):
+            pipeline.put(scored_chunks, (number, chunk, pipeline.timing("model", score, work)))
+        # Left on the queue for the other model workers, each of which ends its own stream.
+        pipeline.put(prepared_chunks, _END)
+        pipeline.put(scored_chunks, _END)
+
+    def in_order() -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
+        """Scored chunks in stream order, whichever worker finished first: every run writes in one
+        key order, so two runs racing on a partition wait for each other instead of deadlocking."""
+        waiting: dict[int, tuple[pl.DataFrame, pl.DataFrame]] = {}
+        ended, following = 0, 0
+        while ended < model_workers:
+            item = pipeline.get(scored_chunks)
+            if isinstance(item, _End):
+                ended += 1
+                continue
+            number, chunk, results = item
+            waiting[number] = (chunk, results)
+            while following in waiting:
+                yield waiting.pop(following)
+                following += 1
+
+    threads_before = torch.get_num_threads()
+    # Set here, before the workers start: each picks the count up at its first torch operation.
+    torch.set_num_threads(max(1, threads_before // model_workers))
+    pipeline.start("read", read_stage)
+    pipeline.start("features", features_stage)
+    for worker in range(model_workers):
+        pipeline.start(f"model-{worker}", model_stage)
+    try:
+        with engine.begin() as conn:
+            for chunk, results in in_order():
+                written(chunk, results, conn)
+                in_flight.release()
+            pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
+    except _Aborted:
+        # A stage failed and the transaction has rolled back: raise that stage's error, not ours.
+        pipeline.close()
+        assert pipeline.failure is not None
+        raise pipeline.failure from None
+    finally:
+        pipeline.close()
+        torch.set_num_threads(threads_before)
+    return _finished(report, pipeline, started)
+
+
+def _finished(report: PartitionReport, pipeline: _Pipeline, started: float) -> PartitionReport:
     report.seconds = time.perf_counter() - started
+    report.stage_seconds = {stage: round(pipeline.busy.get(stage, 0.0), 3) for stage in _STAGES}
     return report
 
 
-def _prediction_rows(scored: pl.DataFrame, predictor: Predictor, producer: BatchProducer) -> pl.DataFrame:
-    return scored.select(
-        "transaction_id",
-        pl.lit(predictor.model_version).alias("model_version"),
-        "score",
-        pl.lit(ResultPath.BATCH.value).alias("path"),
-        pl.lit(producer.run_id).alias("run_id"),
-        pl.lit(producer.partition_key).alias("partition_key"),
-        pl.lit(None, dtype=pl.String).alias("request_id"),
-        pl.lit(None, dtype=pl.String).alias("batch_id"),
-        pl.lit(producer.code_version).alias("code_version"),
-        "input_hash",
-        "history_hash",
-        "unseen_fields",
-        pl.lit(None, dtype=pl.String).alias("idempotency_key"),
-        pl.lit(utc_now(), dtype=EVENT_TS_DTYPE).alias("produced_at"),
-        pl.lit(None, dtype=pl.Float64).alias("latency_ms"),
+_STAGES = ("read", "features", "model", "write")
+
+
+def _write_chunk(
+    write: Connection,
+    chunk: pl.DataFrame,
+    results: pl.DataFrame,
+    predictor: Predictor,
+    producer: BatchProducer,
+    report: PartitionReport,
+) -> None:
+    """One chunk's results into the partition's open transaction, and into the report."""
+    scored = results.filter(pl.col("reject_reason").is_null())
+    rejected = (
+        chunk.select(RAW_COLUMNS)
+        .with_columns(results["reject_reason"], results["reject_detail"])
+        .filter(pl.col("reject_reason").is_not_null())
     )
+    report.rows_written += upsert_predictions(write, _prediction_rows(scored, predictor, producer))
+    quarantine(
+        write,
+        rejected,
+        path=ResultPath.BATCH,
+        stage=RejectStage.SCORE,
+        partition_key=producer.partition_key,
+        run_id=producer.run_id,
+    )
+    delete_batch_predictions(
+        write,
+        partition_key=producer.partition_key,
+        model_version=predictor.model_version,
+        transaction_ids=rejected["transaction_id"].drop_nulls().to_list(),
+    )
+    report.rows_in += chunk.height
+    report.scored += scored.height
+    report.rejected += rejected.height
+    report.rejected_by_reason.update(rejected["reject_reason"].to_list())
+    unseen = scored["unseen_fields"].drop_nulls()
+    report.scored_with_unseen += unseen.len()
+    report.unseen_by_field.update(unseen.str.split(",").explode().to_list())
+    report.chunks += 1
+
+
+def _prediction_rows(scored: pl.DataFrame, predictor: Predictor, producer: BatchProducer) -> pl.DataFrame:
+    return prediction_rows(scored, producer=producer, model_version=predictor.model_version, produced_at=utc_now())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import polars as pl
@@ -68,6 +68,33 @@ class Predictor(Protocol):
 ForwardFn = Callable[[FeatureBatch], np.ndarray]
 
 
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A frame validated, hashed and featurised, not yet through the model (`TorchPredictor.prepare`)."""
+
+    transaction_ids: pl.Series
+    input_hashes: pl.Series
+    reasons: list[str | None]  # validation reasons, one per input row
+    details: list[str | None]
+    history_hashes: list[str | None]
+    unseen: list[str | None]
+    valid_positions: np.ndarray  # input rows that passed validation, in order
+    features: FeatureBatch | None  # of the valid rows; None when there are none
+
+    def __len__(self) -> int:
+        return len(self.reasons)
+
+
+@runtime_checkable
+class StagedPredictor(Predictor, Protocol):
+    """A Predictor whose `predict` is `complete(prepare(...))`, so a caller can run the two halves
+    in different threads (the batch pipeline featurises chunk n+1 while chunk n is scored)."""
+
+    def prepare(self, frame: pl.DataFrame, history: HistorySource) -> PreparedBatch: ...
+
+    def complete(self, prepared: PreparedBatch) -> pl.DataFrame: ...
+
+
 @dataclass
 class TorchPredictor:
     """The one Predictor implementation, over a RiskModel.
@@ -78,9 +105,14 @@ class TorchPredictor:
 
     model: RiskModel
     model_version: str
-    history_length: int
     forward_batch_size: int = 4096
     forward: ForwardFn | None = None
+
+    @property
+    def history_length(self) -> int:
+        """K, the history rows per target: the model's own, the one it was trained with. Scoring
+        with another K changes every score silently, so no caller can choose it."""
+        return self.model.config.history_length
 
     def _forward(self, features: FeatureBatch) -> np.ndarray:
         if self.forward is not None:
@@ -88,20 +120,29 @@ class TorchPredictor:
         return score_batch(self.model, features)
 
     def predict(self, frame: pl.DataFrame, history: HistorySource) -> pl.DataFrame:
+        return self.complete(self.prepare(frame, history))
+
+    def prepare(self, frame: pl.DataFrame, history: HistorySource) -> PreparedBatch:
+        """The first half of `predict`: validation, hashing, history and features; no forward.
+
+        The batch path runs it for the next chunk while `complete` scores the current one; the
+        service calls `predict`, which is exactly `complete(prepare(...))`.
+        """
         # A caller that validated and hashed the frame already (the service does, to look up
         # stored answers first) passes validate()'s output with input_hash: not done twice.
         checked = frame if "reject_reason" in frame.columns else validate(frame)
         if "input_hash" not in checked.columns:
             checked = checked.with_columns(hash_inputs(checked))
-        scores = np.full(checked.height, np.nan)
         history_hashes: list[str | None] = [None] * checked.height
         unseen: list[str | None] = [None] * checked.height
         reasons: list[str | None] = checked["reject_reason"].to_list()
-        details: list[str | None] = [
-            None if reason is None else describe_rejection(reason, row)
-            for reason, row in zip(reasons, checked.iter_rows(named=True), strict=True)
-        ]
+        details: list[str | None] = [None] * checked.height
+        # Only rejected rows need a sentence, so only they are materialised as Python rows.
+        for position in np.flatnonzero(checked["reject_reason"].is_not_null().to_numpy()).tolist():
+            row = checked.row(position, named=True)
+            details[position] = describe_rejection(row["reject_reason"], row)
         valid_positions = np.flatnonzero(checked["reject_reason"].is_null().to_numpy())
+        features = None
         if valid_positions.size:
             valid = checked[valid_positions]
             features = build_features(valid, history.history_for(valid, self.history_length), self.history_length)
@@ -112,6 +153,24 @@ class TorchPredictor:
             ):
                 history_hashes[position] = digest
                 unseen[position] = fields
+        return PreparedBatch(
+            transaction_ids=checked["transaction_id"],
+            input_hashes=checked["input_hash"],
+            reasons=reasons,
+            details=details,
+            history_hashes=history_hashes,
+            unseen=unseen,
+            valid_positions=valid_positions,
+            features=features,
+        )
+
+    def complete(self, prepared: PreparedBatch) -> pl.DataFrame:
+        """The second half of `predict`: the forward passes (bounded by `forward_batch_size`,
+        each item isolated) and the result frame, RESULT_SCHEMA, one row per input row."""
+        scores = np.full(len(prepared.reasons), np.nan)
+        reasons, details = list(prepared.reasons), list(prepared.details)
+        features, valid_positions = prepared.features, prepared.valid_positions
+        if features is not None:
             for start in range(0, len(features), self.forward_batch_size):
                 part = features.slice(start, start + self.forward_batch_size)
                 part_scores, failures = self.score_isolated(part)
@@ -122,13 +181,13 @@ class TorchPredictor:
                 scores[valid_positions[start : start + len(part)]] = part_scores
         return pl.DataFrame(
             {
-                "transaction_id": checked["transaction_id"],
+                "transaction_id": prepared.transaction_ids,
                 "score": pl.Series(scores).fill_nan(None),
                 "reject_reason": pl.Series(reasons, dtype=pl.String),
                 "reject_detail": pl.Series(details, dtype=pl.String),
-                "input_hash": checked["input_hash"],
-                "history_hash": pl.Series(history_hashes, dtype=pl.String),
-                "unseen_fields": pl.Series(unseen, dtype=pl.String),
+                "input_hash": prepared.input_hashes,
+                "history_hash": pl.Series(prepared.history_hashes, dtype=pl.String),
+                "unseen_fields": pl.Series(prepared.unseen, dtype=pl.String),
             },
             schema=RESULT_SCHEMA,
         ).with_columns(

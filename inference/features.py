@@ -55,13 +55,14 @@ LOG_SECONDS_SCALE = 12.0
 # partition and a single record. Multiplying by the reciprocal ourselves gives the same bits always.
 _PER_LOG_SECOND = 1.0 / LOG_SECONDS_SCALE
 _SECONDS_PER_MICROSECOND = 1e-6
-_MAX_HISTORY = 256
+# The longest history a model may read (the digest has one weight per lag); settings validate K against it.
+MAX_HISTORY_LENGTH = 256
 # One odd 64-bit weight per lag, derived from a fixed string so they never change with a library
 # version: the digest is stored, and a digest that changed by itself would rewrite every score.
 _LAG_WEIGHTS = np.array(
     [
         int.from_bytes(hashlib.sha256(f"tandem-history-lag-{i}".encode()).digest()[:8], "big") | 1
-        for i in range(_MAX_HISTORY)
+        for i in range(MAX_HISTORY_LENGTH)
     ],
     dtype=np.uint64,
 )
@@ -153,8 +154,8 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
     record that read it.
     """
     k = history_length
-    if not 1 <= k <= _MAX_HISTORY:
-        raise ValueError(f"history_length {k} outside 1..{_MAX_HISTORY}")
+    if not 1 <= k <= MAX_HISTORY_LENGTH:
+        raise ValueError(f"history_length {k} outside 1..{MAX_HISTORY_LENGTH}")
     with_digest = "input_hash" in targets.columns and "input_hash" in history.columns
     columns = [*FEATURE_COLUMNS, "input_hash"] if with_digest else list(FEATURE_COLUMNS)
     wanted = targets.select(columns).with_columns(target_position=pl.int_range(pl.len(), dtype=pl.Int64))

@@ -122,9 +122,13 @@ class IncompatibleModelError(ValueError):
     """A stored model whose tensors do not fit this code's model (another vocabulary, another layout)."""
 
 
+def read_config(directory: Path) -> ModelConfig:
+    """A saved model's config (its history_length among them), without reading its weights."""
+    return ModelConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+
+
 def load_model(directory: Path) -> RiskModel:
-    config = ModelConfig(**json.loads((directory / CONFIG_FILE).read_text()))
-    model = RiskModel(config)
+    model = RiskModel(read_config(directory))
     stored = torch.load(directory / WEIGHTS_FILE, weights_only=True)
     _check_compatible(model, stored, directory)
     model.load_state_dict(stored)

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from inference.features import MAX_HISTORY_LENGTH
 from inference.sources import DEFAULT_PATTERN, SourceFormat
+
+# TANDEM_HISTORY_LENGTH, validated here once for every settings class that reads it. It is the K a
+# new model is trained with; scoring always uses the K the scored model was trained with (its
+# ModelConfig), so changing the setting never changes a deployed model's scores.
+HistoryLength = Annotated[
+    int,
+    Field(ge=1, le=MAX_HISTORY_LENGTH, description="K for training: account history rows per transaction"),
+]
 
 
 class TandemSettings(BaseSettings):
@@ -24,7 +33,7 @@ class TandemSettings(BaseSettings):
     )
     model_name: str = "risk_model"
     dagster_ui_url: str = Field(default="http://127.0.0.1:3000", description="for links in lineage answers")
-    history_length: int = Field(default=16, ge=1, le=256)
+    history_length: HistoryLength = 16
     demo_seed: int = 7
     demo_start_date: str = "2026-11-01"
     demo_days: int = Field(default=7, ge=1)

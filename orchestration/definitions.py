@@ -7,8 +7,10 @@ import warnings
 from dagster import (
     AssetSelection,
     AssetSpec,
+    AutomationConditionSensorDefinition,
     BetaWarning,
     DailyPartitionsDefinition,
+    DefaultSensorStatus,
     Definitions,
     build_schedule_from_partitioned_job,
     define_asset_job,
@@ -16,7 +18,9 @@ from dagster import (
 )
 
 from assets.agreement import build_agreement_assets
+from assets.automation import PRODUCTION_MODEL
 from assets.batch import build_batch_assets
+from orchestration.alerts import build_run_failure_alert
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.sensors import (
     DAILY_JOB,
@@ -26,6 +30,7 @@ from orchestration.sensors import (
     SensorSettings,
     build_landing_sensor,
     build_online_observer,
+    build_production_model_observer,
     build_sensors,
 )
 from orchestration.settings import OrchestrationSettings
@@ -36,7 +41,10 @@ warnings.filterwarnings("ignore", category=BetaWarning)
 
 def build_definitions(settings: OrchestrationSettings) -> Definitions:
     partitions = DailyPartitionsDefinition(start_date=settings.partitions_start, timezone="UTC")
-    batch_assets = build_batch_assets(partitions, settings.history_length)
+    sensor_settings = SensorSettings()
+    batch_assets = build_batch_assets(
+        partitions, settings.history_length, rescore_days=sensor_settings.promotion_rescore_partitions
+    )
     agreement_assets = build_agreement_assets(partitions)
     daily_job = define_asset_job(
         DAILY_JOB,
@@ -61,22 +69,37 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         description="Scores yesterday's partition every night.",
     )
     # The online path, as Dagster sees it: written by the BentoML service, not by a run, so an
-    # external asset downstream of the same model, observed from the table by a sensor.
+    # external asset downstream of the same production model, observed from the table by a sensor.
     online_predictions = AssetSpec(
         ONLINE_PREDICTIONS,
-        deps=["risk_model"],
+        deps=[PRODUCTION_MODEL],
         group_name="online",
         kinds={"bentoml"},
         description="Online risk scores written by the BentoML service (path=online), observed from `predictions`.",
     )
-    sensor_settings = SensorSettings()
+    # The daemon evaluates the assets' AutomationConditions (assets/automation.py) through this
+    # sensor; running by default, as the custom sensors are. One run per partition (no backfill), so
+    # each rescore is a run of its own with the sensor's tags, like the sensors' runs.
+    automation = AutomationConditionSensorDefinition(
+        "scoring_automation_sensor",
+        target=AssetSelection.assets("predictions", "path_agreement"),
+        default_status=DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=sensor_settings.interval_seconds,
+        run_tags={"tandem/trigger": "automation"},
+        emit_backfills=False,
+        description="Rescores the last scored days after the production model moves or predictions' code version "
+        "is bumped, and recomputes path_agreement after its day's predictions change.",
+    )
     return Definitions(
         assets=[*batch_assets, *agreement_assets, online_predictions],
         jobs=[daily_job, rescore_job, ingest_job],
         schedules=[nightly],
         sensors=[
-            *build_sensors(sensor_settings, history_length=settings.history_length),
+            *build_sensors(sensor_settings),
+            automation,
+            build_production_model_observer(sensor_settings),
             build_online_observer(sensor_settings),
+            build_run_failure_alert(sensor_settings.interval_seconds),
             build_landing_sensor(sensor_settings, partitions=partitions, jobs=[daily_job, ingest_job]),
         ],
         resources={

@@ -66,6 +66,10 @@ class ModelStoreResource(ConfigurableResource):
     def production_tag(self) -> str | None:
         return modelstore.production_tag(self.model_name)
 
+    def history_length(self, tag: str) -> int:
+        """The K version `tag` was trained with, read from its stored config (no weights loaded)."""
+        return modelstore.model_config(tag).history_length
+
 
 SourceKind = Literal["demo", "files", "sql"]
 

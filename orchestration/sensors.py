@@ -1,4 +1,9 @@
-"""Sensors that request runs for exactly the partitions a change touched.
+"""Sensors that request runs for exactly the partitions a change touched, and that report what
+happens outside Dagster (the online path's writes, the production model pointer) as observations.
+
+Reruns that Dagster's declarative automation can express are AutomationConditions instead (a
+promotion's rescore, path_agreement after predictions: assets/automation.py). What stays here reads
+row-level changes from the tables, which no Dagster event describes.
 
 Run keys carry the model version and the change's watermark, so each change is requested once and
 a failed run can still be re-executed (Dagster #15982: a failed run key is never re-emitted). Each
@@ -33,11 +38,12 @@ from dagster import (
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from assets.automation import PRODUCTION_MODEL
+from assets.model import production_model_observation
 from inference.store import (
     PartitionChange,
     fixed_rejection_partitions,
     online_activity,
-    scored_partition_keys,
     stale_scored_partitions,
 )
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
@@ -55,7 +61,12 @@ class SensorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_SENSOR_", extra="ignore")
 
     interval_seconds: int = Field(default=30, ge=5)
-    promotion_rescore_partitions: int = Field(default=7, ge=0, description="last N partitions rescored on promotion")
+    promotion_rescore_partitions: int = Field(
+        default=7,
+        ge=0,
+        description="a promotion (or a bump of predictions' code version) rescores the days among the last N that "
+        "were scored; 0: none",
+    )
 
 
 # A row's ingested_at is stamped before its transaction commits, so a row can become visible after
@@ -102,7 +113,9 @@ def _rerun(
     )
 
 
-def build_sensors(settings: SensorSettings, *, history_length: int) -> list[SensorDefinition]:
+def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
+    # Not an AutomationCondition: which later partitions read a changed record as history (the
+    # account's next records) is row-level knowledge in the tables; conditions see partitions.
     @sensor(
         job_name=RESCORE_JOB,
         minimum_interval_seconds=settings.interval_seconds,
@@ -117,13 +130,16 @@ def build_sensors(settings: SensorSettings, *, history_length: int) -> list[Sens
         if version is None:
             return SkipReason("no production model yet")
         with database.engine.connect() as conn:
+            # The production model's own K: the rescore runs with it, so its reach is what changed.
             changes = stale_scored_partitions(
-                conn, changed_after=_look_back_from(context.cursor), history_length=history_length
+                conn, changed_after=_look_back_from(context.cursor), history_length=model_store.history_length(version)
             )
         if not changes:
             return SkipReason("no changed records in scored partitions")
         return _rerun(changes, trigger="late_records", key_prefix="late", version=version, cursor=context.cursor)
 
+    # Not an AutomationCondition: a rejection marked fixed (`tandem rejects fixed`) is a row update
+    # in rejected_records, which Dagster never sees as an event.
     @sensor(
         job_name=DAILY_JOB,
         minimum_interval_seconds=settings.interval_seconds,
@@ -140,40 +156,40 @@ def build_sensors(settings: SensorSettings, *, history_length: int) -> list[Sens
             return SkipReason("no rejections marked fixed")
         return _rerun(changes, trigger="fixed_rejects", key_prefix="fixed", version=version, cursor=context.cursor)
 
+    return [late_records_sensor, fixed_rejects_sensor]
+
+
+def build_production_model_observer(settings: SensorSettings) -> SensorDefinition:
+    """The production pointer, observed: a move that did not come from risk_model (`tandem models
+    promote`, `rollback`) becomes a new data version of production_model, so the predictions
+    scored under the previous version show as stale and rescore_after_promotion rescores them.
+
+    A sensor, not an AutomationCondition on the observable asset: that would launch an observation
+    run (a process, a slot under max_concurrent_runs) every tick; a tick here reads one small file.
+    """
+
     @sensor(
-        job_name=RESCORE_JOB,
         minimum_interval_seconds=settings.interval_seconds,
         default_status=DefaultSensorStatus.RUNNING,
-        description=f"A promoted model -> rescore the last {settings.promotion_rescore_partitions} scored partitions.",
+        description="The production model pointer moved (risk_model, `tandem models promote`, `rollback`) -> "
+        "an observation of production_model with the new tag as its data version.",
     )
-    def model_promotion_sensor(
-        context: SensorEvaluationContext, database: DatabaseResource, model_store: ModelStoreResource
+    def production_model_observer(
+        context: SensorEvaluationContext, model_store: ModelStoreResource
     ) -> SensorResult | SkipReason:
-        version = model_store.production_tag()
-        if version is None or version == context.cursor:
-            return SkipReason(f"production model unchanged ({version})")
-        if context.cursor is None:
-            # First tick: remember what is in production without rescoring history under it.
-            return SensorResult(run_requests=[], cursor=version)
-        with database.engine.connect() as conn:
-            keys = (
-                scored_partition_keys(conn)[-settings.promotion_rescore_partitions :]
-                if settings.promotion_rescore_partitions
-                else []
-            )
-        return SensorResult(
-            run_requests=[
-                RunRequest(
-                    run_key=f"promoted:{key}:{version}",
-                    partition_key=key,
-                    tags={"tandem/trigger": "model_promotion", "tandem/model_version": version},
-                )
-                for key in keys
-            ],
-            cursor=version,
-        )
+        tag = model_store.production_tag()
+        if tag is None:
+            return SkipReason("no production model yet")
+        # Compared with what Dagster last recorded, not with a cursor: risk_model reports its own
+        # promotions, and those must not be observed twice.
+        latest = context.instance.fetch_observations(AssetRecordsFilter(asset_key=PRODUCTION_MODEL), limit=1).records
+        observed = latest[0].asset_observation.data_version if latest and latest[0].asset_observation else None
+        if observed == tag:
+            return SkipReason(f"production model unchanged ({tag})")
+        context.log.info(f"production model: {observed} -> {tag}")
+        return SensorResult(asset_events=[production_model_observation(tag)])
 
-    return [late_records_sensor, fixed_rejects_sensor, model_promotion_sensor]
+    return production_model_observer
 
 
 def build_online_observer(settings: SensorSettings) -> SensorDefinition:
@@ -239,6 +255,9 @@ def build_landing_sensor(
     jobs: Sequence[UnresolvedAssetJobDefinition],
 ) -> SensorDefinition:
     """Files landing for a day -> ingest and score it; a day's file changing -> re-ingest it.
+
+    Not an AutomationCondition: the files are outside Dagster, and observing them as an asset
+    would cost a run per observation; which job a day needs also depends on whether it is scored.
 
     The cursor is {day: file version}. A day already ingested from this very version (the demo
     writes its file inside the ingest, a run started by hand) requests nothing; a day with a run in

@@ -7,7 +7,10 @@ batch size 1 would predict a 64-request burst as 64 times the real wait and shed
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 
@@ -91,19 +94,57 @@ def admit(
     target_s: float,
     remaining_deadline_s: float,
     oldest_queued_s: float = 0.0,
+    waited_s: float = 0.0,
 ) -> Decision:
-    """Admit when the newcomer's wait fits the target and its deadline.
+    """Admit when the newcomer's whole wait fits the target and its wait ahead fits its deadline.
 
-    The wait is the larger of the model's prediction and the measured age of the oldest queued
-    item (its sojourn time, as in CoDel): when the machine slows down faster than the cost model
-    follows, the queue's real age still stops admission before accepted work misses the target.
+    The wait ahead is the larger of the model's prediction and the measured age of the oldest
+    queued item (its sojourn time, as in CoDel): when the machine slows down faster than the cost
+    model follows, the queue's real age still stops admission before accepted work misses the
+    target. `waited_s` is what the request already waited before the service saw it (a proxy's
+    X-Request-Start, or the event loop's lag: the socket backlog); the deadline counts from then.
     """
-    wait = max(predicted_wait(queued, in_flight_remaining_s, max_batch, cost), oldest_queued_s)
-    limit = min(target_s, remaining_deadline_s)
+    ahead = max(predicted_wait(queued, in_flight_remaining_s, max_batch, cost), oldest_queued_s)
+    wait = waited_s + ahead
+    limit = min(target_s, remaining_deadline_s + waited_s)
     if queued + items > capacity:
         return Decision(False, wait, limit, "queue_full")
-    if wait > remaining_deadline_s:
+    if ahead > remaining_deadline_s:
         return Decision(False, wait, limit, "over_deadline")
     if wait > target_s:
         return Decision(False, wait, limit, "over_target")
     return Decision(True, wait, limit)
+
+
+class LoopLag:
+    """How late the event loop runs a timer: the time a request that arrives now waits before
+    Python reads it (the socket backlog and a busy loop, which no queue of ours sees).
+
+    Sampled every `interval_s` (event-loop-delay shedding, as fastify's under-pressure and toobusy
+    do); a sample decays by half in about `half_life_s`, so one slow tick raises the estimate at
+    once and a recovered loop lowers it within a few ticks.
+    """
+
+    def __init__(self, interval_s: float = 0.005, half_life_s: float = 0.02) -> None:
+        self.interval_s = interval_s
+        self._decay = 0.5 ** (interval_s / half_life_s)
+        self.lag_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-loop-lag")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            expected = time.monotonic() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            self.observe(max(time.monotonic() - expected, 0.0))
+
+    def observe(self, sample_s: float) -> None:
+        self.lag_s = max(sample_s, self.lag_s * self._decay)

@@ -1,6 +1,6 @@
 """Adaptive batching across concurrent requests, with a bounded queue in front of it.
 
-One batch runs at a time on the scoring thread; whatever queued while it ran becomes the next
+One batch runs at a time in the scoring process; whatever queued while it ran becomes the next
 batch (up to `max_batch`), so the batch size follows the load without a timing window: an idle
 service answers a lone request at once, a busy one amortises the fixed cost of a batch over many.
 
@@ -60,6 +60,13 @@ BatchHook = Callable[[list[WorkItem], BatchResult], None]
 
 
 class AdaptiveBatcher:
+    """The queue of admitted items and the one loop that turns it into batches, on the event loop.
+
+    `decide` is admission (the predicted wait against the p99 target and the item's deadline);
+    queued items go to `process` on `executor` (the scoring process) at most `max_batch` at a
+    time, one batch in flight; `on_batch` sees every batch's outcome (the result writer).
+    """
+
     def __init__(
         self,
         process: ProcessFn,
@@ -95,6 +102,13 @@ class AdaptiveBatcher:
         self._task: asyncio.Task[None] | None = None
         self.broken = False
 
+    def switch_backend(self, process: ProcessFn, model_version: str) -> None:
+        """Score later batches with `process` (a warmed-up version): whatever broke the old
+        scoring process, if anything, is behind us."""
+        self.process = process
+        self.model_version = model_version
+        self.broken = False
+
     @property
     def queued(self) -> int:
         return self._live
@@ -124,8 +138,9 @@ class AdaptiveBatcher:
             self._over_target_since = now
         return age if now - self._over_target_since >= self.burst_interval_s else 0.0
 
-    def decide(self, items: int, deadline: float) -> Decision:
+    def decide(self, items: int, deadline: float, *, waited_s: float = 0.0) -> Decision:
         return admit(
+            waited_s=waited_s,
             oldest_queued_s=self.standing_queue_age(),
             items=items,
             queued=self._live,

@@ -2,7 +2,10 @@
 
 Closed: calls go through. After `failure_threshold` consecutive failures it opens: callers skip the
 database at once for `reset_s`. Then it is half-open: exactly one caller probes; success closes it,
-failure opens it again. Thread-safe: the scoring and writer threads share one breaker.
+failure opens it again. Thread-safe. One per process, not one in all: the server process's breaker
+is shared by the result writer and the idempotency store (serving/runtime.py), and each scoring
+process has its own for history reads and stored-answer lookups (serving/worker.py); the two learn
+of an outage separately, and the metric shows the worse of them.
 """
 
 from __future__ import annotations

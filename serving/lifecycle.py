@@ -21,7 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Literal
 
-from serving.runtime import OnlineScorer, ScoringBackend, warm_up_backend
+from serving.backends import ScoringBackend, warm_up_backend
+from serving.runtime import OnlineScorer
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ async def bring_up(
         backend = await asyncio.to_thread(load, tag)
         samples = await asyncio.to_thread(
             warm_up_backend,
-            backend.executor,
-            backend.process,
+            backend,
             max_batch_size=scorer.settings.max_batch_size,
             timeout_s=load_timeout_s,
         )
@@ -220,12 +220,10 @@ class PoolSupervisor(_Periodic):
                 self.scorer, tag, load=self.load, load_timeout_s=self.load_timeout_s, discard=self.discard
             )
         except Exception:
-            self.scorer.restore_failures += 1
-            logger.exception(
-                "could not replace the dead scoring process of %s (attempt %d)", tag, self.scorer.restore_failures
-            )
+            attempt = self.scorer.restore_failed()
+            logger.exception("could not replace the dead scoring process of %s (attempt %d)", tag, attempt)
             return False
-        self.scorer.restore_failures = 0
+        self.scorer.restored()
         # The dead pool's process is gone already; this only releases its bookkeeping.
         await asyncio.to_thread(self.discard, dead.executor)
         logger.warning("replaced the dead scoring process of %s in %.1f s", tag, time.monotonic() - started)

@@ -8,19 +8,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import sqlite3
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, Future
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from concurrent.futures import Executor
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from inference.records import MERCHANT_CATEGORIES, Transaction, raw_frame, validate
-from serving.admission import BatchCostModel, Decision
+from inference.records import Transaction, raw_frame, validate
+from serving.admission import BatchCostModel, Decision, LoopLag
+from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, WorkItem
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.idempotency import (
@@ -61,61 +58,15 @@ class ScoringUnavailable(Exception):
     """The batch was lost with the scoring process: no answer about its items."""
 
 
-@dataclass(frozen=True)
-class ScoringBackend:
-    """One model version's scoring step: the version, the pool it runs on and the function the pool calls."""
-
-    model_version: str
-    executor: Executor
-    process: ProcessFn
-
-
-class _BatchDispatch(Executor):
-    """The batcher's executor: forwards to the serving version's pool and notes that a batch has
-    started, so a model swap waits for the end of that batch (and of its item-by-item retries)
-    instead of sending half of it to another version."""
-
-    def __init__(self, target: Executor) -> None:
-        self.target = target
-        self.busy = False
-
-    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
-        self.busy = True
-        return self.target.submit(fn, *args, **kwargs)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self.target.shutdown(wait, cancel_futures=cancel_futures)
-
-
-def warm_up_backend(
-    executor: Executor, process: ProcessFn, *, max_batch_size: int, rounds: int = 3, timeout_s: float | None = None
-) -> list[tuple[int, float]]:
-    """Score synthetic records through the whole path (store reads included, writes excluded) at
-    batch size 1 and the largest batch; returns (batch size, seconds) samples for the cost model.
-
-    Raises if any answer is not a finite score, or (TimeoutError) past `timeout_s` in all.
-    """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    def run(specs: list[ItemSpec]) -> BatchResult:
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        return executor.submit(process, specs).result(timeout=remaining)
-
-    sizes = (1, max_batch_size)
-    specs = [_warm_up_spec(i) for i in range(max(sizes))]
-    run(specs[:1])  # the first call pays lazy init (the process, the model, the connection)
-    samples: list[tuple[int, float]] = []
-    for _ in range(rounds):
-        for n in sizes:
-            started = time.perf_counter()
-            outcome = run(specs[:n])
-            samples.append((n, time.perf_counter() - started))
-            if any(r.status != "scored" or r.score is None or not math.isfinite(r.score) for r in outcome.results):
-                raise RuntimeError(f"warm-up inference failed: {outcome.results[0]}")
-    return samples
-
-
 class OnlineScorer:
+    """The online path in the server process: admission, batching, idempotency, result writing.
+
+    One per server process, built by the service and used by the HTTP app. It owns the batcher (and
+    through it the scoring backend: process function, executor, model version), the idempotency
+    keys, the result writer with its outbox, and the breaker those share; it answers readiness
+    once a warm-up has run end to end.
+    """
+
     def __init__(
         self,
         *,
@@ -133,13 +84,10 @@ class OnlineScorer:
         self.engine = engine
         self.metrics = metrics
         self.outbox = outbox
-        self.process = process
-        self.executor = executor
-        self.model_version = model_version
-        self._dispatch = _BatchDispatch(executor)
-        self._pending_swap: tuple[ScoringBackend, asyncio.Future[ScoringBackend]] | None = None
+        self.backends = BackendSwitch(ScoringBackend(model_version, executor, process), self._switched)
         self.breaker = CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_reset_s)
         self.cost = BatchCostModel(settings.cost_decay)
+        self.loop_lag = LoopLag()
         self.writer = ResultWriter(
             engine,
             self.breaker,
@@ -166,9 +114,7 @@ class OnlineScorer:
     # ------------------------------------------------------------------ lifecycle
     def warm_up(self, rounds: int = 3) -> list[tuple[int, float]]:
         """Run real inferences end to end (see `warm_up_backend`) and seed the cost model with the timings."""
-        samples = warm_up_backend(
-            self.executor, self.process, max_batch_size=self.settings.max_batch_size, rounds=rounds
-        )
+        samples = warm_up_backend(self.backends.serving, max_batch_size=self.settings.max_batch_size, rounds=rounds)
         self.cost.calibrate(samples)
         self.warm = True
         logger.info("warm: batch cost %.1f ms + %.3f ms/item", self.cost.fixed_s * 1000, self.cost.per_item_s * 1000)
@@ -177,7 +123,7 @@ class OnlineScorer:
     async def start(self) -> None:
         self.batcher = AdaptiveBatcher(
             self.process,
-            executor=self._dispatch,
+            executor=self.backends.dispatch,
             max_batch=self.settings.max_batch_size,
             capacity=self.settings.queue_capacity,
             target_s=self.settings.p99_target_ms / 1000,
@@ -188,54 +134,41 @@ class OnlineScorer:
             burst_interval_s=self.settings.burst_interval_ms / 1000,
         )
         self.batcher.start()
+        self.loop_lag.start()
         self.writer.start()
 
+    @property
+    def model_version(self) -> str:
+        return self.backends.serving.model_version
+
+    @property
+    def process(self) -> ProcessFn:
+        return self.backends.serving.process
+
+    @property
+    def executor(self) -> Executor:
+        return self.backends.serving.executor
+
     def swap(self, backend: ScoringBackend) -> asyncio.Future[ScoringBackend]:
-        """Serve `backend` (already warm) from the next batch on.
+        """Serve `backend` (already warm) from the next batch on (see `BackendSwitch.swap`)."""
+        return self.backends.swap(backend)
 
-        The swap happens between two batches: at once when the batcher is idle, else when the
-        running batch ends, so a batch dispatched to the old pool finishes there. Resolves to the
-        replaced backend, which no batch can reach any more; cancelling it withdraws the swap.
-
-        The batch cost model carries over and retunes itself from the new version's batches
-        (decay 0.9: within about ten). Not recalibrated from the new version's warm-up: timed beside
-        a pool that is serving, a first 64-item batch measured up to 7x its steady cost, and an
-        overstated cost sheds requests right after the swap.
-        """
-        if self._pending_swap is not None:
-            raise RuntimeError("a model swap is already pending")
-        done: asyncio.Future[ScoringBackend] = asyncio.get_running_loop().create_future()
-        self._pending_swap = (backend, done)
-        done.add_done_callback(self._withdraw_swap)
-        if not self._dispatch.busy:
-            self._apply_swap()
-        return done
-
-    def _withdraw_swap(self, done: asyncio.Future[ScoringBackend]) -> None:
-        if done.cancelled() and self._pending_swap is not None and self._pending_swap[1] is done:
-            self._pending_swap = None
-
-    def _apply_swap(self) -> None:
-        if self._pending_swap is None:
-            return
-        backend, done = self._pending_swap
-        self._pending_swap = None
-        previous = ScoringBackend(self.model_version, self.executor, self.process)
-        # Everything a batch or a request reads, switched in one synchronous step of the event
-        # loop, so no batch and no request sees half of each version.
-        self.process, self.executor, self.model_version = backend.process, backend.executor, backend.model_version
-        self._dispatch.target = backend.executor
+    def _switched(self, backend: ScoringBackend) -> None:
         if self.batcher is not None:
-            self.batcher.process = backend.process
-            self.batcher.model_version = backend.model_version
-            # Every swap installs a warmed-up process: whatever broke the old one is behind us.
-            self.batcher.broken = False
+            self.batcher.switch_backend(backend.process, backend.model_version)
         self.metrics.serving_model(backend.model_version)
-        logger.info("now serving %s (was %s)", backend.model_version, previous.model_version)
-        done.set_result(previous)
+
+    def restore_failed(self) -> int:
+        """One more failed attempt to replace a dead scoring process; returns how many in a row."""
+        self.restore_failures += 1
+        return self.restore_failures
+
+    def restored(self) -> None:
+        self.restore_failures = 0
 
     async def close(self, drain_s: float = 0.0) -> None:
         """Stop batching, write what was submitted, and drain the outbox for up to `drain_s`."""
+        await self.loop_lag.stop()
         if self.batcher is not None:
             await self.batcher.stop()
         await asyncio.to_thread(self.writer.close, drain_s)
@@ -262,11 +195,11 @@ class OnlineScorer:
         return True
 
     # ------------------------------------------------------------------ requests
-    def refuse_early(self, deadline: float) -> Decision | None:
+    def refuse_early(self, deadline: float, *, waited_s: float = 0.0) -> Decision | None:
         """The refusal a single item would get now, before its request is even read; None to go on."""
         if self.batcher is None:
             return None
-        decision = self.batcher.decide(1, deadline)
+        decision = self.batcher.decide(1, deadline, waited_s=waited_s)
         if decision.admitted:
             return None
         self.metrics.shed.labels(reason=decision.reason or "unknown").inc()
@@ -279,14 +212,20 @@ class OnlineScorer:
         request_id: str,
         idempotency_key: str | None,
         deadline: float,
+        arrived: float | None = None,
     ) -> tuple[list[ItemResult], float]:
         """Answers in request order, and the CPU seconds of the batches spent on them.
+
+        `arrived` (monotonic): when the request began to wait, before the service read it; the
+        time since counts against the p99 target at admission.
 
         Raises Shed (refused at admission), DeadlineExceeded, KeyReused (the key named another
         body) or KeyInProgress (another process is still answering the key).
         """
         if idempotency_key is None:
-            return await self._score_items(transactions, request_id=request_id, key=None, deadline=deadline)
+            return await self._score_items(
+                transactions, request_id=request_id, key=None, deadline=deadline, arrived=arrived
+            )
         fingerprint = request_fingerprint(transactions)
         try:
             admission = await self.keys.admit(idempotency_key, fingerprint, request_id=request_id, deadline=deadline)
@@ -295,16 +234,25 @@ class OnlineScorer:
         if admission.results is not None:
             return admission.results, 0.0
         return await self._score_keyed(
-            transactions, admission, request_id=request_id, key=idempotency_key, deadline=deadline
+            transactions, admission, request_id=request_id, key=idempotency_key, deadline=deadline, arrived=arrived
         )
 
     async def _score_keyed(
-        self, transactions: list[Transaction], admission: Admission, *, request_id: str, key: str, deadline: float
+        self,
+        transactions: list[Transaction],
+        admission: Admission,
+        *,
+        request_id: str,
+        key: str,
+        deadline: float,
+        arrived: float | None,
     ) -> tuple[list[ItemResult], float]:
         """Score under a key this request holds; then store the answer, or free the key when the
         request got none (shed, expired, the scoring process died), so that a retry may score."""
         try:
-            results, cpu = await self._score_items(transactions, request_id=request_id, key=key, deadline=deadline)
+            results, cpu = await self._score_items(
+                transactions, request_id=request_id, key=key, deadline=deadline, arrived=arrived
+            )
         except BaseException as error:
             self.keys.release(key, admission, error)
             self._store_key_outcome(admission, key, request_id, None)
@@ -327,7 +275,13 @@ class OnlineScorer:
             loop.run_in_executor(None, self.keys.store_answer, key, request_id, response)
 
     async def _score_items(
-        self, transactions: list[Transaction], *, request_id: str, key: str | None, deadline: float
+        self,
+        transactions: list[Transaction],
+        *,
+        request_id: str,
+        key: str | None,
+        deadline: float,
+        arrived: float | None,
     ) -> tuple[list[ItemResult], float]:
         assert self.batcher is not None, "start() first"
         batcher = self.batcher
@@ -351,7 +305,8 @@ class OnlineScorer:
             self.in_flight[identity] = item
             item.future.add_done_callback(functools.partial(self._forget, identity, item))
         if fresh:
-            decision = batcher.decide(len(fresh), deadline)
+            waited = 0.0 if arrived is None else max(now - arrived, 0.0)
+            decision = batcher.decide(len(fresh), deadline, waited_s=waited)
             if not decision.admitted:
                 for item in fresh:
                     item.future.cancel()  # and so out of in_flight
@@ -385,8 +340,7 @@ class OnlineScorer:
             self._record_batch(batch, outcome)
         finally:
             # The batcher calls this between two batches: the one moment a swap may take effect.
-            self._dispatch.busy = False
-            self._apply_swap()
+            self.backends.between_batches()
 
     def _record_batch(self, batch: list[WorkItem], outcome: BatchResult) -> None:
         share = outcome.cpu_seconds / max(len(batch), 1)
@@ -422,21 +376,6 @@ class OnlineScorer:
             )
             self.metrics.item_errors.labels(reason=reason or SCHEMA_INVALID).inc()
         self.writer.submit_rejections(rows)
-
-
-def _warm_up_spec(index: int) -> ItemSpec:
-    moment = datetime(2000, 1, 1, tzinfo=UTC) + timedelta(minutes=index)
-    tx = Transaction(
-        transaction_id=f"warm-up-{index}",
-        account_id=f"warm-up-account-{index % 4}",
-        amount=10.0 + index,
-        # One ordinary country: warm-up proves the path works, not that every input does.
-        currency="USD",
-        merchant_category=MERCHANT_CATEGORIES[index % len(MERCHANT_CATEGORIES)],
-        country="US",
-        event_time=moment,
-    )
-    return ItemSpec(raw=tx.to_raw(), request_id="warm-up")
 
 
 __all__ = [

@@ -1,11 +1,15 @@
-"""The HTTP contract of /score: pydantic models that also generate its OpenAPI document."""
+"""The HTTP contract of /score: pydantic models that are also the BentoML API's input and output
+specs (its /docs.json, docs page and clients), and that generate Tandem's /openapi.json."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any, Literal
 
+import bentoml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from starlette.requests import Request
 
 from inference.lineage import TransactionLineage
 from inference.records import COUNTRIES, CURRENCIES, ID_MAX_LENGTH, MERCHANT_CATEGORIES, Transaction
@@ -15,10 +19,33 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 REQUEST_ID_HEADER = "X-Request-ID"
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(bentoml.IODescriptor):
     model_config = ConfigDict(extra="forbid")
 
     transactions: list[Transaction] = Field(min_length=1, description="Transactions to score, in answer order.")
+    idempotency_key: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="The Idempotency-Key header, for clients that cannot set headers (BentoML's); "
+        "the header wins when both are sent and equal, and they must not differ.",
+    )
+    deadline_ms: float | None = Field(
+        default=None, gt=0, description="The X-Deadline-Ms header, for clients that cannot set headers."
+    )
+
+    @classmethod
+    async def from_http_request(cls, request: Request, serde: Any) -> ScoreRequest:
+        """The request the gate (serving/gate.py) already read, refused or parsed before the body
+        reached BentoML: parsed once, and refused with Tandem's 4xx instead of BentoML's 400."""
+        parsed = PARSED_REQUEST.get()
+        if parsed is not None:
+            return parsed
+        return await super().from_http_request(request, serde)
+
+
+# Set by the gate for the request it lets through; read by ScoreRequest.from_http_request.
+PARSED_REQUEST: ContextVar[ScoreRequest | None] = ContextVar("tandem_parsed_request", default=None)
 
 
 class ItemError(BaseModel):
@@ -45,7 +72,7 @@ class ItemResult(BaseModel):
     error: ItemError | None = None
 
 
-class ScoreResponse(BaseModel):
+class ScoreResponse(bentoml.IODescriptor):
     request_id: str
     results: list[ItemResult]
 

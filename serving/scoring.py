@@ -20,7 +20,16 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import Predictor
 from inference.records import hash_inputs, raw_frame, validate
-from inference.store import HISTORY_SCHEMA, NO_HISTORY, ResultPath, fetch_history, online_answers, utc_now
+from inference.store import (
+    HISTORY_SCHEMA,
+    NO_HISTORY,
+    OnlineProducer,
+    ResultPath,
+    fetch_history,
+    online_answers,
+    prediction_rows,
+    utc_now,
+)
 from serving.breaker import CircuitBreaker
 from serving.schemas import ItemError, ItemResult
 
@@ -191,24 +200,15 @@ class ScoringCore:
                 status="error", error=ItemError(reason=row["reject_reason"], detail=row["reject_detail"]), **common
             )
         outcome.rows.append(
-            {
-                "transaction_id": item.raw["transaction_id"],
-                "model_version": self.model_version,
-                "score": float(row["score"]),
-                "path": ResultPath.ONLINE.value,
-                "run_id": None,
-                "partition_key": None,
-                "request_id": item.request_id,
-                "batch_id": batch_id,
-                "code_version": self.code_version,
-                "input_hash": row["input_hash"],
-                # Unknown when degraded: the empty history scored is not the account's history.
-                "history_hash": None if outcome.degraded else row["history_hash"],
-                "degraded": outcome.degraded,
-                "idempotency_key": item.idempotency_key,
-                "produced_at": produced_at,
-                "unseen_fields": row["unseen_fields"],
-            }
+            prediction_rows(
+                row,
+                producer=OnlineProducer(item.request_id, batch_id, self.code_version),
+                model_version=self.model_version,
+                produced_at=produced_at,
+                # Degraded: the empty history scored is not the account's, so its hash is unknown.
+                degraded=outcome.degraded,
+                idempotency_key=item.idempotency_key,
+            )
         )
         unseen = row["unseen_fields"].split(",") if row["unseen_fields"] else []
         return ItemResult(status="scored", score=float(row["score"]), unseen_fields=unseen, **common)

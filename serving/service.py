@@ -17,19 +17,25 @@ import dataclasses
 import functools
 import gc
 import logging
+import typing
 
 import bentoml
 from bentoml.models import BentoModel
 
 from inference.migrate import upgrade
+from inference.records import Transaction
 from inference.settings import TandemSettings
 from inference.store import make_engine
 from serving import worker
-from serving.app import build_app
+from serving.app import answer, build_app
+from serving.backends import ScoringBackend
+from serving.gate import CURRENT_CALL, ScoreGate
 from serving.lifecycle import ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.runtime import OnlineScorer, ScoringBackend
+from serving.runtime import OnlineScorer
+from serving.schemas import ScoreRequest, ScoreResponse
+from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from tandem import modelstore
 from tandem.version import code_version
@@ -57,12 +63,13 @@ def production_model() -> BentoModel:
     return BentoModel(tag)
 
 
-def _current_scorer() -> OnlineScorer:
+def current_scorer() -> OnlineScorer:
     service: RiskScorer = bentoml.get_current_service()
     return service.scorer
 
 
-@bentoml.asgi_app(build_app(_current_scorer), path="/")
+# /lineage/{id}, /openapi.json and /metrics; /score is the @bentoml.api below, behind the gate.
+@bentoml.asgi_app(build_app(current_scorer, score_route=False), path="/")
 @bentoml.service(
     workers=ServingSettings().workers,
     http={"host": "127.0.0.1", "port": 3001},
@@ -82,6 +89,7 @@ class RiskScorer:
     def __init__(self) -> None:
         settings = TandemSettings()
         serving = ServingSettings()
+        SecuritySettings()  # a bad token or body limit fails the start, not the first request
         url = settings.resolved_database_url()
         options = (
             {
@@ -99,7 +107,6 @@ class RiskScorer:
             model_dir=str(self.model_ref.path),
             model_version=str(self.model_ref.tag),
             database_url=url,
-            history_length=settings.history_length,
             forward_batch_size=serving.max_batch_size,
             code_version=code_version(),
             torch_threads=serving.torch_threads,
@@ -121,9 +128,9 @@ class RiskScorer:
         # Loads the model in the scoring process and runs real inferences end to end; until
         # then the worker is not ready.
         self.scorer.warm_up()
-        # Everything allocated so far (bentoml, torch, polars, pydantic: ~300k objects) lives as
-        # long as the process; exempt from collection, a full GC no longer pauses the event loop
-        # for ~170 ms.
+        # Everything allocated so far (bentoml, torch, polars, pydantic) lives as long as the
+        # process; exempt from collection, a full GC no longer pauses the event loop (measured:
+        # bench/findings.md, "Measurements behind the code").
         gc.freeze()
         # Empty counts as unset, as in production_model(): the deployment ships TANDEM_SERVING_MODEL_TAG=.
         follow = not serving.model_tag and serving.model_poll_interval_s > 0
@@ -149,6 +156,24 @@ class RiskScorer:
             load_timeout_s=serving.model_load_timeout_s,
             discard=worker.discard_pool,
         )
+
+    @bentoml.api(route="/score", input_spec=ScoreRequest, output_spec=ScoreResponse)
+    async def score(
+        self,
+        transactions: list[Transaction],
+        idempotency_key: str | None = None,
+        deadline_ms: float | None = None,
+    ) -> ScoreResponse:
+        """Score transactions, each answered on its own (a model failure or a non-finite score fails
+        only that item). Refusals: 401 token, 400 header, 413 size, 422 schema or a reused
+        Idempotency-Key, 409 key in flight, 503 overload or no scoring process (Retry-After), 504
+        deadline. Send the key and the deadline as headers (Idempotency-Key, X-Deadline-Ms) or,
+        from a BentoML client, as the fields of the same names."""
+        call = CURRENT_CALL.get()
+        # The gate admitted this request and parsed it (ScoreRequest.from_http_request hands
+        # BentoML the gate's parse), so the arguments are already in `call`.
+        assert call is not None, "POST /score always passes the gate"
+        return await answer(call, self.scorer)  # type: ignore[return-value]
 
     def load_version(self, tag: str) -> ScoringBackend:
         """A scoring pool for another stored version; its process starts on the first (warm-up) call."""
@@ -181,3 +206,7 @@ class RiskScorer:
 
     def __is_alive__(self) -> bool:
         return self.scorer.alive()
+
+
+# Outside BentoML's routing, so it runs before BentoML reads or parses the body.
+typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(ScoreGate, get_scorer=current_scorer)

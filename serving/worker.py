@@ -33,7 +33,6 @@ class WorkerConfig:
     model_dir: str
     model_version: str
     database_url: str
-    history_length: int
     forward_batch_size: int
     code_version: str
     torch_threads: int
@@ -46,17 +45,18 @@ class WorkerConfig:
 def initialize(config: WorkerConfig) -> None:
     global _core  # noqa: PLW0603 - set once, when the pool starts this process
     torch.set_num_threads(config.torch_threads)
+    # Scored with the K the model was trained with (TorchPredictor.history_length), so a version
+    # swapped in later is scored with its own K, whatever the settings say.
     predictor = TorchPredictor(
         model=load_model(Path(config.model_dir)),
         model_version=config.model_version,
-        history_length=config.history_length,
         forward_batch_size=config.forward_batch_size,
     )
     engine = make_engine(config.database_url, **config.engine_options)
     breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
     _core = ScoringCore(predictor, engine, breaker, code_version=config.code_version)
-    # The imported libraries and the model are ~300k tracked objects that live as long as the
-    # process: a full collection scanning them paused scoring for ~170 ms (p99 spikes at 50 rps).
+    # The imported libraries and the model live as long as the process: a full collection
+    # scanning them paused scoring (bench/findings.md, "Measurements behind the code").
     gc.freeze()
 
 
@@ -69,7 +69,7 @@ def score(specs: list[ItemSpec]) -> BatchResult:
 def start_pool(config: WorkerConfig) -> ProcessPoolExecutor:
     # Read by polars when the fork server imports it (the server process's own polars is already
     # up). One thread: a batch is many small polars operations, and waking a second thread for
-    # each cost ~20% more CPU for no less latency, CPU the event loop needs on two cores.
+    # each cost more CPU for no less latency (bench/findings.md), CPU the event loop needs.
     os.environ.setdefault("POLARS_MAX_THREADS", str(config.polars_threads))
     # Not fork: the server process already runs threads and an event loop. A fork server is a
     # fresh single-threaded process that imports this module (torch, polars, the store) once, so

@@ -1,7 +1,8 @@
 """Result persistence off the event loop: one upsert per adaptive batch, an outbox when the
 database is down, and a drain of that outbox once it is back.
 
-One thread owns all writes so batches land in order and the scoring thread never waits on them.
+One thread owns all writes so batches land in order and neither the event loop nor the scoring
+process ever waits on them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
-import psycopg
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -23,6 +22,8 @@ from inference.records import raw_frame
 from inference.store import (
     RejectStage,
     ResultPath,
+    is_missing_schema,
+    is_transient_db_error,
     prediction_frame,
     quarantine,
     quarantine_unwritable_result,
@@ -54,25 +55,6 @@ def write_prediction_rows(conn: Connection, rows: list[dict[str, Any]]) -> int:
     return upsert_predictions(conn, prediction_frame(rows)) if rows else 0
 
 
-# Errors that say the database is unreachable or overloaded, as opposed to refusing the data.
-_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
-    sa_exc.OperationalError,
-    sa_exc.InterfaceError,
-    sa_exc.DisconnectionError,
-    sa_exc.TimeoutError,
-    psycopg.OperationalError,
-    psycopg.InterfaceError,
-    OSError,
-)
-
-
-def is_outage(error: BaseException) -> bool:
-    """An unreachable database (retry later) rather than a refused row (quarantine it)."""
-    if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
-        return True
-    return isinstance(error, _OUTAGE_ERRORS)
-
-
 class StoreOutage(Exception):
     def __init__(self, unwritten: list[dict[str, Any]]) -> None:
         super().__init__(f"{len(unwritten)} rows not written")
@@ -80,6 +62,14 @@ class StoreOutage(Exception):
 
 
 class ResultWriter:
+    """The one writer of the service's results, on a thread of its own in the server process.
+
+    Jobs (prediction rows, quarantined items) are written in submission order. A database that
+    cannot be reached (`is_transient_db_error`) sends the rows to the durable outbox, drained once
+    the breaker lets a write through again; a row the database refuses as data is quarantined
+    alone (`store`). `close` writes what was submitted, then drains the outbox within a bound.
+    """
+
     def __init__(
         self,
         engine: Engine,
@@ -187,7 +177,7 @@ class ResultWriter:
         Bisects a refused write down to the refused rows, so they cost O(k log n) extra
         transactions and never hold back the others (in the outbox they would block every row
         behind them forever). Raises StoreOutage, naming the rows not yet written, when the
-        database cannot be reached: those are retried, not quarantined.
+        database cannot be reached or lacks its schema: those are retried, not quarantined.
         """
         pending = [rows]
         while pending:
@@ -196,13 +186,19 @@ class ResultWriter:
                 with self.engine.begin() as conn:
                     write_prediction_rows(conn, part)
             except Exception as error:
-                if is_outage(error):
-                    raise StoreOutage([row for chunk in (*pending, part) for row in chunk]) from error
+                unwritten = [row for chunk in (*pending, part) for row in chunk]
+                # Unreachable, or without its schema (retry later, from the outbox), rather than
+                # refusing this row (quarantine it).
+                if is_transient_db_error(error) or is_missing_schema(error):
+                    raise StoreOutage(unwritten) from error
                 if len(part) > 1:
                     middle = len(part) // 2
                     pending += [part[middle:], part[:middle]]
                     continue
-                self._quarantine_unwritable(part[0], error)
+                try:
+                    self._quarantine_unwritable(part[0], error)
+                except StoreOutage as outage:  # the store went away mid-bisection: keep every row left
+                    raise StoreOutage(unwritten) from outage.__cause__
 
     def _quarantine_unwritable(self, row: dict[str, Any], error: Exception) -> None:
         detail = f"{type(error).__name__}: {error}".splitlines()[0]
@@ -210,7 +206,8 @@ class ResultWriter:
             with self.engine.begin() as conn:
                 quarantine_unwritable_result(conn, row, detail, path=ResultPath.ONLINE)
         except Exception as second:
-            if is_outage(second):
+            # An outage, or a store without its schema: the row is kept in the outbox for later.
+            if is_transient_db_error(second) or is_missing_schema(second):
                 raise StoreOutage([row]) from second
             # Nothing storable is left of it; dropping it beats holding back every later row.
             logger.error(

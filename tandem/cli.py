@@ -11,7 +11,7 @@ from datetime import date
 
 from sqlalchemy.engine import Engine
 
-from inference.batch import BatchProducer, ChunkProgress, ingest_day, score_partition
+from inference.batch import FORWARD_BATCH_SIZE, BatchProducer, ChunkProgress, ingest_day, score_partition
 from inference.contract import TorchPredictor
 from inference.demo import DemoConfig, day_range, generate_day
 from inference.lineage import explain
@@ -59,7 +59,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     )
 
     _say(f"[3/4] scoring {days[-1]} through inference/ (batch path)")
-    predictor = TorchPredictor(model=model, model_version=tag, history_length=settings.history_length)
+    predictor = TorchPredictor(model=model, model_version=tag, forward_batch_size=FORWARD_BATCH_SIZE)
 
     def progress(chunk: ChunkProgress) -> None:
         _say(f"      chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")
@@ -68,7 +68,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
         run_id=f"cli-{uuid.uuid4().hex[:12]}", partition_key=days[-1].isoformat(), code_version=code_version()
     )
     scored = score_partition(
-        engine, predictor, days[-1], producer=producer, history_length=settings.history_length, on_chunk=progress
+        engine, predictor, days[-1], producer=producer, history_length=predictor.history_length, on_chunk=progress
     )
     summary = {
         "partition": days[-1].isoformat(),

@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import bentoml
+
+# No public API gives BENTOML_HOME as BentoML resolved it (bentoml 1.4: not bentoml.models, nor
+# bentoml.testing, which imports this too); pinned by tests/tandem/test_modelstore.py.
 from bentoml._internal.configuration.containers import BentoMLContainer
 
-from inference.model import RiskModel, TrainingReport, load_model, save_model
+from inference.model import ModelConfig, RiskModel, TrainingReport, load_model, read_config, save_model
 
 MODEL_LABELS = {"owner": "tandem", "framework": "torch-state-dict"}
 
@@ -50,6 +53,11 @@ def register(model: RiskModel, report: TrainingReport, *, name: str, code_versio
 
 def load(tag: str) -> RiskModel:
     return load_model(Path(bentoml.models.get(tag).path))
+
+
+def model_config(tag: str) -> ModelConfig:
+    """A stored version's config, without loading its weights: cheap enough for a sensor tick."""
+    return read_config(Path(bentoml.models.get(tag).path))
 
 
 def versions(name: str) -> list[ModelVersion]:

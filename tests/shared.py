@@ -6,6 +6,7 @@ Plain functions without pytest, so child processes started by tests can import t
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,3 +83,12 @@ def register_untrained_model(
     what it scores is not the point of the tests that use it, that it is stored and served is."""
     torch.manual_seed(seed)
     return register_model(RiskModel(config or ModelConfig()).eval(), name, code_version=code_version, promote=promote)
+
+
+def unreachable_database_url() -> str:
+    """A PostgreSQL URL nothing answers at: a loopback port just released, so a connection is
+    refused at once. A database that is really down, unlike a SQLite file without tables."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"postgresql+psycopg://tandem@127.0.0.1:{port}/unreachable"

@@ -15,9 +15,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from inference.contract import TorchPredictor
-from inference.records import EVENT_TS_DTYPE, raw_frame
+from inference.records import raw_frame
 from inference.settings import TandemSettings
-from inference.store import ResultPath, StoreHistory, make_engine, upsert_predictions, utc_now
+from inference.store import OnlineProducer, StoreHistory, make_engine, prediction_rows, upsert_predictions, utc_now
 from tandem import modelstore
 from tandem.version import code_version
 
@@ -26,25 +26,15 @@ def _score_like_the_nightly_job(records: list[dict[str, object]]) -> list[dict[s
     settings = TandemSettings()
     engine = make_engine(settings.resolved_database_url())
     model, version = modelstore.load_production(settings.model_name)  # per call: the drift
-    predictor = TorchPredictor(model=model, model_version=version, history_length=settings.history_length)
+    predictor = TorchPredictor(model=model, model_version=version)
     results = predictor.predict(raw_frame(records), StoreHistory(engine))
     request_id = uuid.uuid4().hex
     scored = results.filter(pl.col("reject_reason").is_null())
-    rows = scored.select(
-        "transaction_id",
-        pl.lit(version).alias("model_version"),
-        "score",
-        pl.lit(ResultPath.ONLINE.value).alias("path"),
-        pl.lit(None, dtype=pl.String).alias("run_id"),
-        pl.lit(None, dtype=pl.String).alias("partition_key"),
-        pl.lit(request_id).alias("request_id"),
-        pl.lit(request_id).alias("batch_id"),
-        pl.lit(code_version()).alias("code_version"),
-        "input_hash",
-        "history_hash",
-        pl.lit(None, dtype=pl.String).alias("idempotency_key"),
-        pl.lit(utc_now(), dtype=EVENT_TS_DTYPE).alias("produced_at"),
-        pl.lit(None, dtype=pl.Float64).alias("latency_ms"),
+    rows = prediction_rows(
+        scored,
+        producer=OnlineProducer(request_id=request_id, batch_id=request_id, code_version=code_version()),
+        model_version=version,
+        produced_at=utc_now(),
     )
     with engine.begin() as conn:
         upsert_predictions(conn, rows)

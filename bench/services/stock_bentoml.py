@@ -39,7 +39,7 @@ class StockScorer:
         records = [Transaction(**t).to_raw() for t in transactions]  # raises on poison: whole batch fails
         checked = validate(raw_frame(records)).drop("reject_reason")
         checked = checked.with_columns(hash_inputs(checked))  # with it, the features digest the history read
-        k = _SETTINGS.history_length
+        k = self.model.config.history_length  # the K it was trained with
         features = build_features(checked, self.history.history_for(checked, k), k)
         scores = score_batch(self.model, features)
         request_id = uuid.uuid4().hex

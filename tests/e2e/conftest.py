@@ -1,5 +1,6 @@
 """The deployment under test: two fresh PostgreSQL databases (Tandem's tables, Dagster's instance),
-a model store with a production model, and real `dagster-webserver` + `dagster-daemon` processes.
+a model store with a production model, real `dagster-webserver` + `dagster-daemon` processes, and
+the alert webhook they post failed runs to.
 
 Slow (minutes), so it runs only when asked: TANDEM_RUN_E2E=1, or CI=true.
 """
@@ -7,6 +8,7 @@ Slow (minutes), so it runs only when asked: TANDEM_RUN_E2E=1, or CI=true.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,8 +28,10 @@ from tests.e2e.deployment import (
     REPO,
     SENSOR_INTERVAL_SECONDS,
     Deployment,
+    WebhookReceiver,
     free_port,
     fresh_database,
+    rescore_window_days,
 )
 
 RUN_E2E = os.environ.get("TANDEM_RUN_E2E") == "1" or os.environ.get("CI", "").lower() == "true"
@@ -77,11 +81,22 @@ def _location_loaded(deployment: Deployment) -> bool | None:
 
 
 @pytest.fixture(scope="module")
-def deployment(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def alert_receiver() -> Iterator[WebhookReceiver]:
+    with WebhookReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory, alert_receiver: WebhookReceiver
+) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("e2e")
-    log_dir = ARTIFACTS / "e2e-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    # The servers log into this session's own folder (a test reads the daemon's log), copied to
+    # test-artifacts/e2e-logs when the deployment stops, for CI to keep.
+    log_dir = root / "logs"
+    log_dir.mkdir()
     with ExitStack() as teardown:
+        teardown.callback(shutil.copytree, log_dir, ARTIFACTS / "e2e-logs", dirs_exist_ok=True)
         database_url = teardown.enter_context(fresh_database(postgres_admin_url, "tandem_e2e"))
         dagster_url = teardown.enter_context(fresh_database(postgres_admin_url, "tandem_e2e_dagster"))
 
@@ -101,6 +116,7 @@ def deployment(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory
             # prepare_instance may pin the URL to the driver dagster-postgres needs; children get that one.
             dagster_url = os.environ["DAGSTER_POSTGRES_URL"]
 
+        port = free_port()
         env = {
             **os.environ,
             "DATABASE_URL": database_url,
@@ -112,11 +128,13 @@ def deployment(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory
             "TANDEM_SENSOR_INTERVAL_SECONDS": str(SENSOR_INTERVAL_SECONDS),
             "TANDEM_DEMO_ROWS_PER_DAY": str(DEMO_ROWS_PER_DAY),
             "TANDEM_DEMO_POISON_RATE": str(DEMO_POISON_RATE),
+            "TANDEM_SENSOR_PROMOTION_RESCORE_PARTITIONS": str(rescore_window_days()),
+            "TANDEM_ALERT_WEBHOOK_URL": alert_receiver.url,
+            "TANDEM_DAGSTER_UI_URL": f"http://127.0.0.1:{port}",
             "PYTHONUNBUFFERED": "1",
         }
         production_tag = _register_model(env)
 
-        port = free_port()
         deployment = Deployment(
             url=f"http://127.0.0.1:{port}",
             env=env,
@@ -141,7 +159,7 @@ def deployment(postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory
         yield deployment
 
 
-@pytest.fixture(scope="session")
-def artifacts_dir() -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    return ARTIFACTS
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this module's screenshots go (copied on with TANDEM_E2E_ARTIFACTS: see deployment.py)."""
+    return tmp_path_factory.mktemp("screenshots")

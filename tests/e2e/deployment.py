@@ -6,15 +6,20 @@ Free of pytest so the pieces read as what they are: databases, processes, an HTT
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, suppress
 from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +30,9 @@ from tests.shared import fresh_postgres_database
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ARTIFACTS = REPO / "test-artifacts"
+# Screenshots are kept under each test's tmp dir; with TANDEM_E2E_ARTIFACTS set they are also copied
+# here (TANDEM_E2E_ARTIFACTS=1), or into the directory it names, for a CI job to upload.
+SCREENSHOTS = REPO / "tests" / "e2e" / "artifacts"
 
 # Sized for two cores: sensors tick every 5 s (the minimum SensorSettings allows), and a demo day of
 # 1000 rows keeps a run's work small next to its fixed cost while 1% poison still yields every kind.
@@ -32,7 +40,61 @@ SENSOR_INTERVAL_SECONDS = 5
 DEMO_ROWS_PER_DAY = 1000
 DEMO_POISON_RATE = 0.01
 
+# A promotion rescores the scored days of the last N (TANDEM_SENSOR_PROMOTION_RESCORE_PARTITIONS).
+# The deployment sets N so that the window starts here, whatever today is: the week's first days
+# stay stale after a promotion (outside the window), the others are rescored.
+RESCORE_FROM = date(2026, 11, 4)
+
 T = TypeVar("T")
+
+
+def rescore_window_days(today: date | None = None) -> int:
+    """N such that the last N daily partitions (up to yesterday) start at RESCORE_FROM."""
+    return ((today or datetime.now(UTC).date()) - RESCORE_FROM).days
+
+
+def keep_screenshot(path: Path) -> Path | None:
+    """Copies a screenshot to SCREENSHOTS (or $TANDEM_E2E_ARTIFACTS) when TANDEM_E2E_ARTIFACTS is set."""
+    wanted = os.environ.get("TANDEM_E2E_ARTIFACTS", "")
+    if wanted in ("", "0"):
+        return None
+    target_dir = SCREENSHOTS if wanted == "1" else Path(wanted)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy2(path, target_dir / path.name))
+
+
+class WebhookReceiver:
+    """An alert webhook on 127.0.0.1 (a free port, a thread) that records each JSON body it is sent
+    and answers `status`."""
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.received: list[dict[str, Any]] = []
+        self.content_types: list[str] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                receiver.content_types.append(self.headers.get("Content-Type", ""))
+                receiver.received.append(json.loads(body))
+                self.send_response(receiver.status)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return  # the test reads what was received, not an access log
+
+        self._server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hooks/dagster"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="webhook", daemon=True)
+
+    def __enter__(self) -> WebhookReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 def free_port() -> int:
@@ -118,6 +180,9 @@ class Deployment:
                 stack.callback(self._client.close)
             for service in self.services:
                 stack.callback(service.stop)
+
+    def service(self, name: str) -> Service:
+        return next(service for service in self.services if service.name == name)
 
     def diagnostics(self) -> str:
         parts = []

@@ -1,10 +1,14 @@
-"""Registers and promotes the deployment's production model: `python -m tests.e2e.model_setup`.
+"""Registers the deployment's models: `python -m tests.e2e.model_setup` registers and promotes the
+production model; `--candidate` registers another version without promoting it (the test then
+promotes it with `tandem models promote`, as an operator does). Prints the tag.
 
 Run as a child process with the deployment's BENTOML_HOME: BentoML fixes its home once per process,
-and the test session's home (tests/conftest.py) is not the deployment's. Prints the production tag.
+and the test session's home (tests/conftest.py) is not the deployment's.
 """
 
 from __future__ import annotations
+
+import sys
 
 from tests.shared import register_untrained_model
 
@@ -15,5 +19,10 @@ def register_production_model() -> str:
     return register_untrained_model(MODEL_NAME, code_version="e2e")
 
 
+def register_candidate_model() -> str:
+    return register_untrained_model(MODEL_NAME, code_version="e2e", seed=1, promote=False)
+
+
 if __name__ == "__main__":
-    print(register_production_model(), flush=True)
+    tag = register_candidate_model() if "--candidate" in sys.argv[1:] else register_production_model()
+    print(tag, flush=True)

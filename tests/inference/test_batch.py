@@ -38,7 +38,6 @@ def predictor(model_version: str = "risk:untrained", forward_batch_size: int = 4
     return TorchPredictor(
         model=untrained_model(),
         model_version=model_version,
-        history_length=HISTORY,
         forward_batch_size=forward_batch_size,
     )
 

@@ -65,7 +65,6 @@ def predictor(forward: FakeForward | None = None, forward_batch_size: int = 4096
     return TorchPredictor(
         model=tiny_model(),
         model_version="test:1",
-        history_length=K,
         forward_batch_size=forward_batch_size,
         forward=forward,
     )

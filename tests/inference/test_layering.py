@@ -1,4 +1,5 @@
-"""The dependency rules of ARCHITECTURE.md, enforced by import-linter rather than by goodwill."""
+"""The dependency rules (README.md, "Layout"; the contracts in pyproject.toml), enforced by
+import-linter rather than by goodwill."""
 
 from __future__ import annotations
 

@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from datetime import date
 from typing import Any
 
 import polars as pl
+import pytest
 from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, ExecuteInProcessResult
 
 from inference.demo import EXPECTED_REASON, PoisonKind, generate_day
-from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
-from inference.store import RejectStage, ResultPath
+from inference.features import build_features
+from inference.model import ModelConfig, score_batch
+from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, split_valid
+from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows, transactions
+from orchestration.resources import ModelStoreResource
+from tandem import modelstore
 from tests.orchestration.support import (
     PARTITION,
     REJECTION_BOOKKEEPING,
+    SETTINGS,
     batch_resources,
     prediction_rows,
     predictions_config,
     rejection_rows,
     run_partition,
 )
+from tests.shared import register_untrained_model
 
 CHECKS = {
     "rows_accounted_for",
@@ -29,7 +37,16 @@ CHECKS = {
     "reject_rate_bounded",
     "unseen_vocabulary_share",
 }
-RUN_METADATA = {"rows_in", "scored", "rejected", "model_version", "rows_per_second", "peak_rss_mb", "duration_s"}
+RUN_METADATA = {
+    "rows_in",
+    "scored",
+    "rejected",
+    "model_version",
+    "rows_per_second",
+    "cpu_ms_per_record",
+    "peak_rss_mb",
+    "duration_s",
+}
 
 
 def _metadata(result: ExecuteInProcessResult, asset: str) -> dict[str, Any]:
@@ -60,9 +77,23 @@ def test_partition_materializes_and_every_check_passes(
     assert scored["rows_in"] == ingested["rows_stored"]
     assert scored["scored"] + scored["rejected"] == scored["rows_in"]
     assert scored["scored"] > 0
-    for measured in ("rows_per_second", "peak_rss_mb", "duration_s"):
+    for measured in ("rows_per_second", "cpu_ms_per_record", "peak_rss_mb", "duration_s"):
         assert scored[measured] > 0, measured
     assert len(prediction_rows(database_url)) == scored["scored"]
+
+    # Dagster's standard metadata: the partition's rows, the columns of the table written.
+    assert scored["dagster/row_count"] == scored["scored"]
+    assert [column.name for column in scored["dagster/column_schema"].columns] == list(predictions.columns.keys())
+    assert ingested["dagster/row_count"] == ingested["rows_stored"]
+    assert [column.name for column in ingested["dagster/column_schema"].columns] == list(transactions.columns.keys())
+    # The score distribution the UI shows: deciles as a table, a histogram, p50/p90/p99 it plots.
+    deciles = [record.data["score"] for record in scored["score_deciles"].records]
+    assert [record.data["quantile"] for record in scored["score_deciles"].records][::5] == ["min", "p50", "max"]
+    assert deciles == sorted(deciles) and deciles[0] >= 0 and deciles[-1] <= 1
+    assert scored["score_p50"] == pytest.approx(deciles[5])
+    histogram = scored["score_histogram"].splitlines()[2:]
+    assert len(histogram) == 10 and sum(int(line.split("|")[2]) for line in histogram) == scored["scored"]
+    assert sum(scored["rejected_by_reason"].values()) == scored["rejected"]
 
 
 def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
@@ -150,3 +181,39 @@ def test_unseen_vocabulary_is_reported_and_warned_about_without_blocking(
     assert unseen.metadata["warn_above"].value == 0.001
     # Only that check failed: drift is not poison.
     assert {name for name, evaluation in evaluations.items() if not evaluation.passed} == {"unseen_vocabulary_share"}
+
+
+def test_a_model_trained_with_k_8_is_scored_with_8_whatever_the_setting_says(
+    assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
+) -> None:
+    assert SETTINGS.history_length == 16, "the code location's setting, which must not win"
+    name = f"risk_model_k8_{uuid.uuid4().hex[:8]}"
+    tag = register_untrained_model(name, config=ModelConfig(history_length=8))
+
+    result = run_partition(
+        assets,
+        batch_resources(sqlite_url, rows_per_day=2000, model_name=name),
+        instance,
+        run_config=predictions_config(parity_sample=8),
+    )
+
+    assert result.success
+    stored = {row["transaction_id"]: row["score"] for row in prediction_rows(sqlite_url)}
+    engine = make_engine(sqlite_url)
+    try:
+        with engine.connect() as conn:
+            valid, _ = split_valid(read_partition_rows(conn, date.fromisoformat(PARTITION)).select(RAW_COLUMNS))
+    finally:
+        engine.dispose()
+    model = modelstore.load(tag)
+
+    def scores_with(k: int) -> dict[str, float]:
+        features = build_features(valid, valid, k)
+        return dict(zip(features.transaction_ids, score_batch(model, features).tolist(), strict=True))
+
+    with_8, with_16 = scores_with(8), scores_with(16)
+    assert stored.keys() == with_8.keys()
+    assert max(abs(stored[t] - with_8[t]) for t in stored) < 1e-6
+    assert max(abs(with_16[t] - with_8[t]) for t in stored) > 1e-4, "K changes scores here, so the test can fail"
+    # What the late-records sensor reads for the downstream-partition rule, without loading weights.
+    assert ModelStoreResource(model_name=name).history_length(tag) == 8

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from dagster import AssetKey, AssetsDefinition, BackfillPolicy, Backoff, Definitions
+from dagster import (
+    AssetKey,
+    AssetsDefinition,
+    AutomationConditionSensorDefinition,
+    BackfillPolicy,
+    Backoff,
+    DefaultSensorStatus,
+    Definitions,
+)
 
 from orchestration.definitions import defs
 
@@ -57,3 +65,20 @@ def test_partitioned_assets_backfill_one_run_per_partition_with_backoff_retries(
 @pytest.mark.parametrize("key", [*PARTITIONED, "risk_model"])
 def test_every_asset_that_holds_connections_is_in_the_database_pool(key: str) -> None:
     assert _asset(key).op.pool == "database"
+
+
+@pytest.mark.parametrize("key", [*PARTITIONED, "risk_model"])
+def test_every_materialized_asset_has_a_code_version_for_staleness(key: str) -> None:
+    assert _asset(key).code_versions_by_key[AssetKey(key)]
+
+
+def test_automation_and_alerts_are_on_by_default() -> None:
+    """The daemon evaluates AutomationConditions only through a running automation sensor."""
+    automation = defs.resolve_sensor_def("scoring_automation_sensor")
+    assert isinstance(automation, AutomationConditionSensorDefinition)
+    assert automation.default_status == DefaultSensorStatus.RUNNING
+    assert _asset("predictions").automation_conditions_by_key[AssetKey("predictions")] is not None
+    assert _asset("path_agreement").automation_conditions_by_key[AssetKey("path_agreement")] is not None
+    for name in ("production_model_observer", "run_failure_alert_sensor"):
+        assert defs.resolve_sensor_def(name).default_status == DefaultSensorStatus.RUNNING, name
+    assert "model_promotion_sensor" not in {sensor.name for sensor in defs.sensors or []}

@@ -28,7 +28,6 @@ from tests.answers import answer, write_answers
 from tests.orchestration.support import (
     MODEL_NAME,
     PARTITION,
-    SETTINGS,
     batch_resources,
     prediction_rows,
     predictions_config,
@@ -119,6 +118,8 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
     assert (check.check_name, check.passed) == ("disagreement_explained", True)
     report = _metadata(result, "path_agreement")
     assert (report["pairs"], report["online_without_batch"]) == (5, 1)
+    assert report["dagster/row_count"] == report["pairs"]
+    assert "online_score" in {column.name for column in report["dagster/column_schema"].columns}
     assert report["by_cause"] == {cause.value: 0 if cause is Cause.UNEXPLAINED else 1 for cause in Cause}
     assert (report["decision_threshold"], report["crossed_threshold"]) == (0.5, 4)
     assert report["crossed_threshold_share"] == pytest.approx(4 / 5)
@@ -144,7 +145,7 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
 def _score_online(url: str, frame: pl.DataFrame, request: str) -> list[dict[str, Any]]:
     """Each record alone, with history from the store: what the service's scoring step does."""
     model, version = ModelStoreResource(model_name=MODEL_NAME).production()
-    predictor = TorchPredictor(model=model, model_version=version, history_length=SETTINGS.history_length)
+    predictor = TorchPredictor(model=model, model_version=version)
     engine = make_engine(url)
     try:
         rows = []

@@ -83,3 +83,19 @@ def test_non_transient_error_fails_at_once_without_retry(
     (failure,) = _events(result, DagsterEventType.STEP_FAILURE)
     user_failure = failure.step_failure_data.user_failure_data
     assert user_failure is not None and "ValueError: a bug fails identically" in str(user_failure.description)
+
+
+def test_a_model_that_does_not_load_fails_predictions_at_once_without_retry(
+    assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
+) -> None:
+    # No production version of this name: the store on disk says so on every attempt alike.
+    resources = batch_resources(sqlite_url, rows_per_day=500, model_name="risk_model_never_registered")
+
+    result = run_partition(assets, resources, instance, selection=["predictions"], raise_on_error=False)
+
+    assert not result.success
+    assert _events(result, DagsterEventType.STEP_UP_FOR_RETRY) == []
+    (failure,) = _events(result, DagsterEventType.STEP_FAILURE)
+    user_failure = failure.step_failure_data.user_failure_data
+    assert user_failure is not None
+    assert str(user_failure.description).startswith("the production model could not be loaded: LookupError: ")

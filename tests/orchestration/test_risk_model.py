@@ -40,7 +40,17 @@ def _train(assets: list[AssetsDefinition], resources: dict[str, Any], instance: 
     )
     assert result.success
     (materialization,) = result.asset_materializations_for_node("risk_model")
-    return {key: value.value for key, value in materialization.metadata.items()}
+    observed = [
+        event.asset_observation_data.asset_observation.data_version
+        for event in result.all_events
+        if event.event_type_value == "ASSET_OBSERVATION"
+    ]
+    return {
+        **{key: value.value for key, value in materialization.metadata.items()},
+        # What Dagster's staleness reads: risk_model's data version, production_model's observations.
+        "data_version": materialization.tags["dagster/data_version"],
+        "production_model_observed": observed,
+    }
 
 
 @pytest.fixture
@@ -66,6 +76,8 @@ def test_risk_model_is_trained_registered_and_promoted_only_per_the_rule(
     assert math.isnan(first["production_auc_same_holdout"])  # nothing in production to compare with
     assert first["promoted"] is True
     assert first["production_tag"] == first["version_tag"] == modelstore.production_tag(MODEL)
+    assert first["data_version"] == first["version_tag"]
+    assert first["production_model_observed"] == [first["version_tag"]]
 
     # The same data, seed and config train the same model: equal is "at least as good".
     equal = _train(assets, resources, instance, **QUICK)
@@ -85,6 +97,8 @@ def test_risk_model_is_trained_registered_and_promoted_only_per_the_rule(
     assert worse["promoted"] is False
     assert worse["production_tag"] == better["version_tag"] == modelstore.production_tag(MODEL)
     assert worse["version_tag"] in {version.tag for version in modelstore.versions(MODEL)}  # registered anyway
+    assert worse["data_version"] == better["version_tag"], "nothing promoted: the data version stays"
+    assert worse["production_model_observed"] == []
 
     forced = _train(assets, resources, instance, **QUICK, force_promote=True)
     assert forced["auc"] < forced["production_auc_same_holdout"]

@@ -1,10 +1,13 @@
 """Sensors: each change requests exactly the affected partitions, once, with keys that carry the
-model version and the change's watermark."""
+model version and the change's watermark; what happens outside Dagster is observed once.
+
+A promotion's rescore is an AutomationCondition now: tests/orchestration/test_automation.py."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import date
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -22,7 +25,12 @@ from inference.store import (
     utc_now,
 )
 from orchestration.resources import DatabaseResource, ModelStoreResource
-from orchestration.sensors import SensorSettings, build_online_observer, build_sensors
+from orchestration.sensors import (
+    SensorSettings,
+    build_online_observer,
+    build_production_model_observer,
+    build_sensors,
+)
 from tests.orchestration.support import DEMO_SEED, PARTITIONED, batch_resources, predictions_config, run_partition
 from tests.shared import register_untrained_model
 
@@ -55,13 +63,18 @@ def scored(database_url: str, assets: list, instance: DagsterInstance) -> str:
 
 
 def _sensors() -> dict[str, SensorDefinition]:
-    settings = SensorSettings(interval_seconds=5, promotion_rescore_partitions=1)
-    return {s.name: s for s in [*build_sensors(settings, history_length=16), build_online_observer(settings)]}
+    settings = SensorSettings(interval_seconds=5)
+    return {
+        s.name: s
+        for s in [*build_sensors(settings), build_online_observer(settings), build_production_model_observer(settings)]
+    }
 
 
-def _tick(sensor: SensorDefinition, url: str, cursor: str | None = None) -> SensorResult | SkipReason:
+def _tick(
+    sensor: SensorDefinition, url: str, cursor: str | None = None, instance: DagsterInstance | None = None
+) -> SensorResult | SkipReason:
     resources = {"database": DatabaseResource(url=url), "model_store": ModelStoreResource(model_name=SENSOR_MODEL)}
-    with build_sensor_context(resources=resources, cursor=cursor) as context:
+    with build_sensor_context(resources=resources, cursor=cursor, instance=instance) as context:
         result = sensor(context)
     assert isinstance(result, SensorResult | SkipReason)
     return result
@@ -120,17 +133,32 @@ def test_rejections_marked_fixed_rerun_their_partition(scored: str) -> None:
     assert isinstance(_tick(sensor, scored, result.cursor), SensorResult)  # same key again: a no-op for Dagster
 
 
-def test_a_promoted_model_reruns_the_last_partitions_under_its_version(scored: str) -> None:
-    sensor = _sensors()["model_promotion_sensor"]
-    first = _tick(sensor, scored)
-    assert isinstance(first, SensorResult) and not first.run_requests  # remembers, rescoring nothing
-    assert isinstance(_tick(sensor, scored, first.cursor), SkipReason)
+def test_a_moved_production_pointer_is_observed_once_as_a_new_data_version(tmp_path: Path) -> None:
+    """`tandem models promote` moves the pointer outside any run: the observer reports it, once."""
+    url = f"sqlite:///{tmp_path / 'unused.db'}"
+    sensor = _sensors()["production_model_observer"]
+    first_tag = register_untrained_model(SENSOR_MODEL)
+    with DagsterInstance.ephemeral() as instance:
 
-    promoted = register_untrained_model(SENSOR_MODEL, seed=1)
-    result = _tick(sensor, scored, first.cursor)
-    assert isinstance(result, SensorResult)
-    assert [(r.partition_key, r.run_key) for r in result.run_requests] == [(DAYS[1], f"promoted:{DAYS[1]}:{promoted}")]
-    assert result.cursor == promoted
+        def tick() -> SensorResult | SkipReason:
+            result = _tick(sensor, url, instance=instance)
+            for event in result.asset_events if isinstance(result, SensorResult) else []:
+                instance.report_runless_asset_event(event)  # as the daemon records a sensor's events
+            return result
+
+        first = tick()
+        assert isinstance(first, SensorResult)
+        (observation,) = first.asset_events
+        assert isinstance(observation, AssetObservation)
+        assert observation.asset_key.path == ["production_model"]
+        assert observation.data_version == first_tag
+        assert isinstance(tick(), SkipReason), "an unchanged pointer is not observed again"
+
+        promoted = register_untrained_model(SENSOR_MODEL, seed=1)
+        after = tick()
+        assert isinstance(after, SensorResult)
+        assert [event.data_version for event in after.asset_events] == [promoted]
+        assert isinstance(tick(), SkipReason)
 
 
 def test_online_results_are_observed_as_online_predictions(scored: str) -> None:

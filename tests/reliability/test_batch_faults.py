@@ -54,7 +54,7 @@ MEASURED: dict[str, Any] = {}
 def predictor(reliability_model: str) -> TorchPredictor:
     model, version = modelstore.load_production(MODEL_NAME)
     assert version == reliability_model
-    return TorchPredictor(model, version, history_length=HISTORY_LENGTH, forward_batch_size=CHUNK_ROWS)
+    return TorchPredictor(model, version, forward_batch_size=CHUNK_ROWS)
 
 
 def _source(rows: int = ROWS, poison_rate: float = 0.01) -> pl.DataFrame:

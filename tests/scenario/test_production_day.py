@@ -7,14 +7,15 @@
 4. The nightly run (what the landing sensor requests) ingests and scores D: every check passes.
 5. A corrected file for D-1 lands: the sensors rerun exactly the partitions it changed, and only
    the rows whose record or history changed are rewritten.
-6. A model is promoted: the service swaps to it, the sensor rescores, and a backfill of the week
-   changes nothing more.
+6. A model is promoted: the service swaps to it, declarative automation rescores, and a backfill
+   of the week changes nothing more.
 
 At the end every answer a client received is still recorded, every transaction has its batch
 answer, path_agreement explains every disagreement, and nothing is duplicated or lost.
 
-Dagster runs in-process on an ephemeral instance; the sensors are evaluated by the test and their
-run requests executed as the daemon would, so that the test can say which runs they asked for.
+Dagster runs in-process on an ephemeral instance; the sensors and the automation conditions are
+evaluated by the test and what they request executed as the daemon would, so that the test can say
+which runs they asked for.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import polars as pl
 import pytest
 import sqlalchemy as sa
 from dagster import (
+    AssetKey,
     AssetsDefinition,
     DagsterInstance,
     Definitions,
@@ -40,6 +42,7 @@ from dagster import (
     SensorResult,
     SkipReason,
     build_sensor_context,
+    evaluate_automation_conditions,
     materialize,
 )
 
@@ -64,6 +67,8 @@ DAY = date(2026, 11, 8)
 SETTINGS = OrchestrationSettings(partitions_start="2026-11-01", history_length=16)
 DEMO = DemoConfig(seed=11, rows_per_day=600, poison_rate=0.02, accounts=80)
 TRAINING = {"ops": {"risk_model": {"config": {"training_days": 3, "epochs": 1, "max_train_rows": 2000}}}}
+# The automation sensor evaluates in the night after DAY: its window (the last 7 days) holds the week.
+AUTOMATION_TIME = datetime.combine(DAY + timedelta(days=1), datetime.min.time(), tzinfo=UTC) + timedelta(hours=3)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class Day:
         self.assets = [a for a in built.assets or [] if isinstance(a, AssetsDefinition)]
         self.instance = DagsterInstance.ephemeral()
         self.cursors: dict[str, str | None] = {}
+        self.automation_cursor: Any = None
 
     def tick(self, sensor_name: str) -> list[RunRequest]:
         sensor = self.defs.get_sensor_def(sensor_name)
@@ -102,8 +108,24 @@ class Day:
         if isinstance(result, SkipReason):
             return []
         assert isinstance(result, SensorResult)
+        for event in result.asset_events:  # observations, recorded as the daemon records them
+            self.instance.report_runless_asset_event(event)
         self.cursors[sensor_name] = result.cursor
         return list(result.run_requests or [])
+
+    def automation(self) -> list[RunRequest]:
+        """One evaluation of the conditions scoring_automation_sensor evaluates; each predictions
+        partition it requests as the run it launches (predictions and path_agreement together)."""
+        result = evaluate_automation_conditions(
+            Definitions(assets=self.defs.assets, resources=self.resources),
+            self.instance,
+            evaluation_time=AUTOMATION_TIME,
+            cursor=self.automation_cursor,
+        )
+        self.automation_cursor = result.cursor
+        keys = result.get_requested_partitions(AssetKey("predictions"))
+        assert result.get_requested_partitions(AssetKey("path_agreement")) == keys, "path_agreement in the same run"
+        return [RunRequest(partition_key=key, tags={"tandem/trigger": "automation"}) for key in sorted(keys)]
 
     def run(self, request: RunRequest, default_job: str | None = None) -> ExecuteInProcessResult:
         job = self.defs.get_job_def(request.job_name or default_job or "")
@@ -186,9 +208,11 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
     assert day.train().success
     first_model = modelstore.production_tag(MODEL_NAME)
     assert first_model is not None
-    assert day.tick("model_promotion_sensor") == []  # first tick: remembers the production model
+    assert day.tick("production_model_observer") == []  # risk_model reported its promotion itself
+    assert day.automation() == []  # the first evaluation remembers, it requests nothing
     for request in requests:
         assert_every_check_passed(day.run(request))
+    assert day.automation() == []  # the daemon ticks between runs: scoring a day asks for nothing more
 
     # 2. Day D online, as payments happen.
     source_day = generate_day(DAY, DEMO)
@@ -245,6 +269,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         assert (nightly.job_name, nightly.partition_key) == (DAILY_JOB, DAY.isoformat())
         result = day.run(nightly)
         assert_every_check_passed(result)
+        assert day.automation() == []
         ingested = result.asset_materializations_for_node("transactions")[0].metadata
         scored = result.asset_materializations_for_node("predictions")[0].metadata
         assert ingested["rows_received"].value == source_day.height
@@ -275,6 +300,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         for request in reruns:
             assert_every_check_passed(day.run(request, RESCORE_JOB))
         assert day.tick("late_records_sensor") == [], "nothing left to rerun"
+        assert day.automation() == [], "the reruns computed path_agreement too: nothing follows"
         after = table(database_url, sa.select(predictions).where(predictions.c.path == "batch"))
         rewritten = {
             row["transaction_id"]
@@ -288,7 +314,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         }
         assert rewritten <= affected and changed_ids <= rewritten, (rewritten - affected, changed_ids - rewritten)
 
-        # 6. A model is promoted: the service swaps to it, the sensor rescores, a backfill changes nothing.
+        # 6. A model is promoted: the service swaps to it, automation rescores, a backfill changes nothing.
         assert day.train(seed=8, force_promote=True).success
         second_model = modelstore.production_tag(MODEL_NAME)
         assert second_model not in (None, first_model)
@@ -305,8 +331,9 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         again = answered(post(server, client, online[2]))  # the same payment, now under the new model
         assert again.model_version == second_model
         received.append(again)
-        rescores = day.tick("model_promotion_sensor")
+        rescores = day.automation()
         assert {r.partition_key for r in rescores} == {d.isoformat() for d in [*HISTORY, DAY]}
+        assert day.automation() == [], "requested once"
         for request in rescores:
             assert_every_check_passed(day.run(request, RESCORE_JOB))
         settled = table(database_url, sa.select(predictions))

@@ -1,11 +1,16 @@
-"""Pure logic of admission, the cost model and the breaker: no server, no database."""
+"""Admission, the cost model, the loop-lag monitor and the breaker: no server, no database."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import time
 
-from serving.admission import BatchCostModel, admit, predicted_wait
+import pytest
+from starlette.requests import Request
+
+from serving.admission import BatchCostModel, Decision, LoopLag, admit, predicted_wait
 from serving.breaker import BreakerState, CircuitBreaker
+from serving.gate import _arrival
 
 # Roughly what warm-up measures here: 12 ms fixed per batch, 0.3 ms per item.
 CALIBRATION = [(1, 0.0123), (64, 0.0312)] * 3
@@ -135,3 +140,67 @@ def test_breaker_opens_skips_then_probes_once() -> None:
     breaker.record_success()
     assert breaker.state is BreakerState.CLOSED
     assert breaker.allow()
+
+
+# ------------------------------------------------------------------ the wait before the service sees a request
+def _admit(*, waited_s: float, remaining_deadline_s: float = 1.0) -> Decision:
+    return admit(
+        items=1,
+        queued=0,
+        capacity=100,
+        in_flight_remaining_s=0.005,
+        max_batch=64,
+        cost=calibrated(),
+        target_s=0.05,
+        remaining_deadline_s=remaining_deadline_s,
+        waited_s=waited_s,
+    )
+
+
+def test_time_waited_before_the_service_saw_the_request_counts_against_the_target() -> None:
+    assert _admit(waited_s=0.0).admitted
+    late = _admit(waited_s=0.048)
+    assert not late.admitted and late.reason == "over_target"
+    assert late.predicted_wait_s == pytest.approx(0.053)
+
+
+def test_the_deadline_is_checked_against_the_wait_ahead_only() -> None:
+    # The remaining deadline already counts from the earlier arrival: waited time is not charged twice.
+    assert not _admit(waited_s=0.0, remaining_deadline_s=0.004).admitted
+    assert _admit(waited_s=0.02, remaining_deadline_s=0.01).admitted
+
+
+def test_loop_lag_rises_at_once_and_decays_by_half_per_half_life() -> None:
+    lag = LoopLag(interval_s=0.005, half_life_s=0.02)
+    lag.observe(0.08)
+    assert lag.lag_s == 0.08
+    for _ in range(4):  # 20 ms of on-time ticks
+        lag.observe(0.0)
+    assert lag.lag_s == pytest.approx(0.04)
+    lag.observe(0.05)
+    assert lag.lag_s == 0.05
+
+
+def test_loop_lag_measures_a_blocked_event_loop() -> None:
+    async def scenario() -> float:
+        lag = LoopLag(interval_s=0.005)
+        lag.start()
+        await asyncio.sleep(0.02)
+        time.sleep(0.06)  # the loop is busy: a request arriving now waits this long to be read
+        await asyncio.sleep(0.006)
+        measured = lag.lag_s
+        await lag.stop()
+        return measured
+
+    assert asyncio.run(scenario()) >= 0.04
+
+
+def test_a_proxy_request_start_stamp_moves_the_arrival_back() -> None:
+    stamped = time.time() - 0.08
+    for header in (f"t={stamped:.3f}", f"t={int(stamped * 1000)}", f"t={int(stamped * 1_000_000)}"):
+        request = Request({"type": "http", "headers": [(b"x-request-start", header.encode())]})
+        waited = time.monotonic() - _arrival(request, loop_lag_s=0.0)
+        assert 0.075 <= waited <= 0.2, header
+    for bogus in ("t=later", f"t={time.time() + 30:.3f}", f"t={time.time() - 3600:.3f}", "t=nan"):
+        request = Request({"type": "http", "headers": [(b"x-request-start", bogus.encode())]})
+        assert time.monotonic() - _arrival(request, loop_lag_s=0.01) == pytest.approx(0.01, abs=0.005), bogus

@@ -33,10 +33,11 @@ from inference.lineage import explain
 from inference.model import ModelConfig, RiskModel
 from inference.records import RAW_COLUMNS
 from inference.store import make_engine, read_predictions, utc_now
+from serving.backends import ScoringBackend
 from serving.lifecycle import ModelWatcher
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.runtime import OnlineScorer, ScoringBackend
+from serving.runtime import OnlineScorer
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
@@ -574,7 +575,7 @@ def test_promotion_and_rollback_under_load_fail_nothing(swap_server: SwapServer)
     # The new version's answers are its own scores, not the old model's with a new label. A row's
     # features include same-account rows of its batch, so each batch is re-scored as it was formed.
     by_id = {str(row["transaction_id"]): row for row in server.requests.to_dicts()}
-    predictor = TorchPredictor(server.models[server.v2], server.v2, history_length=16)
+    predictor = TorchPredictor(server.models[server.v2], server.v2)
     first_batches = list(
         dict.fromkeys(str(a.result["batch_id"]) for a in ordered if a.result and a.version == server.v2)
     )

@@ -12,13 +12,16 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import date
+from http import HTTPStatus
 from typing import Any
 
+import bentoml
 import httpx
 import numpy as np
 import polars as pl
 import pytest
 import torch
+from bentoml.exceptions import BentoMLException
 from sqlalchemy.engine import make_url
 
 from inference.contract import FrameHistory, TorchPredictor
@@ -103,7 +106,7 @@ def test_online_score_equals_the_batch_score(server: Server) -> None:
     assert response.status_code == 200
     online = {r["transaction_id"]: r for r in response.json()["results"]}
 
-    predictor = TorchPredictor(server.model, server.model_version, history_length=16)
+    predictor = TorchPredictor(server.model, server.model_version)
     batch = predictor.predict(pl.DataFrame(rows).select(RAW_COLUMNS), FrameHistory(server.history))
     for tx, score in zip(batch["transaction_id"], batch["score"], strict=True):
         assert online[tx]["status"] == "scored"
@@ -237,6 +240,41 @@ def test_fifty_concurrent_duplicates_make_one_row(server: Server) -> None:
     assert stored.height == 1
     assert stored["idempotency_key"].to_list() == [key]
     assert stored["score"][0] == pytest.approx(answers[0][0]["score"])
+
+
+def test_bentoml_clients_call_score_and_see_refusals_as_exceptions(server: Server) -> None:
+    rows = _rows(server, 360, 2)
+    with bentoml.SyncHTTPClient(server.url) as client:
+        answer = client.score(transactions=rows[:1])
+        assert answer["results"][0]["status"] == "scored" and answer["results"][0]["path"] == "online"
+        key = f"client-{uuid.uuid4().hex}"
+        client.score(transactions=rows[1:], idempotency_key=key)
+        with pytest.raises(BentoMLException) as reused:
+            client.score(transactions=[{**rows[1], "amount": rows[1]["amount"] + 1}], idempotency_key=key)
+        assert reused.value.error_code == HTTPStatus.UNPROCESSABLE_ENTITY
+        assert "idempotency_key_reused" in str(reused.value)
+        with pytest.raises(BentoMLException) as invalid:
+            client.score(transactions=[{**rows[0], "country": "u1"}])
+        assert invalid.value.error_code == HTTPStatus.UNPROCESSABLE_ENTITY and "country" in str(invalid.value)
+        with pytest.raises(BentoMLException) as shed:
+            client.score(transactions=[{**rows[0], "transaction_id": "never-in-time"}], deadline_ms=0.001)
+        assert shed.value.error_code == HTTPStatus.SERVICE_UNAVAILABLE and "overloaded" in str(shed.value)
+
+    async def asynchronously() -> dict[str, Any]:
+        async with bentoml.AsyncHTTPClient(server.url) as client:
+            return await client.score(transactions=rows[:1])  # type: ignore[no-any-return]
+
+    assert asyncio.run(asynchronously())["results"] == answer["results"], "an identical retry replays"
+
+
+def test_bentoml_documents_score_with_its_types(server: Server) -> None:
+    schema = httpx.get(f"{server.url}/schema.json", timeout=10).json()
+    (score,) = (route for route in schema["routes"] if route["route"] == "/score")
+    assert {"transactions", "idempotency_key", "deadline_ms"} <= set(score["input"]["properties"])
+    assert "results" in score["output"]["properties"]
+    docs = httpx.get(f"{server.url}/docs.json", timeout=10).json()
+    assert "/score" in docs["paths"]
+    assert httpx.get(f"{server.url}/", timeout=10).status_code == 200
 
 
 def _stored_online(server: Server, transaction_id: str, rows_expected: int) -> pl.DataFrame:

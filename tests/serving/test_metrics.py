@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import utc_now
-from serving.admission import Decision
+from serving.admission import Decision, LoopLag
 from serving.app import build_app
 from serving.metrics import ITEM_OUTCOMES, SCORE_BUCKETS, ServingMetrics, latency_buckets
 from serving.outbox import Outbox
@@ -263,7 +263,9 @@ class ScriptedScorer:
     def scoring_available(self) -> bool:
         return self._scoring
 
-    def refuse_early(self, deadline: float) -> None:
+    loop_lag = LoopLag()
+
+    def refuse_early(self, deadline: float, **_: object) -> None:
         return None
 
     async def score(self, transactions: list[Any], **_: Any) -> tuple[list[ItemResult], float]:

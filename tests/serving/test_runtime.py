@@ -21,17 +21,19 @@ from inference.contract import TorchPredictor
 from inference.model import ModelConfig, RiskModel
 from inference.records import Transaction
 from inference.store import make_engine, predictions, read_predictions
+from serving.backends import ScoringBackend
 from serving.batcher import SCORING_PROCESS_DIED
 from serving.breaker import CircuitBreaker
 from serving.lifecycle import PoolSupervisor
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, ScoringBackend
+from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
 from serving.settings import ServingSettings
 from serving.writer import ResultWriter
 from tests.serving.support import prediction_rows, scored_batch, transaction
+from tests.shared import unreachable_database_url
 
 MODEL = "risk_model:fake"
 POISON = "poison"
@@ -174,7 +176,7 @@ def test_outbox_is_durable_and_drains_idempotently(tmp_path: Path) -> None:
 def test_writer_spills_to_the_outbox_and_drains_when_the_database_returns(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    dead = make_engine(f"sqlite:///{tmp_path / 'missing' / 'nowhere.db'}")
+    dead = make_engine(unreachable_database_url())
     breaker = CircuitBreaker(failure_threshold=1, reset_s=0.01)
     writer = ResultWriter(
         dead, breaker, Outbox(tmp_path / "outbox.sqlite3"), ServingMetrics(), drain_interval_s=0.01, drain_chunk=3
@@ -287,7 +289,7 @@ def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_ro
     flagged, in the ItemResult and in the `predictions` row the writer stores."""
     torch.manual_seed(0)
     config = ModelConfig(history_length=4, embedding_dim=4, history_dim=16, hidden_dim=32, head_tail_dim=8)
-    predictor = TorchPredictor(model=RiskModel(config).eval(), model_version=MODEL, history_length=4)
+    predictor = TorchPredictor(model=RiskModel(config).eval(), model_version=MODEL)
     core = ScoringCore(predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
 
     def drifted(tx: str, **changes: str) -> Transaction:

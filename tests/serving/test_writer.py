@@ -15,6 +15,7 @@ from serving.breaker import BreakerState, CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.writer import ResultWriter
+from tests.shared import unreachable_database_url
 
 MODEL = "risk_model:writer"
 
@@ -95,7 +96,7 @@ def test_a_refused_row_in_the_outbox_no_longer_holds_back_the_rows_behind_it(eng
 
 
 def test_an_unreachable_database_keeps_every_row_for_later(engine: Engine, tmp_path: Path) -> None:
-    dead = make_engine(f"sqlite:///{tmp_path / 'missing' / 'nowhere.db'}")
+    dead = make_engine(unreachable_database_url())
     writer = writer_for(dead, tmp_path)
     writer.start()
     writer.submit_rows(rows(12, refused=frozenset({3})))
@@ -132,7 +133,7 @@ def test_close_drains_the_outbox_into_the_database(engine: Engine, tmp_path: Pat
 
 
 def test_close_gives_up_at_its_bound_and_keeps_the_rows(tmp_path: Path) -> None:
-    dead = make_engine(f"sqlite:///{tmp_path / 'missing' / 'nowhere.db'}")
+    dead = make_engine(unreachable_database_url())
     writer = spilled_writer(dead, tmp_path, CircuitBreaker(failure_threshold=1, reset_s=0.05))
     started = time.monotonic()
     assert writer.close(drain_s=0.5, retry_s=0.05) == 0
@@ -155,3 +156,16 @@ def test_close_of_a_running_writer_writes_what_was_submitted_before_it_drains(en
     ids, _ = stored(engine)
     assert ids == {f"w{i}" for i in range(12)}
     assert writer.outbox_depth == 0
+
+
+def test_a_store_without_its_schema_keeps_every_row_in_the_outbox(tmp_path: Path) -> None:
+    """A database nobody migrated refuses every row, and the quarantine too: the store is broken,
+    not the rows, so they wait in the outbox instead of being dropped."""
+    bare = make_engine(f"sqlite:///{tmp_path / 'unmigrated.db'}")
+    writer = writer_for(bare, tmp_path)
+    writer.start()
+    writer.submit_rows(rows(5))
+    writer.flush()
+    writer.close()
+    assert writer.outbox.depth() == 5
+    bare.dispose()

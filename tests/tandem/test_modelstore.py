@@ -6,11 +6,15 @@ name of its own, so pointers and versions never leak between tests.
 
 from __future__ import annotations
 
+import os
 import uuid
+from pathlib import Path
 
+import bentoml
 import numpy as np
 import pytest
 import torch
+from bentoml._internal.configuration.containers import BentoMLContainer
 from bentoml.exceptions import NotFound
 
 from inference.demo import DemoConfig, generate_day
@@ -127,3 +131,22 @@ def test_promoting_an_unknown_version_fails_and_keeps_the_pointer() -> None:
     with pytest.raises(NotFound):
         modelstore.promote(f"{name}:doesnotexist")
     assert modelstore.production_tag(name) == tag
+
+
+def test_model_config_reads_a_versions_history_length_without_its_weights() -> None:
+    _, tag = register_new(fresh_name(), seed=4)
+    assert modelstore.model_config(tag) == TINY_MODEL
+    assert modelstore.model_config(tag).history_length == 8
+
+
+def test_the_pointer_lives_in_the_bentoml_home_that_bentoml_itself_resolved() -> None:
+    """Pins the one import from bentoml._internal (no public API gives BENTOML_HOME): if BentoML
+    moves or renames it, this fails here rather than the pointer landing somewhere else."""
+    home = Path(BentoMLContainer.bentoml_home.get())
+    assert home == Path(os.environ["BENTOML_HOME"])
+    name = fresh_name()
+    _, tag = register_new(name, seed=5)
+    # The models this store registers live under the same home as the pointer beside them.
+    assert Path(bentoml.models.get(tag).path).is_relative_to(home / "models")
+    modelstore.promote(tag)
+    assert (home / "tandem" / f"{name}.production.json").is_file()

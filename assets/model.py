@@ -1,0 +1,62 @@
+"""The production model pointer as Dagster sees it: an observable asset whose data version is the
+tag in production.
+
+The pointer lives in the model store (tandem/modelstore.py), beside every registered version;
+`risk_model` moves it when a version is at least as good, and so do `tandem models promote` and
+`rollback`. Each move is a new data version of `production_model`, which is what makes the
+`predictions` partitions scored under the previous version stale in the UI and what
+`rescore_after_promotion` reacts to. `risk_model` reports its own moves; `production_model_observer`
+(orchestration/sensors.py) sees the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from dagster import (
+    AssetObservation,
+    AssetsDefinition,
+    AssetSpec,
+    DataVersion,
+    Failure,
+    ObserveResult,
+    multi_observable_source_asset,
+)
+
+# Dagster exports no name for these tags; they are how an observation reported outside an observe
+# function (a sensor, another asset) carries a data version, exactly as ObserveResult writes it.
+from dagster._core.definitions.data_version import DATA_VERSION_IS_USER_PROVIDED_TAG, DATA_VERSION_TAG
+
+from assets.automation import PRODUCTION_MODEL
+from orchestration.resources import ModelStoreResource
+
+
+def production_model_observation(tag: str) -> AssetObservation:
+    return AssetObservation(
+        asset_key=PRODUCTION_MODEL,
+        tags={DATA_VERSION_TAG: tag, DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
+        metadata={"model_version": tag},
+    )
+
+
+def build_production_model() -> AssetsDefinition:
+    @multi_observable_source_asset(
+        name="production_model",
+        specs=[
+            AssetSpec(
+                PRODUCTION_MODEL,
+                deps=["risk_model"],
+                group_name="model",
+                kinds={"bentoml"},
+                description="The model version in production (the pointer in the BentoML model store): what both "
+                "paths score with. Its data version is the tag.",
+            )
+        ],
+    )
+    def production_model(model_store: ModelStoreResource) -> Iterator[ObserveResult]:
+        tag = model_store.production_tag()
+        if tag is None:
+            raise Failure(description="no production model yet: materialize risk_model or `tandem models promote`")
+        yield ObserveResult(asset_key=PRODUCTION_MODEL, data_version=DataVersion(tag), metadata={"model_version": tag})
+
+    return production_model

@@ -1,0 +1,142 @@
+"""The result store: Tandem's tables in SQLAlchemy Core and every statement run on them.
+
+This package is the only place that speaks SQL on Tandem's tables (`transactions`, `predictions`,
+`rejected_records`, `idempotency_keys`); the service's local outbox file (serving/outbox.py) is the
+one exception, and it is not one of these tables. All statements are built with SQLAlchemy
+(parameterised). Writes are idempotent upserts keyed by the data contract's keys, never blind
+appends, so a retried or replayed write changes nothing.
+
+Modules, by concern: `schema` (tables, enums, row schemas), `engine` (engines, the clock, which
+errors are transient), `merge` (the upsert machinery), `source_rows` (`transactions`: source rows
+and history), `answers` (`predictions`: the row builder, upserts, reads of answers), `rejections`
+(quarantine and its resolution), `checks` (what the batch asset checks read back), `watch` (what
+the sensors watch), `idempotency` (idempotency keys). Import from the package: `from
+inference.store import X`. No module is named after a table, so `inference.store.predictions`
+stays the table even after a submodule import.
+"""
+
+from inference.store.answers import (
+    ANSWER_PAIR_SCHEMA,
+    ROW_COLUMNS,
+    BatchProducer,
+    OnlineProducer,
+    answer_key_expr,
+    answer_pairs,
+    delete_batch_predictions,
+    lineage_rows,
+    online_answers,
+    prediction_frame,
+    prediction_rows,
+    read_predictions,
+    upsert_predictions,
+)
+from inference.store.checks import PartitionCounts, batch_scores, partition_counts, sample_batch_predictions
+from inference.store.engine import is_missing_schema, is_transient_db_error, make_engine, utc_now
+from inference.store.idempotency import (
+    KeyClaim,
+    claim_idempotency_key,
+    complete_idempotency_key,
+    release_idempotency_key,
+    take_over_idempotency_key,
+)
+from inference.store.merge import ConflictPolicy
+from inference.store.rejections import (
+    count_rejected,
+    mark_rejections_fixed,
+    quarantine,
+    quarantine_unwritable_result,
+    resolve_superseded_rejections,
+)
+from inference.store.schema import (
+    HISTORY_SCHEMA,
+    NO_HISTORY,
+    PREDICTION_COLUMNS,
+    PREDICTION_SCHEMA,
+    UNWRITABLE_RESULT,
+    RejectStage,
+    Resolution,
+    ResultPath,
+    idempotency_keys,
+    metadata,
+    predictions,
+    rejected_records,
+    transactions,
+)
+from inference.store.source_rows import (
+    StoreHistory,
+    fetch_history,
+    prior_history,
+    read_partition_rows,
+    stored_partition_dates,
+    stream_partition_rows,
+    upsert_transactions,
+    valid_rows_between,
+)
+from inference.store.watch import (
+    OnlineActivity,
+    PartitionChange,
+    fixed_rejection_partitions,
+    online_activity,
+    stale_scored_partitions,
+)
+
+__all__ = [
+    "ANSWER_PAIR_SCHEMA",
+    "HISTORY_SCHEMA",
+    "NO_HISTORY",
+    "PREDICTION_COLUMNS",
+    "PREDICTION_SCHEMA",
+    "ROW_COLUMNS",
+    "UNWRITABLE_RESULT",
+    "BatchProducer",
+    "ConflictPolicy",
+    "KeyClaim",
+    "OnlineActivity",
+    "OnlineProducer",
+    "PartitionChange",
+    "PartitionCounts",
+    "RejectStage",
+    "Resolution",
+    "ResultPath",
+    "StoreHistory",
+    "answer_key_expr",
+    "answer_pairs",
+    "batch_scores",
+    "claim_idempotency_key",
+    "complete_idempotency_key",
+    "count_rejected",
+    "delete_batch_predictions",
+    "fetch_history",
+    "fixed_rejection_partitions",
+    "idempotency_keys",
+    "is_missing_schema",
+    "is_transient_db_error",
+    "lineage_rows",
+    "make_engine",
+    "mark_rejections_fixed",
+    "metadata",
+    "online_activity",
+    "online_answers",
+    "partition_counts",
+    "prediction_frame",
+    "prediction_rows",
+    "predictions",
+    "prior_history",
+    "quarantine",
+    "quarantine_unwritable_result",
+    "read_partition_rows",
+    "read_predictions",
+    "rejected_records",
+    "release_idempotency_key",
+    "resolve_superseded_rejections",
+    "sample_batch_predictions",
+    "stale_scored_partitions",
+    "stored_partition_dates",
+    "stream_partition_rows",
+    "take_over_idempotency_key",
+    "transactions",
+    "upsert_predictions",
+    "upsert_transactions",
+    "utc_now",
+    "valid_rows_between",
+]

@@ -1,0 +1,86 @@
+"""What the batch asset checks read back after a partition's merge: counts across the three
+tables, and a sample of batch scores for the parity re-score."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date
+
+import polars as pl
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA
+from inference.store.engine import _frame_from_rows
+from inference.store.schema import RejectStage, ResultPath, predictions, rejected_records, transactions
+
+
+@dataclass(frozen=True)
+class PartitionCounts:
+    """What the batch asset checks compare, read back from the tables after the merge."""
+
+    input_rows: int
+    scored: int
+    rejected: int
+    scores_out_of_range: int
+    stale_answers: int  # batch answers whose input is no longer the stored record's
+    answered_online: int  # input rows that the online path answered too (never skipped by batch)
+
+
+def partition_counts(
+    conn: Connection, *, partition_date: date, partition_key: str, model_version: str
+) -> PartitionCounts:
+    p, r, t = predictions.c, rejected_records.c, transactions.c
+    batch_rows = sa.and_(
+        p.partition_key == partition_key, p.model_version == model_version, p.path == ResultPath.BATCH.value
+    )
+    input_rows = conn.execute(sa.select(sa.func.count()).where(t.partition_date == partition_date)).scalar_one()
+    scored = conn.execute(sa.select(sa.func.count()).select_from(predictions).where(batch_rows)).scalar_one()
+    rejected = conn.execute(
+        sa.select(sa.func.count(sa.distinct(r.transaction_id))).where(
+            r.partition_key == partition_key, r.stage == RejectStage.SCORE.value, r.resolved.is_(False)
+        )
+    ).scalar_one()
+    # NaN compares greater than every number in PostgreSQL, so this also catches non-finite scores.
+    out_of_range = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(predictions)
+        .where(batch_rows, sa.not_(sa.and_(p.score >= 0, p.score <= 1)))
+    ).scalar_one()
+    stale = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(predictions.join(transactions, p.transaction_id == t.transaction_id, isouter=True))
+        .where(batch_rows, sa.or_(t.input_hash.is_(None), t.input_hash != p.input_hash))
+    ).scalar_one()
+    answered_online = conn.execute(
+        sa.select(sa.func.count(sa.distinct(t.transaction_id)))
+        .select_from(transactions.join(predictions, p.transaction_id == t.transaction_id))
+        .where(t.partition_date == partition_date, p.path == ResultPath.ONLINE.value)
+    ).scalar_one()
+    return PartitionCounts(
+        int(input_rows), int(scored), int(rejected), int(out_of_range), int(stale), int(answered_online)
+    )
+
+
+def sample_batch_predictions(conn: Connection, *, partition_key: str, model_version: str, size: int) -> pl.DataFrame:
+    """A deterministic pseudo-random sample (ordered by input hash) of a partition's batch scores,
+    with the stored source rows they came from (RAW columns + event_ts + score)."""
+    p, t = predictions.c, transactions.c
+    stmt = (
+        sa.select(*(t[name] for name in RAW_COLUMNS), t.event_ts, p.score)
+        .join_from(predictions, transactions, p.transaction_id == t.transaction_id)
+        .where(p.partition_key == partition_key, p.model_version == model_version, p.path == ResultPath.BATCH.value)
+        .order_by(p.input_hash)
+        .limit(size)
+    )
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "score": pl.Float64()}
+    return _frame_from_rows(conn.execute(stmt).all(), schema)
+
+
+def batch_scores(conn: Connection, *, partition_key: str, model_version: str) -> list[float]:
+    """Every batch score of a partition under `model_version`, for its distribution (metadata)."""
+    p = predictions.c
+    stmt = sa.select(p.score).where(
+        p.partition_key == partition_key, p.model_version == model_version, p.path == ResultPath.BATCH.value
+    )
+    return [float(score) for score in conn.execute(stmt).scalars()]

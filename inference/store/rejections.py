@@ -1,0 +1,164 @@
+"""`rejected_records`: quarantine of what either path refused (a record, or a result row the
+store refused), and its resolution (superseded by a correction, or fixed by an operator)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import polars as pl
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from inference.records import RAW_COLUMNS, hash_inputs
+from inference.store.engine import _chunks, utc_now
+from inference.store.merge import _SQLITE_ROWS_PER_STATEMENT, _insert_for
+from inference.store.schema import (
+    UNWRITABLE_RESULT,
+    RejectStage,
+    Resolution,
+    ResultPath,
+    rejected_records,
+    transactions,
+)
+
+
+# ------------------------------------------------------------------ quarantine
+def quarantine_unwritable_result(conn: Connection, row: dict[str, Any], error: str, *, path: ResultPath) -> None:
+    """Keep a result row the store refused (a data error, not an outage) as a rejection, so it is
+    seen and kept instead of blocking the rows behind it. Text is made storable first (PostgreSQL
+    text cannot hold NUL), because the payload must land even when the original could not."""
+
+    def storable(value: Any) -> Any:
+        return value.replace("\x00", "\\x00") if isinstance(value, str) else value
+
+    # json.dumps writes NUL as the six characters \u0000, which text columns hold.
+    payload = json.dumps(row, sort_keys=True, default=str, allow_nan=True)
+    transaction_id = storable(row.get("transaction_id"))
+    digest = hashlib.sha256(payload.encode()).hexdigest()[:32]
+    key = "|".join([path.value, RejectStage.WRITE.value, str(transaction_id), digest])
+    now = utc_now()
+    insert = _insert_for(conn, rejected_records)
+    conn.execute(
+        insert.values(
+            rejection_key=hashlib.sha256(key.encode()).hexdigest()[:40],
+            transaction_id=transaction_id,
+            path=path.value,
+            stage=RejectStage.WRITE.value,
+            request_id=storable(row.get("request_id")),
+            reason=UNWRITABLE_RESULT,
+            detail=storable(error)[:500],
+            payload=payload,
+            input_hash=storable(str(row.get("input_hash"))),
+            first_seen=now,
+            last_seen=now,
+            seen_count=1,
+            resolved=False,
+        ).on_conflict_do_update(
+            index_elements=["rejection_key"],
+            set_={"last_seen": insert.excluded.last_seen, "seen_count": rejected_records.c.seen_count + 1},
+        )
+    )
+
+
+def quarantine(
+    conn: Connection,
+    rejected: pl.DataFrame,
+    *,
+    path: ResultPath,
+    stage: RejectStage,
+    partition_key: str | None = None,
+    run_id: str | None = None,
+    request_id: str | None = None,
+) -> int:
+    """Record rejected rows (RAW columns + reject_reason [+ reject_detail]) with their reason.
+
+    The same record rejected again for the same reason (a rerun) updates `last_seen` instead of
+    adding a row; a changed record is a new rejection.
+    """
+    if rejected.is_empty():
+        return 0
+    now = utc_now()
+    hashes = hash_inputs(rejected)
+    details = rejected["reject_detail"].to_list() if "reject_detail" in rejected.columns else [None] * rejected.height
+    records = []
+    raw_rows = rejected.select(RAW_COLUMNS).to_dicts()
+    for raw, reason, detail, digest in zip(
+        raw_rows, rejected["reject_reason"].to_list(), details, hashes.to_list(), strict=True
+    ):
+        key = "|".join([path.value, stage.value, str(raw["transaction_id"]), str(reason), digest])
+        records.append(
+            {
+                "rejection_key": hashlib.sha256(key.encode()).hexdigest()[:40],
+                "transaction_id": raw["transaction_id"],
+                "path": path.value,
+                "stage": stage.value,
+                "partition_key": partition_key,
+                "run_id": run_id,
+                "request_id": request_id,
+                "reason": reason,
+                "detail": detail,
+                "payload": json.dumps(raw, sort_keys=True, default=str, allow_nan=True),
+                "input_hash": digest,
+                "first_seen": now,
+                "last_seen": now,
+                "seen_count": 1,
+                "resolved": False,
+                "resolved_at": None,
+            }
+        )
+    insert = _insert_for(conn, rejected_records)
+    stmt = insert.on_conflict_do_update(
+        index_elements=["rejection_key"],
+        set_={
+            "last_seen": insert.excluded.last_seen,
+            "seen_count": rejected_records.c.seen_count + 1,
+            "run_id": insert.excluded.run_id,
+        },
+    )
+    for chunk in _chunks(records, _SQLITE_ROWS_PER_STATEMENT):
+        conn.execute(stmt, chunk)
+    return len(records)
+
+
+# ------------------------------------------------------------------ reads
+def count_rejected(conn: Connection, *, partition_key: str, stage: RejectStage | None = None) -> int:
+    stmt = (
+        sa.select(sa.func.count())
+        .select_from(rejected_records)
+        .where(rejected_records.c.partition_key == partition_key)
+    )
+    if stage is not None:
+        stmt = stmt.where(rejected_records.c.stage == stage.value)
+    return int(conn.execute(stmt).scalar_one())
+
+
+# ------------------------------------------------------------------ resolution
+def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> int:
+    """Mark a partition's scoring rejections resolved once their record has changed (a correction):
+    the quarantined input no longer exists, so it no longer counts against the partition."""
+    r, t = rejected_records.c, transactions.c
+    changed = sa.select(t.transaction_id).where(t.transaction_id == r.transaction_id, t.input_hash != r.input_hash)
+    stmt = (
+        sa.update(rejected_records)
+        .where(
+            r.partition_key == partition_key,
+            r.stage == RejectStage.SCORE.value,
+            r.resolved.is_(False),
+            changed.exists(),
+        )
+        .values(resolved=True, resolved_at=utc_now(), resolution=Resolution.SUPERSEDED.value)
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+def mark_rejections_fixed(conn: Connection, rejection_ids: Sequence[int]) -> int:
+    """An operator's word that the source of these rejected records was fixed."""
+    stmt = (
+        sa.update(rejected_records)
+        .where(rejected_records.c.rejection_id.in_(list(rejection_ids)), rejected_records.c.resolved.is_(False))
+        .values(resolved=True, resolved_at=utc_now(), resolution=Resolution.OPERATOR.value)
+    )
+    return int(conn.execute(stmt).rowcount)

@@ -1,0 +1,169 @@
+"""The data contract in SQLAlchemy Core: the tables, their enums, and the polars schemas of their rows.
+
+Alembic's migrations are generated against `metadata`; names here are part of the product
+(extend, do not rename).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import polars as pl
+import sqlalchemy as sa
+
+from inference.records import EVENT_TS_DTYPE, RAW_SCHEMA
+
+metadata = sa.MetaData()
+
+
+# ------------------------------------------------------------------ enums
+class ResultPath(enum.StrEnum):
+    BATCH = "batch"
+    ONLINE = "online"
+
+
+class Resolution(enum.StrEnum):
+    OPERATOR = "operator"  # someone fixed the source; the partition should be re-ingested and rescored
+    SUPERSEDED = "superseded"  # the record changed and was rescored; nothing left to do
+
+
+class RejectStage(enum.StrEnum):
+    INGEST = "ingest"  # could not even be stored as a source record (no id, repeated id)
+    SCORE = "score"  # stored, then refused by validation or the model
+    WRITE = "write"  # scored, but the result store refused the result row itself (a data error)
+
+
+# The reason of a WRITE-stage rejection; validation reasons are `records.RejectReason`.
+UNWRITABLE_RESULT = "unwritable_result"
+
+
+# ------------------------------------------------------------------ tables
+transactions = sa.Table(
+    "transactions",
+    metadata,
+    sa.Column("transaction_id", sa.Text, primary_key=True),
+    sa.Column("account_id", sa.Text, nullable=True),
+    sa.Column("amount", sa.Float(precision=53), nullable=True),
+    sa.Column("currency", sa.Text, nullable=True),
+    sa.Column("merchant_category", sa.Text, nullable=True),
+    sa.Column("country", sa.Text, nullable=True),
+    sa.Column("event_time", sa.Text, nullable=True, comment="as received from the source"),
+    sa.Column("event_ts", sa.DateTime(timezone=True), nullable=True, comment="event_time parsed, UTC"),
+    sa.Column("partition_date", sa.Date, nullable=False, comment="the source day; the Dagster partition"),
+    sa.Column("reject_reason", sa.Text, nullable=True, comment="validation result at ingest; null = valid"),
+    sa.Column("label_fraud", sa.SmallInteger, nullable=True, comment="ground truth where known (demo data)"),
+    sa.Column("input_hash", sa.Text, nullable=False),
+    sa.Column("ingested_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("ix_transactions_partition_date", "partition_date"),
+    sa.Index("ix_transactions_account_event", "account_id", "event_ts", "transaction_id"),
+    sa.Index("ix_transactions_ingested_at", "ingested_at"),
+)
+
+predictions = sa.Table(
+    "predictions",
+    metadata,
+    sa.Column("transaction_id", sa.Text, primary_key=True),
+    sa.Column("model_version", sa.Text, primary_key=True),
+    sa.Column("path", sa.Text, primary_key=True),
+    # Both paths' answers are kept side by side (docs/decisions/0002): a version's batch answer is
+    # one row, rewritten when its input or history changes; every distinct online answer is a row
+    # of its own that nothing rewrites, because a client received it.
+    sa.Column(
+        "answer_key",
+        sa.Text,
+        primary_key=True,
+        comment="batch: ''; online: input_hash|history_hash, one row per distinct answer",
+    ),
+    sa.Column("score", sa.Float(precision=53), nullable=False),
+    sa.Column("run_id", sa.Text, nullable=True, comment="Dagster run (batch)"),
+    sa.Column("partition_key", sa.Text, nullable=True, comment="Dagster partition (batch)"),
+    sa.Column("request_id", sa.Text, nullable=True, comment="HTTP request (online)"),
+    sa.Column("batch_id", sa.Text, nullable=True, comment="adaptive batch (online)"),
+    sa.Column("code_version", sa.Text, nullable=False),
+    sa.Column("input_hash", sa.Text, nullable=False),
+    sa.Column(
+        "history_hash",
+        sa.Text,
+        nullable=True,
+        comment="digest of the stored records the features read as history; null when degraded",
+    ),
+    sa.Column("idempotency_key", sa.Text, nullable=True),
+    sa.Column("produced_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("latency_ms", sa.Float, nullable=True, comment="online: service time of the producing request"),
+    sa.Column(
+        "degraded",
+        sa.Boolean,
+        nullable=False,
+        server_default=sa.false(),
+        comment="online: scored without account history (the store was unreachable)",
+    ),
+    sa.Column(
+        "unseen_fields",
+        sa.Text,
+        nullable=True,
+        comment="comma-separated fields scored through the unknown bucket; null = none",
+    ),
+    sa.CheckConstraint("path IN ('batch', 'online')", name="ck_predictions_path"),
+    sa.Index("ix_predictions_partition_key", "partition_key"),
+    sa.Index("ix_predictions_idempotency_key", "idempotency_key"),
+)
+
+idempotency_keys = sa.Table(
+    "idempotency_keys",
+    metadata,
+    sa.Column("idempotency_key", sa.Text, primary_key=True),
+    sa.Column("request_hash", sa.Text, nullable=False, comment="digest of the request's transactions, in order"),
+    sa.Column("request_id", sa.Text, nullable=False, comment="the request that claimed the key"),
+    sa.Column("response", sa.Text, nullable=True, comment="the answers as JSON; null while in flight"),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True),
+)
+
+rejected_records = sa.Table(
+    "rejected_records",
+    metadata,
+    sa.Column("rejection_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("rejection_key", sa.Text, nullable=False, unique=True),
+    sa.Column("transaction_id", sa.Text, nullable=True),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("stage", sa.Text, nullable=False),
+    sa.Column("partition_key", sa.Text, nullable=True),
+    sa.Column("run_id", sa.Text, nullable=True),
+    sa.Column("request_id", sa.Text, nullable=True),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Column("payload", sa.Text, nullable=False, comment="the record as received, JSON"),
+    sa.Column("input_hash", sa.Text, nullable=False),
+    sa.Column("first_seen", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("last_seen", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("seen_count", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("resolved", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("resolved_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("resolution", sa.Text, nullable=True, comment="operator (fixed upstream) | superseded"),
+    sa.CheckConstraint("path IN ('batch', 'online')", name="ck_rejected_records_path"),
+    sa.Index("ix_rejected_records_partition", "partition_key", "stage"),
+)
+
+# ------------------------------------------------------------------ frame schemas and columns
+# Stored rows as history for features: the record, its parsed time, and its hash (for the digest).
+HISTORY_SCHEMA: dict[str, pl.DataType] = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "input_hash": pl.String()}
+
+PREDICTION_COLUMNS: tuple[str, ...] = tuple(c.name for c in predictions.columns)
+
+
+# The history part of an online answer_key when the answer read no history (degraded).
+NO_HISTORY = "nohistory"
+
+
+def _polars_type(column: sa.Column[Any]) -> pl.DataType:
+    if isinstance(column.type, sa.Float):
+        return pl.Float64()
+    if isinstance(column.type, sa.DateTime):
+        return EVENT_TS_DTYPE
+    if isinstance(column.type, sa.Boolean):
+        return pl.Boolean()
+    return pl.String()
+
+
+PREDICTION_SCHEMA: dict[str, pl.DataType] = {c.name: _polars_type(c) for c in predictions.columns}

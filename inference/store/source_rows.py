@@ -1,0 +1,170 @@
+"""`transactions`: storing a source day, and every read of source rows (partitions, training
+windows, account history for features, a partition streamed in chunks)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from datetime import date
+
+import polars as pl
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, hash_inputs
+from inference.store.engine import _chunks, _frame_from_rows, utc_now
+from inference.store.merge import _merge, _overwrite_when_changed
+from inference.store.schema import HISTORY_SCHEMA, transactions
+
+# SQLite's default SQLITE_MAX_COMPOUND_SELECT is 500 terms per UNION ALL.
+_TARGETS_PER_STATEMENT = 400
+
+
+# ------------------------------------------------------------------ writes
+def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date: date) -> int:
+    """Store a source day's validated rows (RAW + event_ts + reject_reason [+ label_fraud]).
+
+    A row whose contents changed (a correction) is updated and its `ingested_at` moves, which is
+    what the late-data sensor watches; re-sending identical rows changes nothing.
+    """
+    if checked.is_empty():
+        return 0
+    now = utc_now()
+    labels = checked["label_fraud"] if "label_fraud" in checked.columns else pl.Series([None] * checked.height)
+    frame = checked.select(
+        *RAW_COLUMNS,
+        "event_ts",
+        "reject_reason",
+        pl.Series("label_fraud", labels, dtype=pl.Int16),
+        hash_inputs(checked),
+    ).with_columns(
+        partition_date=pl.lit(partition_date, dtype=pl.Date),
+        ingested_at=pl.lit(now, dtype=EVENT_TS_DTYPE),
+    )
+    columns = [c.name for c in transactions.columns]
+    keys = ["transaction_id"]
+    return _merge(
+        conn, transactions, frame.select(columns), keys, _overwrite_when_changed(transactions, keys, "input_hash")
+    )
+
+
+# ------------------------------------------------------------------ reads: partitions and training
+def read_partition_rows(conn: Connection, partition_date: date) -> pl.DataFrame:
+    """The stored source rows of one day, in a stable order (RAW + event_ts + label + hash)."""
+    stmt = (
+        sa.select(
+            *(transactions.c[name] for name in RAW_COLUMNS),
+            transactions.c.event_ts,
+            transactions.c.label_fraud,
+        )
+        .where(transactions.c.partition_date == partition_date)
+        .order_by(transactions.c.account_id, transactions.c.event_ts, transactions.c.transaction_id)
+    )
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16()}
+    return _frame_from_rows(conn.execute(stmt).all(), schema)
+
+
+def valid_rows_between(conn: Connection, start: date, end: date) -> pl.DataFrame:
+    """Valid stored rows with partition_date in [start, end), for training."""
+    stmt = sa.select(
+        *(transactions.c[name] for name in RAW_COLUMNS),
+        transactions.c.event_ts,
+        transactions.c.label_fraud,
+        transactions.c.partition_date,
+    ).where(
+        transactions.c.partition_date >= start,
+        transactions.c.partition_date < end,
+        transactions.c.reject_reason.is_(None),
+    )
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16(), "partition_date": pl.Date()}
+    return _frame_from_rows(conn.execute(stmt).all(), schema)
+
+
+# ------------------------------------------------------------------ reads: history for features
+def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
+    """For each target (account_id, event_ts, transaction_id): the valid stored rows of its account
+    that sort before it, at most `history_length` each. One indexed LIMIT query per target, so
+    the cost follows the request, never the account's total history."""
+    schema = HISTORY_SCHEMA
+    if targets.is_empty():
+        return pl.DataFrame(schema=schema)
+    columns = [*(transactions.c[name] for name in RAW_COLUMNS), transactions.c.event_ts, transactions.c.input_hash]
+    t = transactions.c
+    per_target = []
+    for account_id, moment, transaction_id in targets.select("account_id", "event_ts", "transaction_id").iter_rows():
+        per_target.append(
+            sa.select(*columns)
+            .where(
+                t.account_id == account_id,
+                t.reject_reason.is_(None),
+                sa.or_(t.event_ts < moment, sa.and_(t.event_ts == moment, t.transaction_id < transaction_id)),
+            )
+            .order_by(t.event_ts.desc(), t.transaction_id.desc())
+            .limit(history_length)
+            .subquery()
+            .select()
+        )
+    # SQLite refuses a compound SELECT of more than 500 terms, so large target sets go in groups.
+    frames = []
+    for group in _chunks(per_target, _TARGETS_PER_STATEMENT):
+        statement: sa.Executable = group[0] if len(group) == 1 else sa.union_all(*group)
+        frames.append(_frame_from_rows(conn.execute(statement).all(), schema))
+    return pl.concat(frames).unique("transaction_id", keep="first", maintain_order=True)
+
+
+def prior_history(conn: Connection, account_ids: Sequence[str], before: date, history_length: int) -> pl.DataFrame:
+    """The last `history_length` valid rows per account from days before `before` (batch path)."""
+    schema = HISTORY_SCHEMA
+    t = transactions.c
+    frames = []
+    for chunk in _chunks(list(account_ids), 1000):
+        ranked = (
+            sa.select(
+                *(t[name] for name in RAW_COLUMNS),
+                t.event_ts,
+                t.input_hash,
+                sa.func.row_number()
+                .over(partition_by=t.account_id, order_by=(t.event_ts.desc(), t.transaction_id.desc()))
+                .label("recency"),
+            )
+            .where(t.account_id.in_(chunk), t.partition_date < before, t.reject_reason.is_(None))
+            .subquery()
+        )
+        stmt = sa.select(*(ranked.c[name] for name in HISTORY_SCHEMA)).where(ranked.c.recency <= history_length)
+        frames.append(_frame_from_rows(conn.execute(stmt).all(), schema))
+    return pl.concat(frames) if frames else pl.DataFrame(schema=schema)
+
+
+class StoreHistory:
+    """History read from the `transactions` table, for callers that hold single records."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
+        with self.engine.connect() as conn:
+            return fetch_history(conn, targets, history_length)
+
+
+# ------------------------------------------------------------------ reads: a partition streamed, the stored days
+def stream_partition_rows(engine: Engine, partition_date: date, chunk_rows: int) -> Iterator[pl.DataFrame]:
+    """A day's stored rows in chunks, ordered by account so each account's rows are contiguous.
+
+    A server-side cursor keeps memory flat in the partition size (PostgreSQL); SQLite's cursor is
+    lazy already.
+    """
+    t = transactions.c
+    stmt = (
+        sa.select(*(t[name] for name in RAW_COLUMNS), t.event_ts, t.label_fraud, t.input_hash)
+        .where(t.partition_date == partition_date)
+        .order_by(t.account_id, t.event_ts, t.transaction_id)
+    )
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16(), "input_hash": pl.String()}
+    with engine.connect() as conn:
+        result = conn.execution_options(stream_results=True, yield_per=chunk_rows).execute(stmt)
+        for rows in result.partitions(chunk_rows):
+            yield _frame_from_rows(rows, schema)
+
+
+def stored_partition_dates(conn: Connection) -> list[date]:
+    stmt = sa.select(transactions.c.partition_date).distinct().order_by(transactions.c.partition_date)
+    return [row[0] if isinstance(row[0], date) else date.fromisoformat(str(row[0])) for row in conn.execute(stmt)]

@@ -1,0 +1,160 @@
+"""What the sensors watch: partitions a change made stale, rejections an operator fixed, the
+partitions scored so far, and what the online path wrote (for the online_predictions observations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import polars as pl
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from inference.records import EVENT_TS_DTYPE
+from inference.store.engine import _as_utc, _aware
+from inference.store.schema import Resolution, ResultPath, predictions, rejected_records, transactions
+
+
+# ------------------------------------------------------------------ batch partitions to rerun
+@dataclass(frozen=True)
+class PartitionChange:
+    partition_key: str
+    watermark: datetime  # the newest change seen in this partition; part of the run key
+
+
+def stale_scored_partitions(
+    conn: Connection, *, changed_after: datetime | None, history_length: int
+) -> list[PartitionChange]:
+    """Partitions already scored by the batch path whose scores a change made stale.
+
+    A change is a record changed (late or corrected) after `changed_after` whose current contents
+    have no batch result yet: no batch prediction and no open rejection for its current input hash. Stale are
+    the change's own partition and the partitions of the account's next `history_length` valid
+    records, whose features read (or, for a record now invalid, read) the changed one as history.
+    Every such partition, however many changed in the same interval, is returned, with the newest
+    change that touched it.
+
+    Not covered: a correction that moves a record's event time leaves the records that followed
+    its old position unscheduled (the old position is no longer stored).
+    """
+    t, p, r = transactions.c, predictions.c, rejected_records.c
+    changed_filter = [
+        # Only a batch answer counts: an online answer to the corrected body leaves the batch stale.
+        ~sa.select(p.transaction_id)
+        .where(p.transaction_id == t.transaction_id, p.input_hash == t.input_hash, p.path == ResultPath.BATCH.value)
+        .exists(),
+        ~sa.select(r.rejection_id)
+        .where(r.transaction_id == t.transaction_id, r.input_hash == t.input_hash, r.resolved.is_(False))
+        .exists(),
+    ]
+    if changed_after is not None:
+        changed_filter.append(t.ingested_at > changed_after)
+    changed = (
+        sa.select(t.transaction_id, t.account_id, t.partition_date, t.ingested_at).where(*changed_filter).cte("changed")
+    )
+    # The affected accounts' records in history order: valid ones (what features read) and the
+    # changed ones themselves, numbered per account.
+    timeline = (
+        sa.select(
+            t.transaction_id,
+            t.account_id,
+            t.partition_date,
+            sa.func.row_number()
+            .over(partition_by=t.account_id, order_by=(t.event_ts, t.transaction_id))
+            .label("position"),
+        )
+        .where(
+            t.account_id.in_(sa.select(changed.c.account_id)),
+            sa.or_(t.reject_reason.is_(None), t.transaction_id.in_(sa.select(changed.c.transaction_id))),
+        )
+        .cte("timeline")
+    )
+    at, later = timeline.alias("at_change"), timeline.alias("later")
+    downstream = (
+        sa.select(later.c.partition_date, changed.c.ingested_at)
+        .select_from(changed)
+        .join(at, at.c.transaction_id == changed.c.transaction_id)
+        .join(
+            later,
+            sa.and_(
+                later.c.account_id == at.c.account_id,
+                later.c.position > at.c.position,
+                later.c.position <= at.c.position + history_length,
+            ),
+        )
+    )
+    touched = sa.union_all(sa.select(changed.c.partition_date, changed.c.ingested_at), downstream).subquery("touched")
+    batch_scored = (
+        sa.select(p.transaction_id)
+        .where(p.partition_key == sa.cast(touched.c.partition_date, sa.String), p.path == ResultPath.BATCH.value)
+        .exists()
+    )
+    stmt = (
+        sa.select(touched.c.partition_date, sa.func.max(touched.c.ingested_at))
+        .where(batch_scored)
+        .group_by(touched.c.partition_date)
+        .order_by(touched.c.partition_date)
+    )
+    return [PartitionChange(str(day), _aware(moment)) for day, moment in conn.execute(stmt)]
+
+
+def fixed_rejection_partitions(conn: Connection, *, resolved_after: datetime | None) -> list[PartitionChange]:
+    """Partitions whose quarantined batch records an operator marked fixed after `resolved_after`."""
+    r = rejected_records.c
+    stmt = (
+        sa.select(r.partition_key, sa.func.max(r.resolved_at))
+        .where(
+            r.path == ResultPath.BATCH.value,
+            r.resolved.is_(True),
+            r.resolution == Resolution.OPERATOR.value,
+            r.partition_key.is_not(None),
+        )
+        .group_by(r.partition_key)
+        .order_by(r.partition_key)
+    )
+    if resolved_after is not None:
+        stmt = stmt.where(r.resolved_at > resolved_after)
+    return [PartitionChange(str(key), _aware(moment)) for key, moment in conn.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class OnlineActivity:
+    rows: int
+    requests: int
+    model_versions: dict[str, int]
+    latency_ms_p50: float | None
+    latency_ms_p99: float | None
+    latest: datetime | None
+
+
+def online_activity(conn: Connection, *, produced_after: datetime | None) -> OnlineActivity:
+    """What the online path wrote since `produced_after`, for the online_predictions observations."""
+    p = predictions.c
+    where = [p.path == ResultPath.ONLINE.value]
+    if produced_after is not None:
+        where.append(p.produced_at > produced_after)
+    rows = conn.execute(sa.select(p.model_version, p.request_id, p.latency_ms, p.produced_at).where(*where)).all()
+    if not rows:
+        return OnlineActivity(0, 0, {}, None, None, None)
+    frame = pl.DataFrame(
+        [tuple(r) for r in rows],
+        schema={
+            "model_version": pl.String(),
+            "request_id": pl.String(),
+            "latency_ms": pl.Float64(),
+            "produced_at": EVENT_TS_DTYPE,
+        },
+        orient="row",
+    ).with_columns(_as_utc(pl.col("produced_at")))
+    versions = frame.group_by("model_version").len().sort("model_version")
+    latency = frame["latency_ms"].drop_nulls()
+    latest = frame["produced_at"].max()
+    return OnlineActivity(
+        rows=frame.height,
+        requests=frame["request_id"].n_unique(),
+        model_versions=dict(zip(versions["model_version"].to_list(), versions["len"].to_list(), strict=True)),
+        latency_ms_p50=float(latency.quantile(0.5) or 0.0) if latency.len() else None,
+        latency_ms_p99=float(latency.quantile(0.99) or 0.0) if latency.len() else None,
+        latest=latest if isinstance(latest, datetime) else None,
+    )

@@ -1,0 +1,150 @@
+"""Scoring backends: one model version's scoring step, its warm-up, and the switch between two
+versions that takes effect between two batches (hot swap, a replaced scoring process)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import ParamSpec, TypeVar
+
+from inference.records import MERCHANT_CATEGORIES, Transaction
+from serving.batcher import ProcessFn
+from serving.scoring import BatchResult, ItemSpec
+
+logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ScoringBackend:
+    """One model version's scoring step: the version, the pool it runs on and the function the pool calls."""
+
+    model_version: str
+    executor: Executor
+    process: ProcessFn
+
+
+class _BatchDispatch(Executor):
+    """The batcher's executor: forwards to the serving version's pool and notes that a batch has
+    started, so a switch waits for the end of that batch (and of its item-by-item retries)
+    instead of sending half of it to another version."""
+
+    def __init__(self, target: Executor) -> None:
+        self.target = target
+        self.busy = False
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
+        self.busy = True
+        return self.target.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.target.shutdown(wait, cancel_futures=cancel_futures)
+
+
+class BackendSwitch:
+    """The backend that serves, and a pending switch to another one.
+
+    `dispatch` is the executor the batcher submits to; `between_batches` is called by the batcher's
+    hook after every batch, the one moment a pending switch may take effect. `on_switch(backend)`
+    tells the owner (the scorer: its batcher and metrics) in the same synchronous step.
+    """
+
+    def __init__(self, serving: ScoringBackend, on_switch: Callable[[ScoringBackend], None]) -> None:
+        self.serving = serving
+        self.dispatch = _BatchDispatch(serving.executor)
+        self._on_switch = on_switch
+        self._pending: tuple[ScoringBackend, asyncio.Future[ScoringBackend]] | None = None
+
+    def swap(self, backend: ScoringBackend) -> asyncio.Future[ScoringBackend]:
+        """Serve `backend` (already warm) from the next batch on.
+
+        The swap happens between two batches: at once when the batcher is idle, else when the
+        running batch ends, so a batch dispatched to the old pool finishes there. Resolves to the
+        replaced backend, which no batch can reach any more; cancelling it withdraws the swap.
+
+        The batch cost model carries over and retunes itself from the new version's batches
+        (decay 0.9: within about ten). Not recalibrated from the new version's warm-up: timed beside
+        a pool that is serving, a first batch measures several times its steady cost
+        (bench/findings.md), and an overstated cost sheds requests right after the swap.
+        """
+        if self._pending is not None:
+            raise RuntimeError("a model swap is already pending")
+        done: asyncio.Future[ScoringBackend] = asyncio.get_running_loop().create_future()
+        self._pending = (backend, done)
+        done.add_done_callback(self._withdraw)
+        if not self.dispatch.busy:
+            self._apply()
+        return done
+
+    def between_batches(self) -> None:
+        self.dispatch.busy = False
+        self._apply()
+
+    def _withdraw(self, done: asyncio.Future[ScoringBackend]) -> None:
+        if done.cancelled() and self._pending is not None and self._pending[1] is done:
+            self._pending = None
+
+    def _apply(self) -> None:
+        if self._pending is None:
+            return
+        backend, done = self._pending
+        self._pending = None
+        previous = self.serving
+        # Everything a batch or a request reads, switched in one synchronous step of the event
+        # loop, so no batch and no request sees half of each version.
+        self.serving = backend
+        self.dispatch.target = backend.executor
+        self._on_switch(backend)
+        logger.info("now serving %s (was %s)", backend.model_version, previous.model_version)
+        done.set_result(previous)
+
+
+def warm_up_backend(
+    backend: ScoringBackend, *, max_batch_size: int, rounds: int = 3, timeout_s: float | None = None
+) -> list[tuple[int, float]]:
+    """Score synthetic records through the whole path (store reads included, writes excluded) at
+    batch size 1 and the largest batch; returns (batch size, seconds) samples for the cost model.
+
+    Raises if any answer is not a finite score, or (TimeoutError) past `timeout_s` in all.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def run(specs: list[ItemSpec]) -> BatchResult:
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return backend.executor.submit(backend.process, specs).result(timeout=remaining)
+
+    sizes = (1, max_batch_size)
+    specs = [_warm_up_spec(i) for i in range(max(sizes))]
+    run(specs[:1])  # the first call pays lazy init (the process, the model, the connection)
+    samples: list[tuple[int, float]] = []
+    for _ in range(rounds):
+        for n in sizes:
+            started = time.perf_counter()
+            outcome = run(specs[:n])
+            samples.append((n, time.perf_counter() - started))
+            if any(r.status != "scored" or r.score is None or not math.isfinite(r.score) for r in outcome.results):
+                raise RuntimeError(f"warm-up inference failed: {outcome.results[0]}")
+    return samples
+
+
+def _warm_up_spec(index: int) -> ItemSpec:
+    moment = datetime(2000, 1, 1, tzinfo=UTC) + timedelta(minutes=index)
+    tx = Transaction(
+        transaction_id=f"warm-up-{index}",
+        account_id=f"warm-up-account-{index % 4}",
+        amount=10.0 + index,
+        # One ordinary country: warm-up proves the path works, not that every input does.
+        currency="USD",
+        merchant_category=MERCHANT_CATEGORIES[index % len(MERCHANT_CATEGORIES)],
+        country="US",
+        event_time=moment,
+    )
+    return ItemSpec(raw=tx.to_raw(), request_id="warm-up")

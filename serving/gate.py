@@ -1,0 +1,356 @@
+"""The gate in front of `POST /score`: an ASGI middleware (BentoML's `add_asgi_middleware`) that
+refuses what it can before BentoML reads the request, cheapest first.
+
+Bearer token (401), headers (400), overload from the headers alone (503, before the body is read:
+reading and parsing are most of what a refusal costs, and an event loop spending them lets the
+socket backlog grow where admission cannot see it), body size (413), JSON and schema (422, with
+the field and the reason; the invalid items are quarantined), item count (413), a dead scoring
+process (503). What passes is parsed once and handed to the `@bentoml.api` method through
+`schemas.PARSED_REQUEST`, so BentoML neither parses it again nor answers a schema error with its
+own 400. Every refusal is a `Refused`, rendered and counted in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serving.admission import Decision
+from serving.metrics import target_seconds
+from serving.runtime import OnlineScorer
+from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, PARSED_REQUEST, REQUEST_ID_HEADER, ScoreRequest
+from serving.security import BearerAuth, BodyRefused, Refusal, SecuritySettings, read_body
+
+logger = logging.getLogger(__name__)
+
+MAX_IDEMPOTENCY_KEY = 200
+SCORE_PATH = "/score"
+REQUEST_START_HEADER = "X-Request-Start"
+MAX_PROXY_WAIT_S = 60.0
+
+
+class Refused(Exception):
+    """A request refused with a status, an error code and a reason; `items` of it are counted
+    under `outcome` (rejected, shed, expired, failed)."""
+
+    def __init__(
+        self,
+        status: int,
+        error: str,
+        detail: Any = None,
+        *,
+        outcome: str | None = None,
+        items: int = 1,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(error)
+        self.status = status
+        self.error = error
+        self.detail = detail
+        self.outcome = outcome
+        self.items = items
+        self.headers = headers or {}
+
+    @classmethod
+    def at_edge(cls, refusal: Refusal) -> Refused:
+        headers = {"WWW-Authenticate": 'Bearer realm="tandem"'} if refusal.status == 401 else {}
+        return cls(refusal.status, refusal.error, refusal.detail, headers=headers)
+
+    @classmethod
+    def overloaded(cls, decision: Decision, *, items: int) -> Refused:
+        detail = {
+            "reason": decision.reason,
+            "predicted_wait_ms": round(decision.predicted_wait_s * 1000, 1),
+            "limit_ms": round(decision.limit_s * 1000, 1),
+        }
+        return cls(
+            503,
+            "overloaded",
+            detail,
+            outcome="shed",
+            items=items,
+            headers={"Retry-After": str(decision.retry_after_s)},
+        )
+
+    @classmethod
+    def unavailable(cls, *, items: int) -> Refused:
+        # Until the server has replaced its scoring process (lifecycle.PoolSupervisor), fail fast.
+        return cls(
+            503,
+            "unavailable",
+            "the scoring process died; a new one is starting",
+            outcome="failed",
+            items=items,
+            headers={"Retry-After": "1"},
+        )
+
+    def response(self, scorer: OnlineScorer | None, request_id: str) -> JSONResponse:
+        """The one rendering of a refusal: JSON `{"error", "detail"}`, and its items counted."""
+        if scorer is not None and self.outcome is not None:
+            scorer.metrics.items.labels(outcome=self.outcome).inc(self.items)
+        return JSONResponse(
+            {"error": self.error, "detail": self.detail},
+            status_code=self.status,
+            headers={REQUEST_ID_HEADER: request_id, **self.headers},
+        )
+
+
+@dataclass
+class ScoreCall:
+    """One admitted /score request as the API method sees it."""
+
+    request_id: str
+    request: ScoreRequest
+    idempotency_key: str | None
+    deadline: float  # monotonic
+    deadline_ms: float
+    arrived: float  # monotonic: when the request began to wait (see `_arrival`)
+    parse_cpu: float = 0.0
+
+
+# The call the gate admitted, for the API method (the same task: BentoML runs the endpoint inside
+# this middleware's call).
+CURRENT_CALL: ContextVar[ScoreCall | None] = ContextVar("tandem_score_call", default=None)
+
+
+class Edge:
+    """Settings of the edge (token, body limit), resolved on first use or at service start, never
+    at import: the service module (and so this gate) is imported by `bentoml build` and by tests
+    without the serving environment."""
+
+    def __init__(self, settings: SecuritySettings | None) -> None:
+        self._given = settings
+
+    @cached_property
+    def settings(self) -> SecuritySettings:
+        return self._given if self._given is not None else SecuritySettings()
+
+    @cached_property
+    def auth(self) -> BearerAuth:
+        return BearerAuth(self.settings.auth_token)
+
+
+class ScoreGate:
+    def __init__(
+        self, app: ASGIApp, *, get_scorer: Callable[[], OnlineScorer], security: SecuritySettings | None = None
+    ) -> None:
+        self.app = app
+        self.get_scorer = get_scorer
+        self.edge = Edge(security)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != SCORE_PATH or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        scorer = self.get_scorer()
+        metrics = scorer.metrics
+        metrics.in_flight.inc()
+        status = 500
+        try:
+            status = await self._score(scope, receive, send, scorer)
+        finally:
+            metrics.in_flight.dec()
+            elapsed = time.perf_counter() - started
+            metrics.latency.labels(status=str(status)).observe(elapsed)
+            # The latency SLI without depending on bucket boundaries: 200s slower than the enforced target.
+            if status == 200 and elapsed > target_seconds(scorer.settings.p99_target_ms):
+                metrics.over_target.inc()
+
+    async def _score(self, scope: Scope, receive: Receive, send: Send, scorer: OnlineScorer) -> int:
+        request_id = uuid.uuid4().hex
+        request = Request(scope, receive)
+        try:
+            call, body = await self._admit(request, scorer, request_id)
+        except Refused as refused:
+            response = refused.response(scorer, request_id)
+            await response(scope, receive, send)
+            return response.status_code
+        status = 500
+
+        async def replay() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        call_token, parsed_token = CURRENT_CALL.set(call), PARSED_REQUEST.set(call.request)
+        try:
+            await self.app(scope, replay, sending)
+        finally:
+            CURRENT_CALL.reset(call_token)
+            PARSED_REQUEST.reset(parsed_token)
+        return status
+
+    async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:
+        arrived = _arrival(request, scorer.loop_lag.lag_s)
+        refusal = self.edge.auth.check(request.headers.get("authorization"))
+        if refusal is not None:
+            raise Refused.at_edge(refusal)
+        deadline_ms, key = _headers(request, scorer.settings.request_timeout_ms)
+        early = scorer.refuse_early(arrived + deadline_ms / 1000, waited_s=time.monotonic() - arrived)
+        if early is not None:
+            raise Refused.overloaded(early, items=1)  # at least one item; the body is never read
+        try:
+            body = await read_body(request, self.edge.settings.max_body_bytes)
+        except BodyRefused as refused:
+            raise Refused.at_edge(refused.refusal) from refused
+        cpu_started = time.thread_time()
+        limit = scorer.settings.max_transactions_per_request
+        try:
+            parsed = ScoreRequest.model_validate_json(body)
+        except ValidationError as error:
+            raise await _invalid(scorer, body, error, request_id, limit) from error
+        count = len(parsed.transactions)
+        if count > limit:
+            raise _too_many(limit)
+        key = _one_key(key, parsed.idempotency_key, count)
+        if parsed.deadline_ms is not None and request.headers.get(DEADLINE_HEADER) is None:
+            deadline_ms = parsed.deadline_ms
+        problems = _request_problems(parsed)
+        if problems:
+            raise Refused(422, "invalid_request", problems, outcome="rejected", items=count)
+        if not scorer.scoring_available():
+            raise Refused.unavailable(items=count)
+        call = ScoreCall(
+            request_id=request_id,
+            request=parsed,
+            idempotency_key=key,
+            deadline=arrived + deadline_ms / 1000,
+            deadline_ms=deadline_ms,
+            arrived=arrived,
+            parse_cpu=time.thread_time() - cpu_started,
+        )
+        return call, body
+
+
+def _arrival(request: Request, loop_lag_s: float) -> float:
+    """When the request began to wait (monotonic): the earlier of a proxy's X-Request-Start stamp
+    and now less the event loop's lag, whichever says it waited longer. Both see the time before
+    Python read the request, which the queue cannot. A stamp in the future, unparsable, or more
+    than a minute old (clock skew) is ignored."""
+    now = time.monotonic()
+    waited = loop_lag_s
+    stamp = request.headers.get(REQUEST_START_HEADER)
+    if stamp is not None:
+        started = _epoch_seconds(stamp)
+        if started is not None and 0.0 <= time.time() - started <= MAX_PROXY_WAIT_S:
+            waited = max(waited, time.time() - started)
+    return now - waited
+
+
+def _epoch_seconds(stamp: str) -> float | None:
+    """`t=1732700000.123` (nginx, seconds), `t=1732700000123` (ms) or `t=1732700000123456` (µs)."""
+    try:
+        value = float(stamp.strip().removeprefix("t="))
+    except ValueError:
+        return None
+    if not math.isfinite(value) or value <= 0:
+        return None
+    for scale in (1e6, 1e3):
+        if value > scale * 1e9:  # past 2001 in that unit
+            return value / scale
+    return value
+
+
+def _headers(request: Request, default_deadline_ms: float) -> tuple[float, str | None]:
+    """(deadline in ms, idempotency key), or a 400 for a malformed one."""
+    deadline_ms = default_deadline_ms
+    if (raw_deadline := request.headers.get(DEADLINE_HEADER)) is not None:
+        try:
+            deadline_ms = float(raw_deadline)
+        except ValueError:
+            deadline_ms = math.nan
+        if not math.isfinite(deadline_ms) or deadline_ms <= 0:
+            raise Refused(400, "bad_header", f"{DEADLINE_HEADER} must be a positive number of ms")
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
+        raise Refused(400, "bad_header", f"{IDEMPOTENCY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY} chars")
+    return deadline_ms, key
+
+
+def _one_key(header: str | None, body: str | None, items: int) -> str | None:
+    if header is not None and body is not None and header != body:
+        raise Refused(
+            400, "bad_request", f"{IDEMPOTENCY_HEADER} and idempotency_key differ", outcome="rejected", items=items
+        )
+    return header if header is not None else body
+
+
+def _too_many(limit: int) -> Refused:
+    return Refused(413, "too_many_transactions", f"at most {limit} transactions per request")
+
+
+def _request_problems(parsed: ScoreRequest) -> list[dict[str, Any]]:
+    problems: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for index, tx in enumerate(parsed.transactions):
+        for name in ("transaction_id", "account_id"):
+            # PostgreSQL text cannot hold NUL: such an id would fail every write (and open the breaker).
+            if "\x00" in getattr(tx, name):
+                problems.append({"loc": ["transactions", index, name], "msg": "NUL characters are not allowed"})
+        if tx.transaction_id in seen:
+            problems.append(
+                {"loc": ["transactions", index, "transaction_id"], "msg": "duplicate transaction_id in request"}
+            )
+        seen.add(tx.transaction_id)
+    return problems
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
+async def _invalid(scorer: OnlineScorer, body: bytes, error: ValidationError, request_id: str, limit: int) -> Refused:
+    """422 naming each field and reason; the invalid items are quarantined (off the event loop:
+    validation runs polars), never batched."""
+    errors = [
+        {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+        for e in error.errors(include_url=False, include_context=False, include_input=False)
+    ]
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, or nested past the stdlib parser's depth
+        document = None
+    items = document.get("transactions") if isinstance(document, dict) else None
+    if not isinstance(items, list):
+        return Refused(422, "invalid_request", errors)
+    if len(items) > limit:
+        return _too_many(limit)
+    details: dict[int, str] = {}
+    for e in errors:
+        loc = e["loc"]
+        if len(loc) >= 2 and loc[0] == "transactions" and isinstance(loc[1], int):
+            name = ".".join(str(part) for part in loc[2:]) or "transaction"
+            details.setdefault(loc[1], f"{name}: {e['msg']}")
+    # NUL cannot be stored; such an item is answered 422 but not quarantined.
+    details = {index: detail for index, detail in details.items() if not _has_nul(items[index])}
+    try:
+        await asyncio.to_thread(scorer.quarantine_invalid, items, details, request_id)
+    except Exception:  # best effort: the client's 422 must not turn into a 500
+        logger.exception("quarantining the invalid items of request %s failed", request_id)
+    # The whole request is refused: every item in it, valid or not, is answered 422.
+    return Refused(422, "invalid_request", errors, outcome="rejected", items=len(items))

@@ -1,0 +1,291 @@
+"""score_partition as a pipeline: the same rows as one chunk after another, and a failure in any
+stage leaves the partition as it was, with every stage thread gone. SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from typing import Any
+
+import polars as pl
+import pytest
+import sqlalchemy as sa
+import torch
+from sqlalchemy.engine import Engine
+
+from inference.batch import (
+    QUEUE_DEPTH,
+    BatchProducer,
+    ChunkProgress,
+    PartitionReport,
+    ingest_day,
+    score_partition,
+)
+from inference.contract import HistorySource, PreparedBatch, TorchPredictor
+from inference.demo import DemoConfig, day_range, generate_day
+from inference.model import ModelConfig, RiskModel
+from inference.store import read_predictions, rejected_records
+from tests.inference.support import DAY
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+CONFIG = DemoConfig(seed=11, rows_per_day=700, poison_rate=0.05)
+DAYS = day_range(DAY, 2)
+# Small chunks: ~7 per partition, so every stage holds a different chunk at once and accounts
+# cross chunk boundaries (the history carried from one chunk to the next is exercised).
+CHUNK_ROWS = 97
+FAILING_CHUNK = 3
+# What differs between two runs by design: who wrote the row, when, under which version tag.
+PER_RUN = ["model_version", "run_id", "produced_at"]
+
+
+@functools.cache
+def untrained_model() -> RiskModel:
+    torch.manual_seed(0)
+    return RiskModel(ModelConfig()).eval()
+
+
+def predictor(model_version: str = "risk:untrained") -> TorchPredictor:
+    return TorchPredictor(model=untrained_model(), model_version=model_version, forward_batch_size=64)
+
+
+def score(engine: Engine, scorer: Any, *, run_id: str, chunk_rows: int = CHUNK_ROWS, **options: Any) -> PartitionReport:
+    day = DAYS[-1]
+    return score_partition(
+        engine,
+        scorer,
+        day,
+        producer=BatchProducer(run_id=run_id, partition_key=day.isoformat(), code_version="test"),
+        history_length=ModelConfig().history_length,
+        chunk_rows=chunk_rows,
+        **options,
+    )
+
+
+def ingest_all(engine: Engine) -> None:
+    for day in DAYS:
+        ingest_day(engine, generate_day(day, CONFIG), day)
+
+
+def predictions_of(engine: Engine, **equal_to: object) -> pl.DataFrame:
+    with engine.connect() as conn:
+        return read_predictions(conn, partition_key=DAYS[-1].isoformat(), **equal_to)
+
+
+def rejections(engine: Engine) -> pl.DataFrame:
+    r = rejected_records.c
+    columns = [r.rejection_key, r.transaction_id, r.stage, r.reason, r.detail, r.input_hash, r.seen_count, r.last_seen]
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(*columns).order_by(r.rejection_key)).all()
+    return pl.DataFrame([tuple(row) for row in rows], schema=[c.name for c in columns], orient="row")
+
+
+def stage_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("tandem-batch-")]
+
+
+def report_facts(report: PartitionReport) -> dict[str, Any]:
+    return {
+        "rows_in": report.rows_in,
+        "scored": report.scored,
+        "rejected": report.rejected,
+        "rows_written": report.rows_written,
+        "chunks": report.chunks,
+        "rejected_by_reason": report.rejected_by_reason,
+        "unseen_by_field": report.unseen_by_field,
+        "scored_with_unseen": report.scored_with_unseen,
+    }
+
+
+@pytest.mark.parametrize("model_workers", [1, 2])
+def test_the_pipeline_writes_what_one_chunk_after_another_writes_row_for_row(
+    engine: Engine, model_workers: int
+) -> None:
+    ingest_all(engine)
+    sequential = score(engine, predictor("sequential"), run_id="sequential", pipelined=False)
+    after_sequential = rejections(engine)
+    pipelined = score(engine, predictor("pipelined"), run_id="pipelined", pipelined=True, model_workers=model_workers)
+
+    assert sequential.chunks == -(-sequential.rows_in // CHUNK_ROWS) >= 5
+    assert report_facts(pipelined) == report_facts(sequential)
+    expected = predictions_of(engine, model_version="sequential").drop(PER_RUN)
+    actual = predictions_of(engine, model_version="pipelined").drop(PER_RUN)
+    assert actual.height == sequential.scored > 0
+    # Every column, scores bit for bit: the chunks and the forward batches are the same ones.
+    assert actual.equals(expected)
+    # The same records quarantined for the same reasons; the rerun only saw them once more.
+    again = rejections(engine)
+    assert again.drop("seen_count", "last_seen").equals(after_sequential.drop("seen_count", "last_seen"))
+    rescored = (after_sequential["stage"] == "score").to_numpy()
+    assert rescored.any()
+    assert (again["seen_count"] - after_sequential["seen_count"]).to_list() == rescored.astype(int).tolist()
+    assert set(pipelined.stage_seconds) == {"read", "features", "model", "write"}
+    assert not stage_threads()
+
+
+class ChunkFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class FailsOnChunk(TorchPredictor):
+    """The real predictor, except that one stage raises on chunk FAILING_CHUNK, once the chunks
+    before it are written into the open transaction (so there is something to roll back)."""
+
+    failing_stage: str = "model"
+    earlier_written: threading.Event = field(default_factory=threading.Event)
+    calls: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _count(self, stage: str) -> None:
+        with self.lock:  # two model workers call at once
+            self.calls[stage] = calls = self.calls.get(stage, 0) + 1
+        if stage == self.failing_stage and calls == FAILING_CHUNK:
+            assert self.earlier_written.wait(30), "the chunks before the failing one were never written"
+            raise ChunkFailure(f"{stage} failed on chunk {FAILING_CHUNK}")
+
+    def prepare(self, frame: pl.DataFrame, history: HistorySource) -> PreparedBatch:
+        self._count("features")
+        return super().prepare(frame, history)
+
+    def complete(self, prepared: PreparedBatch) -> pl.DataFrame:
+        self._count("model")
+        return super().complete(prepared)
+
+
+@dataclass
+class UnstagedFailsOnChunk:
+    """A Predictor with `predict` only (no prepare/complete): its calls run whole in the model stage."""
+
+    failing: FailsOnChunk
+
+    @property
+    def model_version(self) -> str:
+        return self.failing.model_version
+
+    def predict(self, frame: pl.DataFrame, history: HistorySource) -> pl.DataFrame:
+        self.failing._count("model")
+        return TorchPredictor.predict(predictor(self.model_version), frame, history)
+
+
+@pytest.mark.parametrize(
+    ("failing_stage", "model_workers", "staged"),
+    [
+        pytest.param("features", 1, True, id="features"),
+        pytest.param("model", 1, True, id="model"),
+        pytest.param("model", 2, True, id="model-two-workers"),
+        pytest.param("model", 1, False, id="model-unstaged-predictor"),
+        pytest.param("write", 1, True, id="write"),
+    ],
+)
+def test_a_stage_failing_on_chunk_three_leaves_the_old_partition_and_no_thread(
+    engine: Engine, failing_stage: str, model_workers: int, staged: bool
+) -> None:
+    ingest_all(engine)
+    version = "risk:untrained"
+    score(engine, predictor(version), run_id="old-run")
+    old_predictions, old_rejections = predictions_of(engine), rejections(engine)
+    assert old_predictions.height > 0 and old_rejections.height > 0
+
+    failing = FailsOnChunk(
+        model=untrained_model(), model_version=version, forward_batch_size=64, failing_stage=failing_stage
+    )
+    # The failed run's writes differ from the old partition (rejections seen once more, their
+    # run_id), so a partial commit would show.
+    written: list[int] = []
+
+    def on_chunk(progress: ChunkProgress) -> None:
+        written.append(progress.chunk)
+        if progress.chunk == FAILING_CHUNK - 1:
+            failing.earlier_written.set()
+        if failing_stage == "write" and progress.chunk == FAILING_CHUNK:
+            raise ChunkFailure(f"write failed on chunk {FAILING_CHUNK}")
+
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            score(
+                engine,
+                failing if staged else UnstagedFailsOnChunk(failing),
+                run_id="failed-run",
+                on_chunk=on_chunk,
+                model_workers=model_workers,
+            )
+        except BaseException as error:  # noqa: BLE001 - inspected below
+            outcome["error"] = error
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    caller.join(60)
+    assert not caller.is_alive(), "score_partition hung after a stage failed"
+
+    error = outcome.get("error")
+    assert isinstance(error, ChunkFailure), error
+    assert str(error) == f"{failing_stage} failed on chunk {FAILING_CHUNK}"
+    assert written[: FAILING_CHUNK - 1] == [1, 2], "chunks 1 and 2 went into the transaction first"
+    # Rolled back whole: the old partition, row for row (run ids, rejection counts included).
+    assert predictions_of(engine).equals(old_predictions)
+    assert rejections(engine).equals(old_rejections)
+    assert not stage_threads(), stage_threads()
+    assert engine.pool.checkedout() == 0, "a stage kept a database connection"
+
+    # And nothing is left over that a rerun would trip on.
+    rerun = score(engine, predictor(version), run_id="rerun", model_workers=model_workers)
+    assert rerun.rows_written == 0
+    assert predictions_of(engine).drop(PER_RUN).equals(old_predictions.drop(PER_RUN))
+
+
+@dataclass
+class SlowFirstForward(TorchPredictor):
+    """Counts chunks featurised but not yet merged; the first forward call stalls its worker."""
+
+    prepared: int = 0
+    merged: int = 0
+    most_in_flight: int = 0
+    stalled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def prepare(self, frame: pl.DataFrame, history: HistorySource) -> PreparedBatch:
+        with self.lock:
+            self.prepared += 1
+            self.most_in_flight = max(self.most_in_flight, self.prepared - self.merged)
+        return super().prepare(frame, history)
+
+    def complete(self, prepared: PreparedBatch) -> pl.DataFrame:
+        with self.lock:
+            first, self.stalled = not self.stalled, True
+        if first:
+            time.sleep(1.0)  # the other worker goes on alone meanwhile
+        return super().complete(prepared)
+
+
+def test_a_stalled_worker_does_not_let_the_others_results_pile_up(engine: Engine) -> None:
+    ingest_all(engine)
+    slow = SlowFirstForward(model=untrained_model(), model_version="slow", forward_batch_size=64)
+
+    def merged(progress: ChunkProgress) -> None:
+        with slow.lock:
+            slow.merged = progress.chunk
+
+    report = score(engine, slow, run_id="slow", chunk_rows=25, model_workers=2, on_chunk=merged)
+    assert report.chunks >= 20
+    # Chunks featurised and not yet merged: the in-flight permits, plus the one the features stage
+    # holds while it waits for a permit. Without the bound the free worker would score them all.
+    assert slow.most_in_flight <= 2 * QUEUE_DEPTH + 2 + 1, slow.most_in_flight
+
+
+def test_an_empty_partition_commits_nothing_and_stops_every_stage(engine: Engine) -> None:
+    ingest_all(engine)
+    report = score_partition(
+        engine,
+        predictor(),
+        date(2030, 1, 1),
+        producer=BatchProducer(run_id="empty", partition_key="2030-01-01", code_version="test"),
+        history_length=ModelConfig().history_length,
+    )
+    assert (report.rows_in, report.chunks) == (0, 0)
+    assert not stage_threads()
