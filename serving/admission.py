@@ -8,6 +8,7 @@ batch size 1 would predict a 64-request burst as 64 times the real wait and shed
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import time
@@ -121,13 +122,17 @@ class LoopLag:
     Python reads it (the socket backlog and a busy loop, which no queue of ours sees).
 
     Sampled every `interval_s` (event-loop-delay shedding, as fastify's under-pressure and toobusy
-    do); a sample decays by half in about `half_life_s`, so one slow tick raises the estimate at
-    once and a recovered loop lowers it within a few ticks.
+    do). What counts is the *standing* lag, CoDel's rule: the smallest sample of the last
+    `window_s`. A burst that the loop works through within the window leaves on-time samples in
+    it and costs nothing; a loop that stays late for the whole window is overload, and its lag
+    then counts against every newcomer's target.
     """
 
-    def __init__(self, interval_s: float = 0.005, half_life_s: float = 0.02) -> None:
+    def __init__(self, interval_s: float = 0.005, window_s: float = 0.25) -> None:
         self.interval_s = interval_s
-        self._decay = 0.5 ** (interval_s / half_life_s)
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+        self._first: float | None = None
         self.lag_s = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -144,7 +149,15 @@ class LoopLag:
         while True:
             expected = time.monotonic() + self.interval_s
             await asyncio.sleep(self.interval_s)
-            self.observe(max(time.monotonic() - expected, 0.0))
+            now = time.monotonic()
+            self.observe(max(now - expected, 0.0), now)
 
-    def observe(self, sample_s: float) -> None:
-        self.lag_s = max(sample_s, self.lag_s * self._decay)
+    def observe(self, sample_s: float, now: float) -> None:
+        if self._first is None:
+            self._first = now
+        self._samples.append((now, sample_s))
+        while self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        # Until a whole window has been watched, nothing has stood for one.
+        stood = now - self._first >= self.window_s
+        self.lag_s = min(sample for _, sample in self._samples) if stood else 0.0

@@ -87,7 +87,7 @@ class OnlineScorer:
         self.backends = BackendSwitch(ScoringBackend(model_version, executor, process), self._switched)
         self.breaker = CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_reset_s)
         self.cost = BatchCostModel(settings.cost_decay)
-        self.loop_lag = LoopLag()
+        self.loop_lag = LoopLag(window_s=settings.burst_interval_ms / 1000)
         self.writer = ResultWriter(
             engine,
             self.breaker,
