@@ -8,20 +8,20 @@ new one and a rerun never duplicates.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from datetime import date
-from typing import Any, TypeVar
+from typing import Any
 
 import polars as pl
 import torch
 from sqlalchemy.engine import Connection, Engine
 
 from inference.contract import FrameHistory, Predictor, StagedPredictor
+from inference.pipeline import END, Aborted, End, Pipeline
 from inference.records import RAW_COLUMNS, RejectReason, validate
 from inference.store import (
     HISTORY_SCHEMA,
@@ -105,100 +105,6 @@ MODEL_WORKERS = 2
 # Rows per forward pass on the batch path (TorchPredictor.forward_batch_size), chosen by measurement
 # on the 2-core machine with MODEL_WORKERS single-threaded workers (bench/findings.md).
 FORWARD_BATCH_SIZE = 128
-_POLL_S = 0.05
-_T = TypeVar("_T")
-
-
-class _Aborted(Exception):
-    """Raised inside a stage when another stage failed: stop, the partition is not written."""
-
-
-class _End:
-    """Marks the end of the stream on a queue."""
-
-
-_END = _End()
-
-
-class _Pipeline:
-    """Stage threads joined by bounded queues; the first failure stops every stage.
-
-    A stage blocked on a full or empty queue wakes up within _POLL_S of a failure elsewhere, so
-    no thread outlives `close()` by more than the item it is working on.
-    """
-
-    def __init__(self) -> None:
-        self.aborted = threading.Event()
-        self.failure: BaseException | None = None
-        self.threads: list[threading.Thread] = []
-        self.busy: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def channel(self) -> queue.Queue[Any]:
-        return queue.Queue(maxsize=QUEUE_DEPTH)
-
-    def put(self, channel: queue.Queue[Any], item: Any) -> None:
-        while not self.aborted.is_set():
-            try:
-                channel.put(item, timeout=_POLL_S)
-                return
-            except queue.Full:
-                continue
-        raise _Aborted
-
-    def get(self, channel: queue.Queue[Any]) -> Any:
-        while not self.aborted.is_set():
-            try:
-                return channel.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-        raise _Aborted
-
-    def acquire(self, permits: threading.Semaphore) -> None:
-        while not self.aborted.is_set():
-            if permits.acquire(timeout=_POLL_S):
-                return
-        raise _Aborted
-
-    def items(self, channel: queue.Queue[Any]) -> Iterator[Any]:
-        while not isinstance(item := self.get(channel), _End):
-            yield item
-
-    def timed(self, stage: str, started: float) -> None:
-        with self._lock:
-            self.busy[stage] = self.busy.get(stage, 0.0) + time.perf_counter() - started
-
-    def timing(self, stage: str, step: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        began = time.perf_counter()
-        try:
-            return step(*args, **kwargs)
-        finally:
-            self.timed(stage, began)
-
-    def start(self, stage: str, work: Callable[[], None]) -> None:
-        def run() -> None:
-            try:
-                work()
-            except _Aborted:
-                pass
-            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread by close()
-                self.fail(error)
-
-        thread = threading.Thread(target=run, name=f"tandem-batch-{stage}", daemon=True)
-        self.threads.append(thread)
-        thread.start()
-
-    def fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self.failure is None:
-                self.failure = error
-        self.aborted.set()
-
-    def close(self) -> None:
-        """Stop every stage (a no-op for stages already done) and wait for each to return."""
-        self.aborted.set()
-        for thread in self.threads:
-            thread.join()
 
 
 def score_partition(
@@ -234,7 +140,7 @@ def score_partition(
     """
     report = PartitionReport()
     started = time.perf_counter()
-    pipeline = _Pipeline()
+    pipeline = Pipeline(QUEUE_DEPTH)
     staged = predictor if isinstance(predictor, StagedPredictor) else None
     carry = pl.DataFrame(schema=HISTORY_SCHEMA)
 
@@ -305,21 +211,21 @@ def score_partition(
                 pipeline.put(raw_chunks, item)
         finally:
             items.close()
-        pipeline.put(raw_chunks, _END)
+        pipeline.put(raw_chunks, END)
 
     def features_stage() -> None:
         for number, (chunk, before) in enumerate(pipeline.items(raw_chunks)):
             work = pipeline.timing("features", featurise, chunk, before)
             pipeline.acquire(in_flight)  # released once the chunk is merged
             pipeline.put(prepared_chunks, (number, chunk, work))
-        pipeline.put(prepared_chunks, _END)
+        pipeline.put(prepared_chunks, END)
 
     def model_stage() -> None:
         for number, chunk, work in pipeline.items(prepared_chunks):
             pipeline.put(scored_chunks, (number, chunk, pipeline.timing("model", score, work)))
         # Left on the queue for the other model workers, each of which ends its own stream.
-        pipeline.put(prepared_chunks, _END)
-        pipeline.put(scored_chunks, _END)
+        pipeline.put(prepared_chunks, END)
+        pipeline.put(scored_chunks, END)
 
     def in_order() -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
         """Scored chunks in stream order, whichever worker finished first: every run writes in one
@@ -328,7 +234,7 @@ def score_partition(
         ended, following = 0, 0
         while ended < model_workers:
             item = pipeline.get(scored_chunks)
-            if isinstance(item, _End):
+            if isinstance(item, End):
                 ended += 1
                 continue
             number, chunk, results = item
@@ -350,7 +256,7 @@ def score_partition(
                 written(chunk, results, conn)
                 in_flight.release()
             pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
-    except _Aborted:
+    except Aborted:
         # A stage failed and the transaction has rolled back: raise that stage's error, not ours.
         pipeline.close()
         assert pipeline.failure is not None
@@ -361,7 +267,7 @@ def score_partition(
     return _finished(report, pipeline, started)
 
 
-def _finished(report: PartitionReport, pipeline: _Pipeline, started: float) -> PartitionReport:
+def _finished(report: PartitionReport, pipeline: Pipeline, started: float) -> PartitionReport:
     report.seconds = time.perf_counter() - started
     report.stage_seconds = {stage: round(pipeline.busy.get(stage, 0.0), 3) for stage in _STAGES}
     return report

@@ -46,9 +46,19 @@ def _family(sample_name: str) -> str:
     return re.sub(r"_(bucket|sum|count|total|created)$", "", sample_name)
 
 
-def test_promql_parser_available_or_say_so() -> None:
+def test_the_promql_parser_refuses_a_broken_expression() -> None:
+    """The checks below parse PromQL with promql-parser (a dev dependency) when it is installed:
+    it must be, and it must refuse what Prometheus would refuse, or they would pass on anything."""
     if not has_module("promql_parser"):
         pytest.skip("promql-parser is not installed: PromQL was checked with a regex, not parsed")
+    import promql_parser
+
+    with pytest.raises(ValueError):
+        promql_parser.parse("sum(rate(tandem_serving_items_total[5m])")
+    assert metric_names("rate(tandem_serving_items_total[5m]) / on() tandem_serving_p99_target_seconds") == {
+        "tandem_serving_items_total",
+        "tandem_serving_p99_target_seconds",
+    }
 
 
 def test_the_exported_names_are_the_ones_in_serving_metrics_source() -> None:

@@ -1,91 +1,30 @@
-"""Where a day's source records come from: files in a landing location, or a SQL query.
-
-Every source hands back one day as a frame in RAW_SCHEMA (plus `label_fraud` when it has one).
-Row-level problems (an amount that is not a number, a bad timestamp) stay in the frame, so
-validation quarantines those rows alone; only a problem with the whole day (no file, a missing or
-wrongly typed column, an unreadable file) raises `SourceError`, in one line naming the file, the
-column and the problem. The demo generator writes its days as CSV files into the landing location
-(`write_demo_day`), so the demo takes the same path as a user's data.
-"""
+"""Files in a landing location: one file or folder per day, named by a pattern, on a local
+directory or anything fsspec opens; CSV, Parquet or NDJSON."""
 
 from __future__ import annotations
 
 import hashlib
-import math
-import os
 import re
 import string
-import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import polars as pl
-import sqlalchemy as sa
 
-from inference.demo import DemoConfig, generate_day
-from inference.records import RAW_COLUMNS, RAW_SCHEMA, format_event_time, raw_frame
-
-SourceFormat = Literal["parquet", "csv", "ndjson"]
-DEFAULT_PATTERN = "{date:%Y-%m-%d}.csv"
-LABEL = "label_fraud"
-EXTENSIONS: dict[str, SourceFormat] = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".csv": "csv",
-    ".ndjson": "ndjson",
-    ".jsonl": "ndjson",
-}
-DEMO_FILE = "demo.csv"  # the demo's file name inside a day folder (a pattern ending in "/")
-CANONICAL_EVENT_TIME = "%Y-%m-%dT%H:%M:%S.%6fZ"
-_ID_COLUMNS = ("transaction_id", "account_id")
-
-# strftime directives a pattern may use, as the text they produce.
-_DIRECTIVE_REGEX = {
-    "Y": r"\d{4}",
-    "y": r"\d{2}",
-    "m": r"\d{2}",
-    "d": r"\d{2}",
-    "j": r"\d{3}",
-    "b": r"[A-Za-z]+",
-    "B": r"[A-Za-z]+",
-    "a": r"[A-Za-z]+",
-    "A": r"[A-Za-z]+",
-    "%": "%",
-}
-
-
-class SourceError(Exception):
-    """A whole source day cannot be read: fail that day's ingest with this message, never retry."""
-
-
-class TransactionSource(Protocol):
-    def records_for(self, day: date) -> pl.DataFrame:
-        """One UTC day's records in RAW_SCHEMA (plus `label_fraud` Int16 when the source has it)."""
-        ...
-
-
-@dataclass(frozen=True)
-class SourceRead:
-    """One day as read, with what it was read from, for the ingest's metadata."""
-
-    frame: pl.DataFrame
-    kind: str
-    paths: tuple[str, ...]
-    version: str | None  # files only: changes whenever a file of the day changes
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return text[:300] or type(error).__name__
-
-
-def has_scheme(location: str) -> bool:
-    """`s3://bucket/x` yes; `/data/landing` or `C:\\data` no."""
-    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", location) is not None
-
+from inference.sources.common import (
+    _DIRECTIVE_REGEX,
+    DEFAULT_PATTERN,
+    EXTENSIONS,
+    SourceError,
+    SourceFormat,
+    SourceRead,
+    _one_line,
+    conform,
+    has_scheme,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The pattern: one file or folder per day, named by a format string over `date`.
@@ -353,192 +292,3 @@ class FileSource:
         except (pl.exceptions.PolarsError, OSError, ValueError) as error:
             raise SourceError(f"{where}: cannot be read as {fmt}: {_one_line(error)}") from error
         return conform(frame, where, typed=fmt != "csv")
-
-
-# ---------------------------------------------------------------------------------------------
-# Columns: RAW names required, extra columns ignored, `label_fraud` kept.
-
-
-def _missing(columns: Iterable[str], where: str) -> None:
-    absent = [name for name in RAW_COLUMNS if name not in set(columns)]
-    if absent:
-        raise SourceError(f"{where}: column {absent[0]!r}: missing (required: {', '.join(RAW_COLUMNS)})")
-
-
-def conform(frame: pl.DataFrame, where: str, *, typed: bool) -> pl.DataFrame:
-    """`frame` in RAW_SCHEMA (+ label_fraud), or SourceError naming `where` and the column.
-
-    `typed` False (CSV): every column is text and amounts are parsed here, a blank one to null and
-    an unparsable one to NaN, as `raw_frame` does, so validation rejects that row alone. `typed`
-    True (Parquet, NDJSON): a column of the wrong type is the file's error.
-    """
-    _missing(frame.columns, where)
-    exprs = [_column(name, frame.schema[name], where, typed) for name in RAW_COLUMNS]
-    if LABEL in frame.columns:
-        exprs.append(_label(frame.schema[LABEL], where, typed))
-    return frame.select(exprs)
-
-
-def _wrong(where: str, name: str, expected: str, found: pl.DataType) -> SourceError:
-    return SourceError(f"{where}: column {name!r}: expected {expected}, found {found}")
-
-
-def _column(name: str, dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
-    column = pl.col(name)
-    if not typed:
-        if name != "amount":
-            return column
-        text = column.str.strip_chars()
-        number = text.cast(pl.Float64, strict=False).fill_null(math.nan)
-        return pl.when(text.is_null() | (text == "")).then(None).otherwise(number).alias(name)
-    if isinstance(dtype, pl.Null):
-        return column.cast(RAW_SCHEMA[name])
-    if name == "amount":
-        if not dtype.is_numeric():
-            raise _wrong(where, name, "a number", dtype)
-        return column.cast(pl.Float64)
-    if name == "event_time":
-        return _event_time(dtype, where)
-    if isinstance(dtype, pl.String | pl.Categorical | pl.Enum) or (name in _ID_COLUMNS and dtype.is_integer()):
-        return column.cast(pl.String)
-    raise _wrong(where, name, "text", dtype)
-
-
-def _event_time(dtype: pl.DataType, where: str) -> pl.Expr:
-    column = pl.col("event_time")
-    if isinstance(dtype, pl.String):
-        return column
-    if not isinstance(dtype, pl.Datetime):
-        raise _wrong(where, "event_time", "ISO-8601 text or a timezone-aware timestamp", dtype)
-    if dtype.time_zone is None:
-        raise SourceError(
-            f"{where}: column 'event_time': timestamp without a time zone; "
-            "store it timezone-aware or as ISO-8601 text with an offset"
-        )
-    return column.dt.convert_time_zone("UTC").dt.strftime(CANONICAL_EVENT_TIME)
-
-
-def _label(dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
-    column = pl.col(LABEL)
-    if not typed:
-        return column.str.strip_chars().cast(pl.Int16, strict=False)
-    if not (dtype.is_integer() or isinstance(dtype, pl.Boolean | pl.Null)):
-        raise _wrong(where, LABEL, "0 or 1", dtype)
-    return column.cast(pl.Int16)
-
-
-# ---------------------------------------------------------------------------------------------
-# SQL: a query over the partition's time window.
-
-
-def day_window(day: date) -> tuple[datetime, datetime]:
-    """[start, end) of one UTC day."""
-    start = datetime(day.year, day.month, day.day, tzinfo=UTC)
-    return start, start + timedelta(days=1)
-
-
-@dataclass(frozen=True)
-class SqlSource:
-    """Rows of `query` against `url` (any SQLAlchemy URL). The query gets `:start` and `:end`
-    (UTC datetimes, [start, end)) and `:day` (the date); it must return the RAW column names."""
-
-    url: str
-    query: str
-    kind = "sql"
-
-    @property
-    def where(self) -> str:
-        try:
-            return f"query on {sa.engine.make_url(self.url).render_as_string(hide_password=True)}"
-        except sa.exc.ArgumentError:
-            return "query"
-
-    def read(self, day: date) -> SourceRead:
-        start, end = day_window(day)
-        try:
-            engine = sa.create_engine(self.url)
-        except (sa.exc.ArgumentError, ImportError) as error:
-            raise SourceError(f"{self.where}: bad database URL: {_one_line(error)}") from error
-        try:
-            # A connection refused here propagates: it may be transient, the caller's retry policy decides.
-            with engine.connect() as conn:
-                try:
-                    result = conn.execute(sa.text(self.query), {"start": start, "end": end, "day": day})
-                    columns = list(result.keys())
-                    rows = result.all()
-                except sa.exc.StatementError as error:
-                    if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
-                        raise  # the connection dropped mid-query
-                    # On a live connection a failing query is the query's fault (a typo, no such
-                    # table): retrying runs the same text again.
-                    raise SourceError(f"{self.where}: the query failed: {_one_line(error.orig or error)}") from error
-        finally:
-            engine.dispose()
-        _missing(columns, self.where)
-        records = [dict(zip(columns, row, strict=True)) for row in rows]
-        labels: list[int | None] = []
-        for record in records:
-            moment = record["event_time"]
-            if isinstance(moment, datetime):
-                if moment.tzinfo is None:
-                    raise SourceError(
-                        f"{self.where}: column 'event_time': timestamp without a time zone; "
-                        "return timestamptz or ISO-8601 text with an offset"
-                    )
-                record["event_time"] = format_event_time(moment)
-            if LABEL in columns:
-                labels.append(_label_value(record[LABEL]))
-        frame = raw_frame(records)
-        if LABEL in columns:
-            frame = frame.with_columns(pl.Series(LABEL, labels, dtype=pl.Int16))
-        return SourceRead(frame, self.kind, (self.where,), None)
-
-    def records_for(self, day: date) -> pl.DataFrame:
-        return self.read(day).frame
-
-
-def _label_value(value: Any) -> int | None:
-    if value is None:
-        return None
-    try:
-        return int(value)  # bool, int, Decimal, a whole float, "1"
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The demo: generated days written into the landing location, then read like anyone's files.
-
-
-def demo_path(location: str | Path, day: date, pattern: str = DEFAULT_PATTERN) -> Path:
-    parsed = _Pattern.parse(pattern)
-    target = Path(location).expanduser() / parsed.relative(day)
-    return target / DEMO_FILE if parsed.is_folder else target
-
-
-def write_demo_day(
-    location: str | Path, day: date, config: DemoConfig, pattern: str = DEFAULT_PATTERN
-) -> tuple[Path, bool]:
-    """Write the generated day as CSV where `pattern` puts it, unless a file is already there.
-
-    Returns (path, written). The data is deterministic, so an existing file is the same day; a
-    file someone edited is theirs and is kept, like any user's landing file. Written to a temporary
-    name first and renamed, so a reader (or the landing sensor) never sees half a file.
-    """
-    if isinstance(location, str) and has_scheme(location):
-        raise SourceError(f"the demo writes to a local directory, not {location}")
-    path = demo_path(location, day, pattern)
-    if path.exists():
-        return path, False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    frame = generate_day(day, config).drop("poison_kind")
-    # Not mkstemp: its file is private (0600); this one gets the umask's mode, like any export.
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with temporary.open("xb") as handle:
-            frame.write_csv(handle)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path, True

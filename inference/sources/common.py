@@ -1,0 +1,145 @@
+"""What every source shares: the day as RAW_SCHEMA, SourceError, and the column checks that
+turn a wrong or missing column into one line naming the file, the column and the problem."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import date
+from typing import Literal, Protocol
+
+import polars as pl
+
+from inference.records import RAW_COLUMNS, RAW_SCHEMA
+
+SourceFormat = Literal["parquet", "csv", "ndjson"]
+DEFAULT_PATTERN = "{date:%Y-%m-%d}.csv"
+LABEL = "label_fraud"
+EXTENSIONS: dict[str, SourceFormat] = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".ndjson": "ndjson",
+    ".jsonl": "ndjson",
+}
+DEMO_FILE = "demo.csv"  # the demo's file name inside a day folder (a pattern ending in "/")
+CANONICAL_EVENT_TIME = "%Y-%m-%dT%H:%M:%S.%6fZ"
+_ID_COLUMNS = ("transaction_id", "account_id")
+
+# strftime directives a pattern may use, as the text they produce.
+_DIRECTIVE_REGEX = {
+    "Y": r"\d{4}",
+    "y": r"\d{2}",
+    "m": r"\d{2}",
+    "d": r"\d{2}",
+    "j": r"\d{3}",
+    "b": r"[A-Za-z]+",
+    "B": r"[A-Za-z]+",
+    "a": r"[A-Za-z]+",
+    "A": r"[A-Za-z]+",
+    "%": "%",
+}
+
+
+class SourceError(Exception):
+    """A whole source day cannot be read: fail that day's ingest with this message, never retry."""
+
+
+class TransactionSource(Protocol):
+    def records_for(self, day: date) -> pl.DataFrame:
+        """One UTC day's records in RAW_SCHEMA (plus `label_fraud` Int16 when the source has it)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SourceRead:
+    """One day as read, with what it was read from, for the ingest's metadata."""
+
+    frame: pl.DataFrame
+    kind: str
+    paths: tuple[str, ...]
+    version: str | None  # files only: changes whenever a file of the day changes
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text[:300] or type(error).__name__
+
+
+def has_scheme(location: str) -> bool:
+    """`s3://bucket/x` yes; `/data/landing` or `C:\\data` no."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", location) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Columns: RAW names required, extra columns ignored, `label_fraud` kept.
+
+
+def _missing(columns: Iterable[str], where: str) -> None:
+    absent = [name for name in RAW_COLUMNS if name not in set(columns)]
+    if absent:
+        raise SourceError(f"{where}: column {absent[0]!r}: missing (required: {', '.join(RAW_COLUMNS)})")
+
+
+def conform(frame: pl.DataFrame, where: str, *, typed: bool) -> pl.DataFrame:
+    """`frame` in RAW_SCHEMA (+ label_fraud), or SourceError naming `where` and the column.
+
+    `typed` False (CSV): every column is text and amounts are parsed here, a blank one to null and
+    an unparsable one to NaN, as `raw_frame` does, so validation rejects that row alone. `typed`
+    True (Parquet, NDJSON): a column of the wrong type is the file's error.
+    """
+    _missing(frame.columns, where)
+    exprs = [_column(name, frame.schema[name], where, typed) for name in RAW_COLUMNS]
+    if LABEL in frame.columns:
+        exprs.append(_label(frame.schema[LABEL], where, typed))
+    return frame.select(exprs)
+
+
+def _wrong(where: str, name: str, expected: str, found: pl.DataType) -> SourceError:
+    return SourceError(f"{where}: column {name!r}: expected {expected}, found {found}")
+
+
+def _column(name: str, dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
+    column = pl.col(name)
+    if not typed:
+        if name != "amount":
+            return column
+        text = column.str.strip_chars()
+        number = text.cast(pl.Float64, strict=False).fill_null(math.nan)
+        return pl.when(text.is_null() | (text == "")).then(None).otherwise(number).alias(name)
+    if isinstance(dtype, pl.Null):
+        return column.cast(RAW_SCHEMA[name])
+    if name == "amount":
+        if not dtype.is_numeric():
+            raise _wrong(where, name, "a number", dtype)
+        return column.cast(pl.Float64)
+    if name == "event_time":
+        return _event_time(dtype, where)
+    if isinstance(dtype, pl.String | pl.Categorical | pl.Enum) or (name in _ID_COLUMNS and dtype.is_integer()):
+        return column.cast(pl.String)
+    raise _wrong(where, name, "text", dtype)
+
+
+def _event_time(dtype: pl.DataType, where: str) -> pl.Expr:
+    column = pl.col("event_time")
+    if isinstance(dtype, pl.String):
+        return column
+    if not isinstance(dtype, pl.Datetime):
+        raise _wrong(where, "event_time", "ISO-8601 text or a timezone-aware timestamp", dtype)
+    if dtype.time_zone is None:
+        raise SourceError(
+            f"{where}: column 'event_time': timestamp without a time zone; "
+            "store it timezone-aware or as ISO-8601 text with an offset"
+        )
+    return column.dt.convert_time_zone("UTC").dt.strftime(CANONICAL_EVENT_TIME)
+
+
+def _label(dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
+    column = pl.col(LABEL)
+    if not typed:
+        return column.str.strip_chars().cast(pl.Int16, strict=False)
+    if not (dtype.is_integer() or isinstance(dtype, pl.Boolean | pl.Null)):
+        raise _wrong(where, LABEL, "0 or 1", dtype)
+    return column.cast(pl.Int16)
