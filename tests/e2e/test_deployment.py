@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -592,12 +593,18 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
     previous = deployment.production_tag
 
     candidate = _register_candidate(deployment)
+    # Automation may already have run path_agreement alone for a day whose predictions the
+    # backfill wrote in a run of their own; what follows the promotion is what is checked here.
+    promoted_at = time.time()
     assert f"production -> {candidate}" in _tandem(deployment, "models", "promote", candidate)
     _wait_for_production_model(deployment, candidate)
     automated = [{"key": "tandem/trigger", "value": "automation"}]
 
+    def since_promotion() -> list[dict[str, Any]]:
+        return [run for run in _runs(deployment, tags=automated) if run["creationTime"] >= promoted_at]
+
     def rescored() -> list[dict[str, Any]] | None:
-        runs = _runs(deployment, tags=automated)
+        runs = since_promotion()
         _raise_for_failed_runs(deployment, runs, "automation rescoring")
         partitions = {_tags(run).get("dagster/partition") for run in runs}
         done = all(run["status"] == "SUCCESS" for run in runs)
@@ -617,7 +624,7 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
 
     ticks = deployment.wait_until(f"a {automation} tick after the rescore", next_tick, timeout=120, interval=2)
     assert all(not tick["runIds"] for tick in ticks), ticks
-    runs = _runs(deployment, tags=automated)
+    runs = since_promotion()
     # Exactly the scored days of the window, one run each, predictions and path_agreement together.
     assert sorted(_tags(run)["dagster/partition"] for run in runs) == RESCORED, [_tags(run) for run in runs]
     assert all(_assets_of(run) == SCORING_ASSETS for run in runs), [_assets_of(run) for run in runs]
