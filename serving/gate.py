@@ -182,8 +182,16 @@ class ScoreGate:
             return response.status_code
         status = 500
 
+        replayed = False
+
         async def replay() -> Message:
-            return {"type": "http.request", "body": body, "more_body": False}
+            # The body once (the gate has read it); after that the client's own stream, so that
+            # a disconnect still reaches whoever listens for it.
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
         async def sending(message: Message) -> None:
             nonlocal status

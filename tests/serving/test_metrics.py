@@ -147,6 +147,25 @@ class OutcomeScoring:
         return BatchResult(results=results)
 
 
+async def started_outcome_scorer(
+    engine: Engine, tmp_path: Path, settings: ServingSettings, metrics: ServingMetrics
+) -> OnlineScorer:
+    """A started scorer whose scoring step is OutcomeScoring (an answer per id prefix)."""
+    scorer = OnlineScorer(
+        process=OutcomeScoring(),
+        executor=ThreadPoolExecutor(max_workers=1),
+        model_version=MODEL,
+        engine=engine,
+        settings=settings,
+        outbox=Outbox(tmp_path / "outbox.sqlite3"),
+        metrics=metrics,
+    )
+    scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
+    scorer.warm = True
+    await scorer.start()
+    return scorer
+
+
 @asynccontextmanager
 async def client_for(scorer: Any) -> AsyncIterator[httpx.AsyncClient]:
     app = build_app(lambda: scorer, security=SecuritySettings())
@@ -160,25 +179,14 @@ def test_score_counts_items_by_outcome_and_observes_scores(sqlite_engine: Engine
         # A target no test machine misses: nothing is over it.
         settings = ServingSettings(p99_target_ms=60_000)
         metrics = ServingMetrics(settings=settings)
-        scorer = OnlineScorer(
-            process=OutcomeScoring(),
-            executor=ThreadPoolExecutor(max_workers=1),
-            model_version=MODEL,
-            engine=sqlite_engine,
-            settings=settings,
-            outbox=Outbox(tmp_path / "outbox.sqlite3"),
-            metrics=metrics,
-        )
-        scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
-        scorer.warm = True
-        await scorer.start()
+        scorer = await started_outcome_scorer(sqlite_engine, tmp_path, settings, metrics)
         try:
             async with client_for(scorer) as client:
                 answer = await client.post(
                     "/score", json={"transactions": [tx("a"), tx("b"), tx("bad-1"), tx("deg-1")]}
                 )
                 assert answer.status_code == 200
-                # A retry answered from the idempotency cache still answers, and counts, its items.
+                # A retry still answers, and counts, its items.
                 again = await client.post("/score", json={"transactions": [tx("a")]})
                 assert again.status_code == 200
                 invalid = await client.post("/score", json={"transactions": [tx("c"), {**tx("d"), "amount": -1}]})
@@ -207,18 +215,7 @@ def test_unseen_values_are_counted_per_scored_item_and_field(sqlite_engine: Engi
         settings = ServingSettings(p99_target_ms=60_000)
         metrics = ServingMetrics(settings=settings)
         assert {name: unseen(metrics, name) for name in VOCABULARIES} == dict.fromkeys(VOCABULARIES, 0.0)
-        scorer = OnlineScorer(
-            process=OutcomeScoring(),
-            executor=ThreadPoolExecutor(max_workers=1),
-            model_version=MODEL,
-            engine=sqlite_engine,
-            settings=settings,
-            outbox=Outbox(tmp_path / "outbox.sqlite3"),
-            metrics=metrics,
-        )
-        scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
-        scorer.warm = True
-        await scorer.start()
+        scorer = await started_outcome_scorer(sqlite_engine, tmp_path, settings, metrics)
         try:
             async with client_for(scorer) as client:
                 body = [

@@ -61,7 +61,9 @@ class FakeScoring:
         return [tx for batch in self.batches for tx in batch]
 
 
-async def started_scorer(fake: FakeScoring, engine: Engine, tmp_path: Path, **overrides: object) -> OnlineScorer:
+async def started_scorer(
+    fake: Callable[[list[ItemSpec]], BatchResult], engine: Engine, tmp_path: Path, **overrides: object
+) -> OnlineScorer:
     settings = ServingSettings(**overrides)  # type: ignore[arg-type]
     scorer = OnlineScorer(
         process=fake,
@@ -296,19 +298,7 @@ def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_ro
         return transaction(tx).model_copy(update=changes)
 
     async def scenario() -> list[ItemResult]:
-        settings = ServingSettings()
-        scorer = OnlineScorer(
-            process=core.score,
-            executor=ThreadPoolExecutor(max_workers=1),
-            model_version=MODEL,
-            engine=sqlite_engine,
-            settings=settings,
-            outbox=Outbox(tmp_path / "outbox.sqlite3"),
-            metrics=ServingMetrics(),
-        )
-        scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
-        scorer.warm = True
-        await scorer.start()
+        scorer = await started_scorer(core.score, sqlite_engine, tmp_path)
         results, _ = await scorer.score(
             [
                 transaction("known"),
