@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _SESSION_ROOT = Path(tempfile.mkdtemp(prefix="tandem-tests-"))
@@ -74,9 +75,26 @@ def database_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue(fixture))
 
 
+@contextmanager
+def _migrated(url: str) -> Iterator[Engine]:
+    migrated = make_engine(url)
+    upgrade(migrated)
+    try:
+        yield migrated
+    finally:
+        migrated.dispose()
+
+
 @pytest.fixture
 def engine(database_url: str) -> Iterator[Engine]:
-    migrated = make_engine(database_url)
-    upgrade(migrated)
-    yield migrated
-    migrated.dispose()
+    """A migrated database, once on SQLite and once on PostgreSQL (see `database_url`)."""
+    with _migrated(database_url) as migrated:
+        yield migrated
+
+
+@pytest.fixture
+def sqlite_engine(sqlite_url: str) -> Iterator[Engine]:
+    """A migrated SQLite database only: for tests whose subject is not the store (the in-process
+    scorer's writer, say)."""
+    with _migrated(sqlite_url) as migrated:
+        yield migrated

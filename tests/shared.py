@@ -1,17 +1,22 @@
 """Helpers every test package uses: a throwaway PostgreSQL database (stocked, or cut off), a model
-version in the store.
+version in the store, polling for a condition (never a bare sleep to wait for something).
 
 Plain functions without pytest, so child processes started by tests can import them too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import subprocess
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import date
+from typing import TypeVar
 
+import httpx
 import polars as pl
 import psycopg
 import torch
@@ -23,6 +28,69 @@ from inference.migrate import upgrade
 from inference.model import ModelConfig, RiskModel, TrainingReport
 from inference.store import make_engine
 from tandem import modelstore
+
+T = TypeVar("T")
+# How long a test waits for something that normally takes milliseconds (a row written, a queue
+# drained) before it fails: generous for shared, noisy machines; a pass returns at once.
+WAIT_S = 10.0
+POLL_S = 0.02
+
+
+def until(
+    condition: Callable[[], T],
+    *,
+    timeout_s: float = WAIT_S,
+    interval_s: float = POLL_S,
+    message: str | Callable[[], str] = "condition not reached",
+) -> T:
+    """Polls `condition` until it returns something truthy, and returns that; fails the test
+    (AssertionError with `message`, or what it returns then) once `timeout_s` have passed.
+    A value without a truth value (a polars frame) is returned wrapped, e.g. in a list."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        _fail_past(deadline, timeout_s, message)
+        time.sleep(interval_s)
+    return value
+
+
+async def until_async(
+    condition: Callable[[], T],
+    *,
+    timeout_s: float = WAIT_S,
+    interval_s: float = 0.005,
+    message: str | Callable[[], str] = "condition not reached",
+) -> T:
+    """`until` inside an event loop: sleeps with asyncio, so the loop runs what is awaited meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        _fail_past(deadline, timeout_s, message)
+        await asyncio.sleep(interval_s)
+    return value
+
+
+def _fail_past(deadline: float, timeout_s: float, message: str | Callable[[], str]) -> None:
+    if time.monotonic() > deadline:
+        raise AssertionError(f"{message if isinstance(message, str) else message()} (waited {timeout_s:g} s)")
+
+
+def wait_until_ready(
+    url: str, process: subprocess.Popen[bytes], *, timeout_s: float, log: Callable[[], str] = lambda: ""
+) -> None:
+    """Returns once `url` (a readiness route) answers 200; raises RuntimeError if `process` exits
+    first or `timeout_s` pass, with the end of `log` in the message."""
+
+    def answered() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with status {process.returncode}: {log()[-3000:]}")
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        until(answered, timeout_s=timeout_s, interval_s=0.25)
+    except AssertionError:
+        raise RuntimeError(f"server never became ready: {log()[-3000:]}") from None
 
 
 @contextmanager

@@ -112,10 +112,15 @@ def table_rows(
         .where(table.c.partition_key == partition_key)
         .order_by(*(table.c[name] for name in order_by))
     )
+    return select_rows(url, stmt)
+
+
+def select_rows(url: str, statement: sa.Select[Any]) -> list[dict[str, Any]]:
+    """What `statement` selects in the database at `url`, one dict a row."""
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
-            return [dict(row._mapping) for row in conn.execute(stmt)]
+            return [dict(row._mapping) for row in conn.execute(statement)]
     finally:
         engine.dispose()
 

@@ -193,14 +193,17 @@ def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
     online_before = _online_rows(database_url)
     assert len(online_before) == ONLINE_ANSWERED + 1
 
-    # The nightly run: score D, then compare.
-    result = run_partition(
-        assets,
-        resources,
-        instance,
-        selection=["predictions", "path_agreement"],
-        run_config=predictions_config(parity_sample=8),
-    )
+    def nightly() -> ExecuteInProcessResult:
+        """The nightly run: score D, then compare the paths."""
+        return run_partition(
+            assets,
+            resources,
+            instance,
+            selection=["predictions", "path_agreement"],
+            run_config=predictions_config(parity_sample=8),
+        )
+
+    result = nightly()
     assert result.success
     checks = _checks(result)
     assert {"rows_accounted_for", "batch_answers_current", "disagreement_explained"} <= checks.keys()
@@ -226,13 +229,7 @@ def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
         corrected = answered.filter(pl.col("transaction_id") == corrected_id).with_columns(amount=pl.col("amount") + 1)
         assert upsert_transactions(conn, validate(corrected), DAY) == 1
     engine.dispose()
-    result = run_partition(
-        assets,
-        resources,
-        instance,
-        selection=["predictions", "path_agreement"],
-        run_config=predictions_config(parity_sample=8),
-    )
+    result = nightly()
     assert result.success
     assert [name for name, check in _checks(result).items() if not check.passed] == []
     assert _online_rows(database_url) == online_before

@@ -39,7 +39,7 @@ from tests.reliability.support import (
     prediction_facts,
     rejection_facts,
 )
-from tests.shared import migrate_and_ingest
+from tests.shared import migrate_and_ingest, until
 
 pytestmark = [pytest.mark.reliability, pytest.mark.postgres]
 
@@ -161,9 +161,12 @@ def test_sigkill_after_the_last_chunk_before_commit_then_rerun_equals_a_clean_ru
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
     assert not any("COMMITTED" in line for line in lines)
-    while any(b["xact_start"] for b in backends(postgres_url, database_name(postgres_url))):
-        assert time.perf_counter() - killed < 15, "PostgreSQL kept the dead run's transaction open"
-        time.sleep(0.05)
+    until(
+        lambda: not any(b["xact_start"] for b in backends(postgres_url, database_name(postgres_url))),
+        timeout_s=15,
+        interval_s=0.05,
+        message="PostgreSQL kept the dead run's transaction open",
+    )
     released_s = time.perf_counter() - killed
 
     # The crash left the old partition, whole.

@@ -20,7 +20,6 @@ which runs they asked for.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -56,8 +55,9 @@ from orchestration.resources import DatabaseResource, ModelStoreResource, Transa
 from orchestration.sensors import DAILY_JOB, INGEST_JOB, RESCORE_JOB
 from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
+from tests.orchestration.support import select_rows
 from tests.serving.support import LiveServer, serve
-from tests.shared import fresh_postgres_database
+from tests.shared import fresh_postgres_database, until
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
@@ -68,6 +68,7 @@ SETTINGS = OrchestrationSettings(partitions_start="2026-11-01", history_length=1
 DEMO = DemoConfig(seed=11, rows_per_day=600, poison_rate=0.02, accounts=80)
 TRAINING = {"ops": {"risk_model": {"config": {"training_days": 3, "epochs": 1, "max_train_rows": 2000}}}}
 # The automation sensor evaluates in the night after DAY: its window (the last 7 days) holds the week.
+ONLINE_ROWS = sa.select(predictions).where(predictions.c.path == "online")
 AUTOMATION_TIME = datetime.combine(DAY + timedelta(days=1), datetime.min.time(), tzinfo=UTC) + timedelta(hours=3)
 
 
@@ -178,15 +179,6 @@ def answered(response: httpx.Response) -> Answer:
     )
 
 
-def table(url: str, statement: sa.Select[Any]) -> list[dict[str, Any]]:
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            return [dict(row._mapping) for row in conn.execute(statement)]
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture
 def database_url(postgres_admin_url: str) -> Iterator[str]:
     with fresh_postgres_database(postgres_admin_url, prefix="tandem_day") as url:
@@ -278,7 +270,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
         # 5. A corrected file for D-1: the sensors rerun exactly what it changed.
         previous = HISTORY[-1]
-        before = table(database_url, sa.select(predictions).where(predictions.c.path == "batch"))
+        before = select_rows(database_url, sa.select(predictions).where(predictions.c.path == "batch"))
         old_day = generate_day(previous, DEMO)
         clean = validate(old_day.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null())
         changed_ids = set(clean["transaction_id"].head(400)[::100].to_list())
@@ -301,7 +293,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
             assert_every_check_passed(day.run(request, RESCORE_JOB))
         assert day.tick("late_records_sensor") == [], "nothing left to rerun"
         assert day.automation() == [], "the reruns computed path_agreement too: nothing follows"
-        after = table(database_url, sa.select(predictions).where(predictions.c.path == "batch"))
+        after = select_rows(database_url, sa.select(predictions).where(predictions.c.path == "batch"))
         rewritten = {
             row["transaction_id"]
             for row in after
@@ -318,16 +310,13 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         assert day.train(seed=8, force_promote=True).success
         second_model = modelstore.production_tag(MODEL_NAME)
         assert second_model not in (None, first_model)
-        swap_deadline = time.monotonic() + 120
-        probe = {**online[1], "transaction_id": f"after-promotion-{uuid.uuid4().hex[:8]}"}
-        while True:
-            answer = answered(post(server, client, probe))
-            received.append(answer)
-            if answer.model_version == second_model or time.monotonic() > swap_deadline:
-                break
-            probe = {**probe, "transaction_id": f"after-promotion-{uuid.uuid4().hex[:8]}"}
-            time.sleep(0.5)
-        assert answer.model_version == second_model, "the service swapped to the promoted model"
+
+        def swapped() -> bool:
+            probe = {**online[1], "transaction_id": f"after-promotion-{uuid.uuid4().hex[:8]}"}
+            received.append(answered(post(server, client, probe)))
+            return received[-1].model_version == second_model
+
+        until(swapped, timeout_s=120, interval_s=0.5, message="the service never swapped to the promoted model")
         again = answered(post(server, client, online[2]))  # the same payment, now under the new model
         assert again.model_version == second_model
         received.append(again)
@@ -336,14 +325,20 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         assert day.automation() == [], "requested once"
         for request in rescores:
             assert_every_check_passed(day.run(request, RESCORE_JOB))
-        settled = table(database_url, sa.select(predictions))
+        settled = select_rows(database_url, sa.select(predictions))
         for backfilled in [*HISTORY, DAY]:
             assert_every_check_passed(day.run_job(DAILY_JOB, backfilled))
-        assert table(database_url, sa.select(predictions)) == settled, "a backfill of the week changes nothing"
-        time.sleep(1.0)  # the service's writer lands the last answers
+        assert select_rows(database_url, sa.select(predictions)) == settled, "a backfill of the week changes nothing"
+        until(  # the service's writer lands the last answers
+            lambda: (
+                {(a.transaction_id, a.request_id) for a in received}
+                <= {(row["transaction_id"], row["request_id"]) for row in select_rows(database_url, ONLINE_ROWS)}
+            ),
+            message="answers a client received are not recorded",
+        )
 
     # Every answer a client received is recorded, with its lineage; nothing else is.
-    online_rows = table(database_url, sa.select(predictions).where(predictions.c.path == "online"))
+    online_rows = select_rows(database_url, ONLINE_ROWS)
     by_request = {(row["transaction_id"], row["request_id"]): row for row in online_rows}
     for answer in received:
         row = by_request.get((answer.transaction_id, answer.request_id))
@@ -357,12 +352,12 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
     assert set(by_request) == {(a.transaction_id, a.request_id) for a in received}, "no answer nobody received"
 
     # Every transaction has its batch answer under the production model, for its current content.
-    stored = table(
+    stored = select_rows(
         database_url, sa.select(transactions.c.transaction_id, transactions.c.input_hash, transactions.c.reject_reason)
     )
     batch = {
         row["transaction_id"]: row["input_hash"]
-        for row in table(
+        for row in select_rows(
             database_url,
             sa.select(predictions).where(predictions.c.path == "batch", predictions.c.model_version == second_model),
         )
@@ -386,7 +381,7 @@ def _affected_by(database_url: str, changed_ids: set[str]) -> tuple[set[str], se
     next 16 valid records of the account), and the partitions that hold them, computed here
     from the stored records, independently of the sensor's SQL."""
     t = transactions.c
-    rows = table(
+    rows = select_rows(
         database_url,
         sa.select(t.transaction_id, t.account_id, t.event_ts, t.partition_date, t.reject_reason).order_by(
             t.account_id, t.event_ts, t.transaction_id

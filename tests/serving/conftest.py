@@ -1,29 +1,17 @@
-"""Fixtures of the serving tests: a database for the in-process scorer, live servers on demo data."""
+"""Fixtures of the serving tests: live servers on demo data (the in-process scorer's SQLite database,
+`sqlite_engine`, is tests/conftest.py's)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import date
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy.engine import Engine
 
-from inference.migrate import upgrade
-from inference.store import make_engine
 from tests.serving.support import D, StartDemoServer, serve_demo
 from tests.shared import fresh_postgres_database
-
-
-@pytest.fixture
-def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
-    """A migrated SQLite database of the test's own, for the scorer's writer."""
-    engine = make_engine(f"sqlite:///{tmp_path / 'serving.db'}")
-    upgrade(engine)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture(scope="module")

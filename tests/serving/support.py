@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -27,13 +28,18 @@ import httpx
 import polars as pl
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.engine import Engine
 
 from inference.demo import DemoConfig, generate_day
 from inference.records import RAW_COLUMNS, Transaction
 from inference.store import utc_now
+from serving.metrics import ServingMetrics
+from serving.outbox import Outbox
+from serving.runtime import OnlineScorer
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
-from tests.shared import migrate_and_ingest
+from serving.settings import ServingSettings
+from tests.shared import migrate_and_ingest, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 # Generous for two shared cores: start-up imports torch in two processes (more with workers), and
@@ -163,24 +169,10 @@ def serve(
         )
     server = kind(url=f"http://127.0.0.1:{port}", port=port, process=process, log_path=log_path, **fields)
     try:
-        _wait_until_ready(server)
+        wait_until_ready(f"{server.url}/readyz", process, timeout_s=READY_TIMEOUT_S, log=server.log_text)
         yield server
     finally:
         _stop(server)
-
-
-def _wait_until_ready(server: LiveServer) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited: {server.log_text()[-3000:]}")
-        try:
-            if httpx.get(f"{server.url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"server never became ready: {server.log_text()[-3000:]}")
 
 
 def _stop(server: LiveServer) -> None:
@@ -240,7 +232,62 @@ def serve_demo(
 StartDemoServer = Callable[..., AbstractContextManager[DemoServer]]
 
 
-# ------------------------------------------------------------------ in-process: inputs and results
+# ------------------------------------------------------------------ one idempotency key, many requests at once
+DUPLICATES = 50
+
+
+def check_one_answer_per_key(
+    answers: list[list[dict[str, Any]]], retry: list[dict[str, Any]], stored: list[dict[str, Any]], key: str
+) -> None:
+    """What DUPLICATES requests sent at once under one idempotency key must leave, in-process or
+    over HTTP (answers as JSON): one answer for all of them and for a retry after them, and one
+    stored row, with the key and that answer's score."""
+    assert len(answers) == DUPLICATES, len(answers)
+    assert all(answer == answers[0] for answer in answers), "every duplicate gets the one stored answer"
+    assert retry == answers[0], ("a retry afterwards replays it", retry, answers[0])
+    assert [row["idempotency_key"] for row in stored] == [key], stored
+    assert math.isclose(stored[0]["score"], answers[0][0]["score"], rel_tol=1e-6, abs_tol=1e-12), stored
+
+
+# ------------------------------------------------------------------ in-process: a scorer, inputs and results
+async def started_scorer(
+    process: Callable[[list[ItemSpec]], BatchResult],
+    engine: Engine,
+    outbox: Path,
+    *,
+    model_version: str,
+    settings: ServingSettings | None = None,
+    metrics: ServingMetrics | None = None,
+    **overrides: Any,
+) -> OnlineScorer:
+    """A started scorer around a hand-written scoring step (one thread of its own), its batch cost
+    calibrated and marked warm as if warm-up had run; results go to `engine`, spills to `outbox`.
+    `settings`, or the defaults with `overrides`."""
+    scorer = OnlineScorer(
+        process=process,
+        executor=ThreadPoolExecutor(max_workers=1),
+        model_version=model_version,
+        engine=engine,
+        settings=settings or ServingSettings(**overrides),
+        outbox=Outbox(outbox),
+        metrics=metrics or ServingMetrics(),
+    )
+    scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
+    scorer.warm = True
+    await scorer.start()
+    return scorer
+
+
+@dataclass
+class FakeClock:
+    """A monotonic clock that moves only when a test sets `now`."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def transaction(tx: str) -> Transaction:
     return Transaction(
         transaction_id=tx,
@@ -286,34 +333,45 @@ def prediction_rows(count: int, model_version: str) -> list[dict[str, Any]]:
     return [prediction_row(f"t{i}", model_version, produced_at=now) for i in range(count)]
 
 
-def scored_batch(specs: list[ItemSpec], *, model_version: str, score: float, batch_id: str) -> BatchResult:
-    """Every item of the batch scored `score`: its answers and its rows."""
+def scored_batch(
+    specs: list[ItemSpec],
+    *,
+    model_version: str,
+    batch_id: str,
+    score: float = 0.5,
+    grade: Callable[[ItemSpec], tuple[float, str]] | None = None,
+) -> BatchResult:
+    """Every item of the batch scored: `score` with input hash "h", or the (score, input hash)
+    `grade` gives the item. Its answers and its rows."""
     now = utc_now()
-    ids = [str(spec.raw["transaction_id"]) for spec in specs]
+    graded = [(str(spec.raw["transaction_id"]), spec, *(grade(spec) if grade else (score, "h"))) for spec in specs]
     results = [
         ItemResult(
             transaction_id=tx,
             status="scored",
-            score=score,
+            score=value,
             model_version=model_version,
             path="online",
             request_id=spec.request_id,
             batch_id=batch_id,
             produced_at=now,
-            input_hash="h",
+            input_hash=digest,
         )
-        for tx, spec in zip(ids, specs, strict=True)
+        for tx, spec, value, digest in graded
     ]
     rows = [
-        prediction_row(
-            tx,
-            model_version,
-            score=score,
-            request_id=spec.request_id,
-            batch_id=batch_id,
-            idempotency_key=spec.idempotency_key,
-            produced_at=now,
-        )
-        for tx, spec in zip(ids, specs, strict=True)
+        {
+            **prediction_row(
+                tx,
+                model_version,
+                score=value,
+                request_id=spec.request_id,
+                batch_id=batch_id,
+                idempotency_key=spec.idempotency_key,
+                produced_at=now,
+            ),
+            "input_hash": digest,
+        }
+        for tx, spec, value, digest in graded
     ]
     return BatchResult(results=results, rows=rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from starlette.requests import Request
@@ -11,6 +12,7 @@ from starlette.requests import Request
 from serving.admission import BatchCostModel, Decision, LoopLag, admit, predicted_wait
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.gate import _arrival
+from tests.serving.support import FakeClock
 
 # Roughly what warm-up measures here: 12 ms fixed per batch, 0.3 ms per item.
 CALIBRATION = [(1, 0.0123), (64, 0.0312)] * 3
@@ -20,6 +22,21 @@ def calibrated() -> BatchCostModel:
     cost = BatchCostModel(decay=0.9)
     cost.calibrate(CALIBRATION)
     return cost
+
+
+def decide(cost: BatchCostModel | None = None, **changes: Any) -> Decision:
+    """`admit` for one item, nothing queued or in flight, against a 1024-deep queue, batches of 64,
+    a 50 ms target and 2 s left of the deadline; `changes` on top (the cost model: `calibrated()`)."""
+    arguments: dict[str, Any] = {
+        "items": 1,
+        "queued": 0,
+        "capacity": 1024,
+        "in_flight_remaining_s": 0.0,
+        "max_batch": 64,
+        "target_s": 0.05,
+        "remaining_deadline_s": 2.0,
+    }
+    return admit(cost=calibrated() if cost is None else cost, **(arguments | changes))
 
 
 def test_cost_model_recovers_fixed_and_per_item_cost() -> None:
@@ -48,34 +65,13 @@ def test_cost_model_follows_a_slower_machine() -> None:
 def test_a_burst_of_64_below_capacity_is_admitted_item_by_item() -> None:
     cost = calibrated()
     # 64 requests arrive while one batch of one runs: each sees the ones before it queued.
-    decisions = [
-        admit(
-            items=1,
-            queued=queued,
-            capacity=1024,
-            in_flight_remaining_s=cost.batch_seconds(1),
-            max_batch=64,
-            cost=cost,
-            target_s=0.05,
-            remaining_deadline_s=2.0,
-        )
-        for queued in range(64)
-    ]
+    decisions = [decide(cost, queued=queued, in_flight_remaining_s=cost.batch_seconds(1)) for queued in range(64)]
     assert all(d.admitted for d in decisions)
 
 
 def test_overload_is_shed_on_the_predicted_wait() -> None:
     cost = calibrated()
-    decision = admit(
-        items=1,
-        queued=200,
-        capacity=1024,
-        in_flight_remaining_s=0.02,
-        max_batch=64,
-        cost=cost,
-        target_s=0.05,
-        remaining_deadline_s=2.0,
-    )
+    decision = decide(cost, queued=200, in_flight_remaining_s=0.02)
     assert not decision.admitted
     assert decision.reason == "over_target"
     assert decision.predicted_wait_s == pytest.approx(predicted_wait(200, 0.02, 64, cost))
@@ -84,40 +80,14 @@ def test_overload_is_shed_on_the_predicted_wait() -> None:
 
 def test_a_tight_deadline_is_refused_before_the_target_is() -> None:
     cost = calibrated()
-    decision = admit(
-        items=1,
-        queued=64,
-        capacity=1024,
-        in_flight_remaining_s=0.01,
-        max_batch=64,
-        cost=cost,
-        target_s=0.05,
-        remaining_deadline_s=0.02,
-    )
+    decision = decide(cost, queued=64, in_flight_remaining_s=0.01, remaining_deadline_s=0.02)
     assert (decision.admitted, decision.reason) == (False, "over_deadline")
 
 
 def test_the_queue_bound_holds_whatever_the_estimate() -> None:
     cost = BatchCostModel(decay=0.9)  # uncalibrated: predicts zero wait
-    decision = admit(
-        items=10,
-        queued=1020,
-        capacity=1024,
-        in_flight_remaining_s=0.0,
-        max_batch=64,
-        cost=cost,
-        target_s=0.05,
-        remaining_deadline_s=2.0,
-    )
+    decision = decide(cost, items=10, queued=1020)
     assert (decision.admitted, decision.reason) == (False, "queue_full")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_breaker_opens_skips_then_probes_once() -> None:
@@ -144,16 +114,8 @@ def test_breaker_opens_skips_then_probes_once() -> None:
 
 # ------------------------------------------------------------------ the wait before the service sees a request
 def _admit(*, waited_s: float, remaining_deadline_s: float = 1.0) -> Decision:
-    return admit(
-        items=1,
-        queued=0,
-        capacity=100,
-        in_flight_remaining_s=0.005,
-        max_batch=64,
-        cost=calibrated(),
-        target_s=0.05,
-        remaining_deadline_s=remaining_deadline_s,
-        waited_s=waited_s,
+    return decide(
+        capacity=100, in_flight_remaining_s=0.005, remaining_deadline_s=remaining_deadline_s, waited_s=waited_s
     )
 
 

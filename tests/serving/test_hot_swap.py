@@ -8,6 +8,7 @@ pool finishes there. Then against a real `bentoml serve` under steady load: prom
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import multiprocessing
 import threading
@@ -29,7 +30,7 @@ import torch
 from sqlalchemy.engine import Engine
 
 from inference.contract import FrameHistory, TorchPredictor
-from inference.lineage import explain
+from inference.lineage import TransactionLineage, explain
 from inference.model import ModelConfig, RiskModel
 from inference.records import RAW_COLUMNS
 from inference.store import make_engine, read_predictions, utc_now
@@ -43,12 +44,11 @@ from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
 from serving.worker import discard_pool
 from tandem import modelstore
-from tests.serving.support import DemoServer, StartDemoServer, scored_batch, transaction
-from tests.shared import register_model
+from tests.serving.support import DemoServer, FakeClock, StartDemoServer, scored_batch, transaction
+from tests.shared import WAIT_S, register_model, until, until_async
 
 CODE = "test"
 T = TypeVar("T")
-WAIT_S = 10.0
 
 
 class FakeVersion:
@@ -117,9 +117,11 @@ class FakeStore:
     def __init__(self, *versions: FakeVersion) -> None:
         self.versions = {v.version: v for v in versions}
         self.pointer: str | None = None
+        self.pointer_reads = 0
         self.pools: dict[str, list[RecordingPool]] = {}
 
     def production_tag(self) -> str | None:
+        self.pointer_reads += 1
         return self.pointer
 
     def load(self, tag: str) -> ScoringBackend:
@@ -128,14 +130,6 @@ class FakeStore:
         pool = RecordingPool()
         self.pools.setdefault(tag, []).append(pool)
         return ScoringBackend(tag, pool, self.versions[tag])
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def serving(store: FakeStore, engine: Engine, tmp_path: Path) -> OnlineScorer:
@@ -179,14 +173,6 @@ async def bounded(awaitable: Awaitable[T]) -> T:
     return await asyncio.wait_for(awaitable, WAIT_S)
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
-
-
 def info(scorer: OnlineScorer, version: str) -> float | None:
     labels = {"model_version": version, "code_version": CODE}
     return scorer.metrics.registry.get_sample_value("tandem_serving_model_info", labels)
@@ -202,12 +188,12 @@ def test_the_swap_happens_only_after_the_new_version_is_warm(sqlite_engine: Engi
 
     async def scenario() -> None:
         scorer = await serving(store, sqlite_engine, tmp_path)
-        watcher = watcher_for(scorer, store, FakeClock())
+        watcher = watcher_for(scorer, store, FakeClock(1000.0))
         cost = scorer.cost
         assert info(scorer, "v1") == 1
         v2.warm_up_gate.clear()
         swapping = asyncio.create_task(watcher.swap_to("v2"))
-        await until(lambda: bool(v2.batches))
+        await until_async(lambda: bool(v2.batches))
 
         during = await score(scorer, "during-warm-up")
         assert (during.model_version, during.score) == ("v1", 0.25)
@@ -238,7 +224,7 @@ def test_a_version_that_fails_to_warm_up_never_serves_and_is_retried_later(
 ) -> None:
     v1, v2 = FakeVersion("v1", 0.25), FakeVersion("v2", 0.75, nonfinite=failure == "nonfinite_scores")
     store = FakeStore(v1) if failure == "missing_from_store" else FakeStore(v1, v2)
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
 
     async def scenario() -> None:
         scorer = await serving(store, sqlite_engine, tmp_path)
@@ -277,20 +263,20 @@ def test_a_batch_in_flight_on_the_old_pool_completes_there(sqlite_engine: Engine
 
     async def scenario() -> tuple[ItemResult, ItemResult]:
         scorer = await serving(store, sqlite_engine, tmp_path)
-        watcher = watcher_for(scorer, store, FakeClock())
+        watcher = watcher_for(scorer, store, FakeClock(1000.0))
         v1.release.clear()
         in_flight = asyncio.create_task(score(scorer, "in-flight"))
-        await until(v1.entered.is_set)
+        await until_async(v1.entered.is_set)
 
         swapping = asyncio.create_task(watcher.swap_to("v2"))
-        await until(lambda: len(v2.batches) == 7)  # warm-up done: 1 lazy-init call + 3 rounds of 2
-        await asyncio.sleep(0.05)
+        await until_async(lambda: len(v2.batches) == 7)  # warm-up done: 1 lazy-init call + 3 rounds of 2
+        await asyncio.sleep(0.05)  # room for the swap to finish wrongly before the running batch
         assert not swapping.done(), "the swap waits for the running batch"
         assert scorer.model_version == "v1"
         assert not store.pools["v1"][0].shut_down
         # Admitted under v1, it runs after the swap: v2 answers it and its row names v2.
         queued = asyncio.create_task(score(scorer, "queued"))
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # room for it to be answered wrongly before the swap
         assert not queued.done()
 
         v1.release.set()
@@ -322,15 +308,15 @@ def test_polling_follows_promotion_and_rollback(sqlite_engine: Engine, tmp_path:
 
     async def scenario() -> None:
         scorer = await serving(store, sqlite_engine, tmp_path)
-        watcher = watcher_for(scorer, store, FakeClock())
+        watcher = watcher_for(scorer, store, FakeClock(1000.0))
         watcher.start()
-        await asyncio.sleep(0.1)
+        await until_async(lambda: store.pointer_reads >= 5)
         assert store.pools.keys() == {"v1"}, "an unchanged pointer loads nothing"
         store.pointer = "v2"
-        await until(lambda: scorer.model_version == "v2")
+        await until_async(lambda: scorer.model_version == "v2")
         assert (await score(scorer, "promoted")).model_version == "v2"
         store.pointer = "v1"
-        await until(lambda: scorer.model_version == "v1")
+        await until_async(lambda: scorer.model_version == "v1")
         assert (await score(scorer, "rolled-back")).score == 0.25
         await watcher.close()
         assert [pool.shut_down for pool in (*store.pools["v1"], *store.pools["v2"])] == [True, False, True]
@@ -523,15 +509,17 @@ def _swap_latency(answers: list[Answer], changed_at: float, new: str, what: str)
 
 def _rows_for_lineage(server: SwapServer, answers: list[Answer]) -> None:
     engine = make_engine(server.database_url)
+
+    def stored(transaction_id: str) -> TransactionLineage | None:
+        found = explain(engine, transaction_id, dagster_ui_url=DAGSTER_UI)
+        return found if found.results else None
+
     try:
-        deadline = time.monotonic() + 15
         for answer in answers:
             assert answer.result is not None
-            while True:
-                found = explain(engine, answer.transaction_id, dagster_ui_url=DAGSTER_UI)
-                if found.results or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
+            found = until(
+                functools.partial(stored, answer.transaction_id), timeout_s=15, interval_s=0.1, message=repr(answer)
+            )
             assert len(found.results) == 1, found
             row = found.results[0]
             assert row.model_version == answer.version

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from inference.records import Transaction
-from inference.store import idempotency_keys, read_predictions, utc_now
-from serving.metrics import ServingMetrics
-from serving.outbox import Outbox
+from inference.store import idempotency_keys, read_predictions
 from serving.runtime import DeadlineExceeded, KeyInProgress, KeyReused, OnlineScorer, Shed
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
-from serving.settings import ServingSettings
-from tests.serving.support import prediction_row, transaction
+from tests.serving.support import DUPLICATES, check_one_answer_per_key, scored_batch, started_scorer, transaction
+from tests.shared import until_async
 
 MODEL = "risk_model:fake"
 
@@ -32,34 +29,22 @@ class AmountScoring:
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
+        self.started = 0  # batches begun (each then takes delay_s)
         self.scored: list[tuple[str, float]] = []
         self.lock = threading.Lock()
 
     def __call__(self, specs: list[ItemSpec]) -> BatchResult:
+        with self.lock:
+            self.started += 1
         time.sleep(self.delay_s)
-        now = utc_now()
-        results, rows = [], []
-        for spec in specs:
-            tx, amount = str(spec.raw["transaction_id"]), float(spec.raw["amount"])
-            with self.lock:
-                self.scored.append((tx, amount))
-            score = amount / 1000
-            results.append(
-                ItemResult(
-                    transaction_id=tx,
-                    status="scored",
-                    score=score,
-                    model_version=MODEL,
-                    path="online",
-                    request_id=spec.request_id,
-                    batch_id="b",
-                    produced_at=now,
-                    input_hash=f"h{amount}",
-                )
-            )
-            row = prediction_row(tx, MODEL, score=score, request_id=spec.request_id, produced_at=now)
-            rows.append({**row, "input_hash": f"h{amount}", "idempotency_key": spec.idempotency_key})
-        return BatchResult(results=results, rows=rows)
+        with self.lock:
+            self.scored.extend((str(spec.raw["transaction_id"]), float(spec.raw["amount"])) for spec in specs)
+        return scored_batch(specs, model_version=MODEL, batch_id="b", grade=_by_amount)
+
+
+def _by_amount(spec: ItemSpec) -> tuple[float, str]:
+    amount = float(spec.raw["amount"])
+    return amount / 1000, f"h{amount}"
 
 
 def body(tx: str, amount: float) -> list[Transaction]:
@@ -70,19 +55,7 @@ async def scorer_on(
     engine: Engine, tmp_path: Path, fake: AmountScoring, name: str, **overrides: object
 ) -> OnlineScorer:
     """One server process's scorer: its own outbox, the shared store."""
-    scorer = OnlineScorer(
-        process=fake,
-        executor=ThreadPoolExecutor(max_workers=1),
-        model_version=MODEL,
-        engine=engine,
-        settings=ServingSettings(**overrides),  # type: ignore[arg-type]
-        outbox=Outbox(tmp_path / f"outbox-{name}.sqlite3"),
-        metrics=ServingMetrics(),
-    )
-    scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
-    scorer.warm = True
-    await scorer.start()
-    return scorer
+    return await started_scorer(fake, engine, tmp_path / f"outbox-{name}.sqlite3", model_version=MODEL, **overrides)
 
 
 async def ask(scorer: OnlineScorer, request_id: str, key: str | None, transactions: list[Transaction]) -> ItemResult:
@@ -92,9 +65,10 @@ async def ask(scorer: OnlineScorer, request_id: str, key: str | None, transactio
     return results[0]
 
 
-async def settle(*scorers: OnlineScorer) -> None:
-    """Let the key bookkeeping (run off the loop, not awaited) and the writer finish."""
-    await asyncio.sleep(0.2)
+async def settle(engine: Engine, *scorers: OnlineScorer) -> None:
+    """Wait for the key bookkeeping (run off the loop, not awaited): no claim in the store is left
+    without its answer (or its release); then let the writer finish."""
+    await until_async(lambda: all(row["response"] is not None for row in key_rows(engine)))
     for scorer in scorers:
         scorer.writer.flush()
         await scorer.close()
@@ -105,6 +79,12 @@ def key_rows(engine: Engine) -> list[dict[str, object]]:
         return [dict(row._mapping) for row in conn.execute(sa.select(idempotency_keys))]
 
 
+def claimed(engine: Engine, key: str, *, answered: bool = False) -> bool:
+    """Whether the store holds a claim of `key` (with its answer, when `answered`)."""
+    rows = [row for row in key_rows(engine) if row["idempotency_key"] == key]
+    return any(row["response"] is not None or not answered for row in rows)
+
+
 def test_the_same_key_and_body_replays_and_another_body_is_refused(engine: Engine, tmp_path: Path) -> None:
     async def scenario() -> tuple[ItemResult, ItemResult, AmountScoring]:
         fake = AmountScoring()
@@ -113,7 +93,7 @@ def test_the_same_key_and_body_replays_and_another_body_is_refused(engine: Engin
         replay = await ask(scorer, "r2", "key-1", body("demo-1", 42.5))
         with pytest.raises(KeyReused, match="key-1"):
             await ask(scorer, "r3", "key-1", body("demo-1", 9999.5))
-        await settle(scorer)
+        await settle(engine, scorer)
         return first, replay, fake
 
     first, replay, fake = asyncio.run(scenario())
@@ -128,7 +108,7 @@ def test_without_a_key_a_changed_body_is_scored_afresh(engine: Engine, tmp_path:
         scorer = await scorer_on(engine, tmp_path, AmountScoring(), "a")
         first = await ask(scorer, "r1", None, body("demo-1", 42.5))
         changed = await ask(scorer, "r2", None, body("demo-1", 9999.5))
-        await settle(scorer)
+        await settle(engine, scorer)
         return first, changed
 
     first, changed = asyncio.run(scenario())
@@ -145,12 +125,29 @@ def test_concurrent_identical_duplicates_without_a_key_are_scored_once(engine: E
         fake = AmountScoring(delay_s=0.05)
         scorer = await scorer_on(engine, tmp_path, fake, "a")
         answers = await asyncio.gather(*(ask(scorer, f"r{i}", None, body("tx-1", 5.0)) for i in range(20)))
-        await settle(scorer)
+        await settle(engine, scorer)
         return answers, fake
 
     answers, fake = asyncio.run(scenario())
     assert fake.scored == [("tx-1", 5.0)]
     assert all(answer == answers[0] for answer in answers)
+
+
+def test_fifty_concurrent_duplicates_with_one_key_are_scored_once(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[ItemResult], ItemResult, AmountScoring]:
+        fake = AmountScoring(delay_s=0.05)
+        scorer = await scorer_on(engine, tmp_path, fake, "a")
+        answers = await asyncio.gather(*(ask(scorer, f"r{i}", "key-1", body("tx-1", 5.0)) for i in range(DUPLICATES)))
+        retry = await ask(scorer, "retry", "key-1", body("tx-1", 5.0))
+        await settle(engine, scorer)
+        return answers, retry, fake
+
+    answers, retry, fake = asyncio.run(scenario())
+    assert fake.scored == [("tx-1", 5.0)], "scored once"
+    with engine.connect() as conn:
+        stored = read_predictions(conn)
+    as_json = [[answer.model_dump(mode="json")] for answer in answers]
+    check_one_answer_per_key(as_json, [retry.model_dump(mode="json")], stored.to_dicts(), "key-1")
 
 
 def test_two_processes_agree_through_the_store(engine: Engine, tmp_path: Path) -> None:
@@ -159,11 +156,11 @@ def test_two_processes_agree_through_the_store(engine: Engine, tmp_path: Path) -
         a = await scorer_on(engine, tmp_path, fake_a, "a")
         b = await scorer_on(engine, tmp_path, fake_b, "b")
         first = await ask(a, "r1", "key-1", body("demo-1", 42.5))
-        await asyncio.sleep(0.2)  # a's answer reaches the store
+        await until_async(lambda: claimed(engine, "key-1", answered=True))  # a's answer reaches the store
         with pytest.raises(KeyReused):
             await ask(b, "r2", "key-1", body("demo-1", 9999.5))
         replay = await ask(b, "r3", "key-1", body("demo-1", 42.5))
-        await settle(a, b)
+        await settle(engine, a, b)
         return first, replay, fake_b
 
     first, replay, fake_b = asyncio.run(scenario())
@@ -180,7 +177,7 @@ def test_one_key_two_bodies_at_once_on_two_processes_gets_one_answer(engine: Eng
             ask(b, "rb", "key-1", body("demo-1", 2.0)),
             return_exceptions=True,
         )
-        await settle(a, b)
+        await settle(engine, a, b)
         return outcomes
 
     outcomes = asyncio.run(scenario())
@@ -197,10 +194,10 @@ def test_the_same_key_and_body_on_another_process_waits_for_the_first_answer(eng
         a = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.3), "a")
         b = await scorer_on(engine, tmp_path, fake_b, "b")
         first_task = asyncio.create_task(ask(a, "r1", "key-1", body("demo-1", 3.0)))
-        await asyncio.sleep(0.1)  # a holds the claim, still scoring
+        await until_async(lambda: claimed(engine, "key-1"))  # a holds the claim, still scoring (0.3 s)
         second = await ask(b, "r2", "key-1", body("demo-1", 3.0))
         first = await first_task
-        await settle(a, b)
+        await settle(engine, a, b)
         return first, second, fake_b
 
     first, second, fake_b = asyncio.run(scenario())
@@ -212,30 +209,31 @@ def test_a_duplicate_still_in_progress_past_its_deadline_is_told_so(engine: Engi
         a = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.5), "a")
         b = await scorer_on(engine, tmp_path, AmountScoring(), "b")
         first_task = asyncio.create_task(ask(a, "r1", "key-1", body("demo-1", 3.0)))
-        await asyncio.sleep(0.1)
+        await until_async(lambda: claimed(engine, "key-1"))  # a holds the claim, scoring for 0.5 s
         with pytest.raises(KeyInProgress):
             await b.score(
                 body("demo-1", 3.0), request_id="r2", idempotency_key="key-1", deadline=time.monotonic() + 0.1
             )
         await first_task
-        await settle(a, b)
+        await settle(engine, a, b)
 
     asyncio.run(scenario())
 
 
 def test_a_refused_request_frees_its_key_for_the_retry(engine: Engine, tmp_path: Path) -> None:
     async def scenario() -> ItemResult:
-        scorer = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.3), "a", p99_target_ms=1000)
+        scoring = AmountScoring(delay_s=0.3)
+        scorer = await scorer_on(engine, tmp_path, scoring, "a", p99_target_ms=1000)
         busy = asyncio.create_task(ask(scorer, "r0", None, body("busy", 1.0)))
-        await asyncio.sleep(0.05)
+        await until_async(lambda: scoring.started)  # the busy batch holds the scoring thread
         with pytest.raises((DeadlineExceeded, Shed)):
             await scorer.score(
                 body("demo-1", 3.0), request_id="r1", idempotency_key="key-1", deadline=time.monotonic() + 0.05
             )
         await busy
-        await asyncio.sleep(0.1)
+        await until_async(lambda: not key_rows(engine))  # the refused request's claim is released
         retry = await ask(scorer, "r2", "key-1", body("demo-1", 3.0))
-        await settle(scorer)
+        await settle(engine, scorer)
         return retry
 
     retry = asyncio.run(scenario())

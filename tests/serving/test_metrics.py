@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,12 @@ from inference.store import utc_now
 from serving.admission import Decision, LoopLag
 from serving.app import build_app
 from serving.metrics import ITEM_OUTCOMES, SCORE_BUCKETS, ServingMetrics, latency_buckets
-from serving.outbox import Outbox
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
+from tests.serving.support import started_scorer
 
 MODEL = "risk_model:metrics"
 
@@ -151,19 +150,9 @@ async def started_outcome_scorer(
     engine: Engine, tmp_path: Path, settings: ServingSettings, metrics: ServingMetrics
 ) -> OnlineScorer:
     """A started scorer whose scoring step is OutcomeScoring (an answer per id prefix)."""
-    scorer = OnlineScorer(
-        process=OutcomeScoring(),
-        executor=ThreadPoolExecutor(max_workers=1),
-        model_version=MODEL,
-        engine=engine,
-        settings=settings,
-        outbox=Outbox(tmp_path / "outbox.sqlite3"),
-        metrics=metrics,
+    return await started_scorer(
+        OutcomeScoring(), engine, tmp_path / "outbox.sqlite3", model_version=MODEL, settings=settings, metrics=metrics
     )
-    scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
-    scorer.warm = True
-    await scorer.start()
-    return scorer
 
 
 @asynccontextmanager

@@ -20,20 +20,17 @@ from sqlalchemy.engine import Engine
 from inference.contract import TorchPredictor
 from inference.model import ModelConfig, RiskModel
 from inference.records import Transaction
-from inference.store import make_engine, predictions, read_predictions
+from inference.store import read_predictions
 from serving.backends import ScoringBackend
 from serving.batcher import SCORING_PROCESS_DIED
 from serving.breaker import CircuitBreaker
 from serving.lifecycle import PoolSupervisor
-from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
-from serving.settings import ServingSettings
-from serving.writer import ResultWriter
-from tests.serving.support import prediction_rows, scored_batch, transaction
-from tests.shared import unreachable_database_url
+from tests.serving.support import scored_batch, started_scorer, transaction
+from tests.shared import until_async
 
 MODEL = "risk_model:fake"
 POISON = "poison"
@@ -61,59 +58,21 @@ class FakeScoring:
         return [tx for batch in self.batches for tx in batch]
 
 
-async def started_scorer(
+async def scorer_for(
     fake: Callable[[list[ItemSpec]], BatchResult], engine: Engine, tmp_path: Path, **overrides: object
 ) -> OnlineScorer:
-    settings = ServingSettings(**overrides)  # type: ignore[arg-type]
-    scorer = OnlineScorer(
-        process=fake,
-        executor=ThreadPoolExecutor(max_workers=1),
-        model_version=MODEL,
-        engine=engine,
-        settings=settings,
-        outbox=Outbox(tmp_path / "outbox.sqlite3"),
-        metrics=ServingMetrics(),
-    )
-    scorer.cost.calibrate([(1, 0.002), (64, 0.01)])
-    scorer.warm = True
-    await scorer.start()
-    return scorer
-
-
-def test_fifty_concurrent_duplicates_are_scored_once(sqlite_engine: Engine, tmp_path: Path) -> None:
-    async def scenario() -> list[list[ItemResult]]:
-        fake = FakeScoring(delay_s=0.05)
-        scorer = await started_scorer(fake, sqlite_engine, tmp_path)
-        answers = await asyncio.gather(
-            *(
-                scorer.score(
-                    [transaction("tx-1")], request_id=f"r{i}", idempotency_key="key-1", deadline=time.monotonic() + 5
-                )
-                for i in range(50)
-            )
-        )
-        assert fake.scored_ids == ["tx-1"]
-        scorer.writer.flush()
-        await scorer.close()
-        return [results for results, _ in answers]
-
-    answers = asyncio.run(scenario())
-    assert all(a == answers[0] for a in answers)
-    with sqlite_engine.connect() as conn:
-        stored = read_predictions(conn)
-    assert stored.height == 1
-    assert stored["idempotency_key"].to_list() == ["key-1"]
+    return await started_scorer(fake, engine, tmp_path / "outbox.sqlite3", model_version=MODEL, **overrides)
 
 
 def test_a_batch_that_raises_fails_only_the_poison_item(sqlite_engine: Engine, tmp_path: Path) -> None:
     async def scenario() -> list[ItemResult]:
         fake = FakeScoring(delay_s=0.02)
-        scorer = await started_scorer(fake, sqlite_engine, tmp_path)
+        scorer = await scorer_for(fake, sqlite_engine, tmp_path)
         # The first request occupies the scoring thread so the next ones share one batch.
         first = asyncio.create_task(
             scorer.score([transaction("warm")], request_id="r0", idempotency_key=None, deadline=time.monotonic() + 5)
         )
-        await asyncio.sleep(0.005)
+        await until_async(lambda: fake.batches)
         calls = [
             scorer.score([transaction(tx)], request_id=tx, idempotency_key=None, deadline=time.monotonic() + 5)
             for tx in ("a", POISON, "b", "c")
@@ -132,11 +91,11 @@ def test_a_batch_that_raises_fails_only_the_poison_item(sqlite_engine: Engine, t
 def test_a_request_past_its_deadline_is_never_started(sqlite_engine: Engine, tmp_path: Path) -> None:
     async def scenario() -> tuple[float, FakeScoring]:
         fake = FakeScoring(delay_s=0.2)
-        scorer = await started_scorer(fake, sqlite_engine, tmp_path, p99_target_ms=1000)
+        scorer = await scorer_for(fake, sqlite_engine, tmp_path, p99_target_ms=1000)
         busy = asyncio.create_task(
             scorer.score([transaction("slow")], request_id="r0", idempotency_key=None, deadline=time.monotonic() + 5)
         )
-        await asyncio.sleep(0.01)
+        await until_async(lambda: fake.batches)  # "slow" holds the scoring thread for 0.2 s
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             await scorer.score(
@@ -144,7 +103,7 @@ def test_a_request_past_its_deadline_is_never_started(sqlite_engine: Engine, tmp
             )
         elapsed = time.monotonic() - started
         await busy
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # room for "late" to be started wrongly after the batch ahead
         await scorer.close()
         return elapsed, fake
 
@@ -175,30 +134,6 @@ def test_outbox_is_durable_and_drains_idempotently(tmp_path: Path) -> None:
     assert received == rows
 
 
-def test_writer_spills_to_the_outbox_and_drains_when_the_database_returns(
-    sqlite_engine: Engine, tmp_path: Path
-) -> None:
-    dead = make_engine(unreachable_database_url())
-    breaker = CircuitBreaker(failure_threshold=1, reset_s=0.01)
-    writer = ResultWriter(
-        dead, breaker, Outbox(tmp_path / "outbox.sqlite3"), ServingMetrics(), drain_interval_s=0.01, drain_chunk=3
-    )
-    rows = prediction_rows(7, MODEL)
-    writer.start()
-    writer.submit_rows(rows[:4])
-    writer.submit_rows(rows[4:])
-    writer.flush()
-    assert writer.outbox_depth == 7
-
-    writer.engine = sqlite_engine
-    deadline = time.monotonic() + 5
-    while writer.outbox_depth and time.monotonic() < deadline:
-        time.sleep(0.02)
-    writer.close()
-    with sqlite_engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).select_from(predictions)).scalar_one() == 7
-
-
 class DeadPool(ThreadPoolExecutor):
     """A pool whose process is gone: every submission fails as a dead ProcessPoolExecutor's does."""
 
@@ -218,7 +153,7 @@ def test_a_dead_scoring_process_is_replaced_and_liveness_fails_only_when_that_ke
         return ScoringBackend(tag, ThreadPoolExecutor(max_workers=1), FakeScoring())
 
     async def scenario() -> None:
-        scorer = await started_scorer(FakeScoring(), sqlite_engine, tmp_path)
+        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path)
         scorer.swap(ScoringBackend(MODEL, DeadPool(max_workers=1), FakeScoring()))
         supervisor = PoolSupervisor(scorer, load=load, interval_s=60, load_timeout_s=5)
 
@@ -253,8 +188,9 @@ def test_a_request_is_refused_before_it_is_read_once_even_one_item_would_wait_to
     at once with no interval, else only after the interval has passed."""
 
     async def scenario() -> None:
-        scorer = await started_scorer(
-            FakeScoring(delay_s=0.3),
+        fake = FakeScoring(delay_s=0.3)
+        scorer = await scorer_for(
+            fake,
             sqlite_engine,
             tmp_path,
             p99_target_ms=50,
@@ -264,7 +200,7 @@ def test_a_request_is_refused_before_it_is_read_once_even_one_item_would_wait_to
         first = asyncio.create_task(
             scorer.score([transaction("tx-1")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5)
         )
-        await asyncio.sleep(0.01)  # tx-1 is in its batch now, for 0.3 s
+        await until_async(lambda: fake.batches)  # tx-1 is in its batch now, for 0.3 s
         queued = asyncio.create_task(
             scorer.score([transaction("tx-2")], request_id="r2", idempotency_key=None, deadline=time.monotonic() + 5)
         )
@@ -298,7 +234,7 @@ def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_ro
         return transaction(tx).model_copy(update=changes)
 
     async def scenario() -> list[ItemResult]:
-        scorer = await started_scorer(core.score, sqlite_engine, tmp_path)
+        scorer = await scorer_for(core.score, sqlite_engine, tmp_path)
         results, _ = await scorer.score(
             [
                 transaction("known"),

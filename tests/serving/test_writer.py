@@ -15,7 +15,7 @@ from serving.breaker import BreakerState, CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.writer import ResultWriter
-from tests.shared import unreachable_database_url
+from tests.shared import unreachable_database_url, until
 
 MODEL = "risk_model:writer"
 
@@ -43,11 +43,14 @@ def rows(count: int, *, refused: frozenset[int] = frozenset()) -> list[dict[str,
     ]
 
 
-def writer_for(engine: Engine, tmp_path: Path) -> ResultWriter:
+def writer_for(engine: Engine, tmp_path: Path, drain_chunk: int = 50) -> ResultWriter:
     breaker = CircuitBreaker(failure_threshold=1, reset_s=0.01)
-    return ResultWriter(
-        engine, breaker, Outbox(tmp_path / "outbox.sqlite3"), ServingMetrics(), drain_interval_s=0.01, drain_chunk=50
-    )
+    outbox = Outbox(tmp_path / "outbox.sqlite3")
+    return ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=0.01, drain_chunk=drain_chunk)
+
+
+def drained(writer: ResultWriter) -> None:
+    until(lambda: not writer.outbox_depth, message=lambda: f"{writer.outbox_depth} rows still in the outbox")
 
 
 def stored(engine: Engine) -> tuple[set[str], list[dict[str, Any]]]:
@@ -84,9 +87,7 @@ def test_a_refused_row_in_the_outbox_no_longer_holds_back_the_rows_behind_it(eng
     writer = writer_for(engine, tmp_path)
     assert writer.outbox_depth == 30
     writer.start()
-    deadline = time.monotonic() + 10
-    while writer.outbox_depth and time.monotonic() < deadline:
-        time.sleep(0.02)
+    drained(writer)
     writer.close()
 
     ids, rejections = stored(engine)
@@ -96,23 +97,27 @@ def test_a_refused_row_in_the_outbox_no_longer_holds_back_the_rows_behind_it(eng
 
 
 def test_an_unreachable_database_keeps_every_row_for_later(engine: Engine, tmp_path: Path) -> None:
+    """Rows submitted during an outage, in two lots, wait in the outbox; once the database is back
+    they are drained, a few per chunk, and only the row the database refuses is quarantined."""
     dead = make_engine(unreachable_database_url())
-    writer = writer_for(dead, tmp_path)
+    writer = writer_for(dead, tmp_path, drain_chunk=3)
     writer.start()
-    writer.submit_rows(rows(12, refused=frozenset({3})))
+    submitted = rows(12, refused=frozenset({3}))
+    writer.submit_rows(submitted[:5])
+    writer.submit_rows(submitted[5:])
     writer.flush()
     # Nothing is quarantined for an outage, the refused row included: it is only known once the store answers.
     assert writer.outbox_depth == 12
     assert writer.breaker.state is not BreakerState.CLOSED
 
     writer.engine = engine
-    deadline = time.monotonic() + 10
-    while writer.outbox_depth and time.monotonic() < deadline:
-        time.sleep(0.02)
+    drained(writer)
     writer.close()
     ids, rejections = stored(engine)
     assert ids == {f"w{i}" for i in range(12)} - {"w3"}
     assert [r["transaction_id"] for r in rejections] == ["w3"]
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(predictions)).scalar_one() == 11, "each row once"
 
 
 # ------------------------------------------------------------------ the last outbox drain at shutdown
