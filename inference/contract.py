@@ -35,7 +35,11 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
 
 
 class HistorySource(Protocol):
-    """Where an account's earlier transactions come from: a frame in memory, or the store."""
+    """Where an account's earlier transactions come from: a frame in memory, or the store.
+
+    A source may say `targets_are_history = True` (FrameHistory: the targets are rows of the frame,
+    so an earlier target is a later one's history); any other source is read alone for each target.
+    """
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         """Valid rows (RAW columns + event_ts) holding at least each target's last
@@ -45,6 +49,8 @@ class HistorySource(Protocol):
 
 class FrameHistory:
     """History from a frame already in memory (a partition, or a test's fixture), validated once."""
+
+    targets_are_history = True
 
     def __init__(self, frame: pl.DataFrame) -> None:
         checked = frame if "reject_reason" in frame.columns else validate(frame)
@@ -145,7 +151,12 @@ class TorchPredictor:
         features = None
         if valid_positions.size:
             valid = checked[valid_positions]
-            features = build_features(valid, history.history_for(valid, self.history_length), self.history_length)
+            features = build_features(
+                valid,
+                history.history_for(valid, self.history_length),
+                self.history_length,
+                targets_read_each_other=getattr(history, "targets_are_history", False),
+            )
             if features.history_digests is None:
                 raise ValueError("history rows carry no input_hash; the score's inputs could not be recorded")
             for position, digest, fields in zip(

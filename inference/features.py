@@ -141,12 +141,19 @@ def _encoded(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length: int) -> FeatureBatch:
+def build_features(
+    targets: pl.DataFrame, history: pl.DataFrame, history_length: int, *, targets_read_each_other: bool = True
+) -> FeatureBatch:
     """Features for every row of `targets` (valid rows: RAW columns plus `event_ts`).
 
     `history` holds valid rows of the same accounts; it may contain the targets themselves and
     rows after them. A target's history is the `history_length` rows of its account that sort
     before it by (event_ts, transaction_id).
+
+    `targets_read_each_other`: the targets are records of the history too (a stored partition, a
+    training set), so an earlier target is history of a later one. False for the online path,
+    where the targets are what concurrent requests sent: each target then reads `history` alone,
+    so its answer does not depend on what else shared its adaptive batch.
 
     When both frames carry `input_hash`, each row also gets a digest of the input hashes of the
     records its history was built from, in order: the score depends on them as much as on the
@@ -160,16 +167,29 @@ def build_features(targets: pl.DataFrame, history: pl.DataFrame, history_length:
     columns = [*FEATURE_COLUMNS, "input_hash"] if with_digest else list(FEATURE_COLUMNS)
     wanted = targets.select(columns).with_columns(target_position=pl.int_range(pl.len(), dtype=pl.Int64))
     accounts = wanted["account_id"].unique().implode()
-    past = (
-        history.select(columns)
-        .filter(pl.col("account_id").is_in(accounts))
-        .join(wanted.select("transaction_id"), on="transaction_id", how="anti")
-        .with_columns(target_position=pl.lit(None, dtype=pl.Int64))
-    )
+    candidates = history.select(columns).filter(pl.col("account_id").is_in(accounts))
+    if targets_read_each_other:
+        # One timeline per account: targets and history rows together.
+        timeline_key = "account_id"
+        past = candidates.join(wanted.select("transaction_id"), on="transaction_id", how="anti").with_columns(
+            target_position=pl.lit(None, dtype=pl.Int64)
+        )
+        together = pl.concat([wanted, past])
+    else:
+        # One timeline per target: the target and its account's history rows (at most a few K per
+        # target online), never another target; a stored record other than the target itself stays.
+        timeline_key = "timeline"
+        own = wanted.select("account_id", timeline=pl.col("target_position"), own_id=pl.col("transaction_id"))
+        past = (
+            candidates.join(own, on="account_id")
+            .filter(pl.col("transaction_id") != pl.col("own_id"))
+            .select(*columns, target_position=pl.lit(None, dtype=pl.Int64), timeline=pl.col("timeline"))
+        )
+        together = pl.concat([wanted.with_columns(timeline=pl.col("target_position")), past])
     timeline = (
-        _encoded(pl.concat([wanted, past]))
-        .sort(["account_id", "event_ts", "transaction_id"])
-        .with_columns(account_run=(pl.col("account_id") != pl.col("account_id").shift(1)).fill_null(True).cum_sum())
+        _encoded(together)
+        .sort([timeline_key, "event_ts", "transaction_id"])
+        .with_columns(account_run=(pl.col(timeline_key) != pl.col(timeline_key).shift(1)).fill_null(True).cum_sum())
     )
     if with_digest:
         # 60 bits of the record's sha256 (hex), enough to tell versions of one record apart.

@@ -271,3 +271,34 @@ def test_a_record_with_unseen_values_alone_matches_the_partition(stores: dict[in
             single = valid.slice(row, 1)
             fetched = StoreHistory(stores[seed]).history_for(single, k)
             assert_same_features(build_features(single, fetched, k), features.slice(row, row + 1))
+
+
+def test_records_sent_together_online_each_read_the_store_alone(stores: dict[int, Engine]) -> None:
+    """Not-yet-stored records scored in one adaptive batch: each one's features are those it gets
+    scored alone, so an answer never depends on what else shared its batch. Stored records read
+    each other through the store either way."""
+    seed, k = SEEDS[0], 8
+    next_day = DAYS[-1] + (DAYS[1] - DAYS[0])
+    arriving, _ = split_valid(generate_day(next_day, demo_config(seed)))
+    arriving = arriving.with_columns(hash_inputs(arriving))
+    busiest = arriving.group_by("account_id").len().sort(["len", "account_id"], descending=True)["account_id"][0]
+    batch = pl.concat([arriving.filter(pl.col("account_id") == busiest).head(3), arriving.head(5)]).unique(
+        "transaction_id", maintain_order=True
+    )
+    store = StoreHistory(stores[seed])
+
+    isolated = build_features(batch, store.history_for(batch, k), k, targets_read_each_other=False)
+    for position in range(batch.height):
+        alone = batch.slice(position, 1)
+        assert_same_features(isolated.take(np.array([position])), build_features(alone, store.history_for(alone, k), k))
+    # The same batch with the targets as each other's history: the account's later records read
+    # its earlier ones, which is what the online path must not do.
+    together = build_features(batch, store.history_for(batch, k), k)
+    assert together.history_digests != isolated.history_digests
+
+    last_day = partition_valid(seed).filter(pl.col("transaction_id").str.starts_with(f"tx-{DAYS[-1]:%Y%m%d}")).head(64)
+    stored_history = store.history_for(last_day, k)
+    assert_same_features(
+        build_features(last_day, stored_history, k, targets_read_each_other=False),
+        build_features(last_day, stored_history, k),
+    )
