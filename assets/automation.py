@@ -12,6 +12,7 @@ from datetime import timedelta
 from dagster import AssetKey, AssetSelection, AutomationCondition
 
 PRODUCTION_MODEL = AssetKey("production_model")
+CHALLENGER_MODEL = AssetKey("challenger_model")
 
 
 def rescore_after_promotion(days: int) -> AutomationCondition | None:

@@ -9,6 +9,7 @@ import resource
 import time
 from datetime import date
 from pathlib import Path
+from typing import Literal
 
 import polars as pl
 from dagster import (
@@ -32,7 +33,7 @@ from pydantic import Field
 
 from assets.automation import PRODUCTION_MODEL, rescore_after_promotion
 from assets.metadata import score_distribution, table_metadata, table_schema
-from assets.model import build_production_model, production_model_observation
+from assets.model import build_production_model, challenger_model_observation, production_model_observation
 from assets.retries import TRANSIENT_RETRY, fail_at_once, retry_only_transient_errors
 from inference.batch import (
     FORWARD_BATCH_SIZE,
@@ -74,6 +75,11 @@ class RiskModelConfig(Config):
     max_train_rows: int = Field(default=60_000, ge=1_000)
     seed: int = 7
     force_promote: bool = Field(default=False, description="promote even if not at least as good as production")
+    register_as: Literal["production", "challenger"] = Field(
+        default="production",
+        description="production: promote when at least as good; challenger: set as the challenger, to be shadowed "
+        "online, replayed by challenger_predictions and judged by challenger_report before any promotion",
+    )
 
 
 class PredictionsConfig(Config):
@@ -194,13 +200,18 @@ def build_batch_assets(
                 # nor compare against it, so the new version replaces it (else nothing ever could).
                 context.log.warning(f"production model not comparable, replacing it: {error}")
                 current_auc = None
-        promoted = config.force_promote or current_auc is None or report.auc >= current_auc
+        challenged = config.register_as == "challenger" and current is not None
+        promoted = not challenged and (config.force_promote or current_auc is None or report.auc >= current_auc)
         if promoted:
             modelstore.promote(tag)
             # Said at once, so that predictions written after this run record the new version as
             # their input (production_model_observer would only see it on its next tick).
             context.log_event(production_model_observation(tag))
-        context.log.info(f"{tag}: AUC {report.auc:.4f} (production {current_auc}); promoted={promoted}")
+        elif challenged:
+            modelstore.challenge(tag)
+            context.log_event(challenger_model_observation(tag))
+        decision = "promoted" if promoted else "challenger" if challenged else "kept production"
+        context.log.info(f"{tag}: AUC {report.auc:.4f} (production {current_auc}); {decision}")
         production = model_store.production_tag() or ""
         return MaterializeResult(
             # What the materialization leaves in production: a run that promotes nothing keeps it.
@@ -210,6 +221,7 @@ def build_batch_assets(
                 "auc": report.auc,
                 "production_auc_same_holdout": current_auc if current_auc is not None else float("nan"),
                 "promoted": promoted,
+                "decision": decision,
                 "production_tag": production,
                 "parameter_count": report.parameter_count,
                 "flops_per_item": report.flops_per_item,

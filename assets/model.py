@@ -27,8 +27,11 @@ from dagster import (
 # function (a sensor, another asset) carries a data version, exactly as ObserveResult writes it.
 from dagster._core.definitions.data_version import DATA_VERSION_IS_USER_PROVIDED_TAG, DATA_VERSION_TAG
 
-from assets.automation import PRODUCTION_MODEL
+from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL
 from orchestration.resources import ModelStoreResource
+
+# The challenger's data version while the slot is empty.
+NO_CHALLENGER = "none"
 
 
 def production_model_observation(tag: str) -> AssetObservation:
@@ -37,6 +40,39 @@ def production_model_observation(tag: str) -> AssetObservation:
         tags={DATA_VERSION_TAG: tag, DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
         metadata={"model_version": tag},
     )
+
+
+def challenger_model_observation(tag: str | None) -> AssetObservation:
+    version = tag or NO_CHALLENGER
+    return AssetObservation(
+        asset_key=CHALLENGER_MODEL,
+        tags={DATA_VERSION_TAG: version, DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
+        metadata={"model_version": version},
+    )
+
+
+def build_challenger_model() -> AssetsDefinition:
+    @multi_observable_source_asset(
+        name="challenger_model",
+        specs=[
+            AssetSpec(
+                CHALLENGER_MODEL,
+                deps=["risk_model"],
+                group_name="challenger",
+                kinds={"bentoml"},
+                description="The challenger version (`tandem models challenge TAG`, or risk_model with register_as: "
+                "challenger): shadowed online, replayed by challenger_predictions. Its data version is the tag, "
+                f"'{NO_CHALLENGER}' while the slot is empty.",
+            )
+        ],
+    )
+    def challenger_model(model_store: ModelStoreResource) -> Iterator[ObserveResult]:
+        version = model_store.challenger_tag() or NO_CHALLENGER
+        yield ObserveResult(
+            asset_key=CHALLENGER_MODEL, data_version=DataVersion(version), metadata={"model_version": version}
+        )
+
+    return challenger_model
 
 
 def build_production_model() -> AssetsDefinition:

@@ -24,6 +24,8 @@ def retry_only_transient_errors() -> Iterator[None]:
     """
     try:
         yield
+    except Failure:
+        raise  # the asset's own verdict, already worded for the UI
     except Exception as error:
         if is_transient_db_error(error):
             raise

@@ -28,12 +28,15 @@ from inference.store import (
     BatchProducer,
     RejectStage,
     ResultPath,
+    challenger_predictions,
     delete_batch_predictions,
     prediction_rows,
+    predictions,
     prior_history,
     quarantine,
     resolve_superseded_rejections,
     stream_partition_rows,
+    upsert_challenger_predictions,
     upsert_predictions,
     upsert_transactions,
     utc_now,
@@ -118,8 +121,12 @@ def score_partition(
     on_chunk: Callable[[ChunkProgress], None] | None = None,
     pipelined: bool = True,
     model_workers: int = MODEL_WORKERS,
+    as_challenger: bool = False,
 ) -> PartitionReport:
     """Score every stored row of one day and write predictions + rejections in one transaction.
+
+    `as_challenger`: a replay by the challenger, written to `challenger_predictions` alone; what it
+    rejects is counted, not quarantined (the production run of the day quarantines the records).
 
     A pipeline, whatever the partition size: while chunk n goes through the model, chunk n+1 is
     read and featurised, and chunk n-1 is copied into staging and merged (by the calling thread,
@@ -167,7 +174,7 @@ def score_partition(
 
     def written(chunk: pl.DataFrame, results: pl.DataFrame, conn: Connection) -> None:
         began = time.perf_counter()
-        _write_chunk(conn, chunk, results, predictor, producer, report)
+        _write_chunk(conn, chunk, results, predictor, producer, report, as_challenger=as_challenger)
         pipeline.timed("write", began)
         if on_chunk is not None:
             elapsed = time.perf_counter() - started
@@ -196,7 +203,8 @@ def score_partition(
                 work = pipeline.timing("features", featurise, chunk, before)
                 results = pipeline.timing("model", score, work)
                 written(chunk, results, conn)
-            pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
+            if not as_challenger:
+                pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
         return _finished(report, pipeline, started)
 
     if model_workers < 1:
@@ -255,7 +263,8 @@ def score_partition(
             for chunk, results in in_order():
                 written(chunk, results, conn)
                 in_flight.release()
-            pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
+            if not as_challenger:
+                pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
     except Aborted:
         # A stage failed and the transaction has rolled back: raise that stage's error, not ours.
         pipeline.close()
@@ -283,6 +292,8 @@ def _write_chunk(
     predictor: Predictor,
     producer: BatchProducer,
     report: PartitionReport,
+    *,
+    as_challenger: bool,
 ) -> None:
     """One chunk's results into the partition's open transaction, and into the report."""
     scored = results.filter(pl.col("reject_reason").is_null())
@@ -291,20 +302,25 @@ def _write_chunk(
         .with_columns(results["reject_reason"], results["reject_detail"])
         .filter(pl.col("reject_reason").is_not_null())
     )
-    report.rows_written += upsert_predictions(write, _prediction_rows(scored, predictor, producer))
-    quarantine(
-        write,
-        rejected,
-        path=ResultPath.BATCH,
-        stage=RejectStage.SCORE,
-        partition_key=producer.partition_key,
-        run_id=producer.run_id,
-    )
+    rows = _prediction_rows(scored, predictor, producer)
+    if as_challenger:
+        report.rows_written += upsert_challenger_predictions(write, rows)
+    else:
+        report.rows_written += upsert_predictions(write, rows)
+        quarantine(
+            write,
+            rejected,
+            path=ResultPath.BATCH,
+            stage=RejectStage.SCORE,
+            partition_key=producer.partition_key,
+            run_id=producer.run_id,
+        )
     delete_batch_predictions(
         write,
         partition_key=producer.partition_key,
         model_version=predictor.model_version,
         transaction_ids=rejected["transaction_id"].drop_nulls().to_list(),
+        table=challenger_predictions if as_challenger else predictions,
     )
     report.rows_in += chunk.height
     report.scored += scored.height

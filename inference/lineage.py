@@ -1,5 +1,6 @@
 """Why does transaction X have score Y: every answer each path gave, which one is current, its
-producer, model and code version, input and history hashes, and why the paths differ if they do."""
+producer, model and code version, input and history hashes, and why the paths differ if they do;
+and apart, the challenger's answers (replays and shadows), which no client ever received."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from inference.agreement import cause_of
-from inference.store import ResultPath, lineage_rows
+from inference.store import ResultPath, challenger_lineage_rows, lineage_rows
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class TransactionLineage:
     partition_date: str | None
     current_input_hash: str | None
     results: list[ResultLineage]
+    # The challenger's answers: path batch (a replay) or shadow; never current, never returned.
+    challenger_results: list[ResultLineage]
 
     @property
     def current(self) -> ResultLineage | None:
@@ -66,49 +69,56 @@ def _current_index(rows: list[dict[str, Any]], current_hash: str | None) -> int 
 def explain(engine: Engine, transaction_id: str, *, dagster_ui_url: str) -> TransactionLineage:
     with engine.connect() as conn:
         source, rows = lineage_rows(conn, transaction_id)
+        challenger_rows = challenger_lineage_rows(conn, transaction_id)
     current_hash = source["input_hash"] if source else None
     current = _current_index(rows, current_hash)
     batch_rows = [row for row in rows if row["path"] == ResultPath.BATCH.value]
     batch_by_version = {row["model_version"]: row for row in batch_rows}
     results = []
     for index, row in enumerate(rows):
-        batch = row["path"] == ResultPath.BATCH.value
-        producer = (
-            f"dagster run {row['run_id']} partition {row['partition_key']}"
-            if batch
-            else f"request {row['request_id']} batch {row['batch_id']}"
-        )
         # The pairing rule of path_agreement (store.answer_pairs): the same version's batch answer,
         # else the newest batch answer.
-        paired = None if batch else batch_by_version.get(row["model_version"], batch_rows[-1] if batch_rows else None)
-        results.append(
-            ResultLineage(
-                model_version=row["model_version"],
-                score=row["score"],
-                path=row["path"],
-                producer=producer,
-                dagster_run_url=f"{dagster_ui_url.rstrip('/')}/runs/{row['run_id']}"
-                if batch and row["run_id"]
-                else None,
-                request_id=row["request_id"],
-                batch_id=row["batch_id"],
-                idempotency_key=row["idempotency_key"],
-                code_version=row["code_version"],
-                input_hash=row["input_hash"],
-                history_hash=row["history_hash"],
-                input_is_current=row["input_hash"] == current_hash,
-                degraded=bool(row["degraded"]),
-                unseen_fields=[name for name in (row["unseen_fields"] or "").split(",") if name],
-                produced_at=str(row["produced_at"]),
-                current=index == current,
-                batch_score=None if paired is None else paired["score"],
-                versus_batch=None if paired is None else cause_of(row, paired).value,
-            )
+        paired = (
+            None
+            if row["path"] == ResultPath.BATCH.value
+            else batch_by_version.get(row["model_version"], batch_rows[-1] if batch_rows else None)
         )
+        results.append(_result(row, current_hash, dagster_ui_url, current=index == current, paired=paired))
     return TransactionLineage(
         transaction_id=transaction_id,
         source_found=source is not None,
         partition_date=str(source["partition_date"]) if source else None,
         current_input_hash=current_hash,
         results=results,
+        challenger_results=[
+            _result(row, current_hash, dagster_ui_url, current=False, paired=None) for row in challenger_rows
+        ],
+    )
+
+
+def _result(
+    row: dict[str, Any], current_hash: str | None, dagster_ui_url: str, *, current: bool, paired: dict[str, Any] | None
+) -> ResultLineage:
+    batch = row["path"] == ResultPath.BATCH.value
+    return ResultLineage(
+        model_version=row["model_version"],
+        score=row["score"],
+        path=row["path"],
+        producer=f"dagster run {row['run_id']} partition {row['partition_key']}"
+        if batch
+        else f"request {row['request_id']} batch {row['batch_id']}",
+        dagster_run_url=f"{dagster_ui_url.rstrip('/')}/runs/{row['run_id']}" if batch and row["run_id"] else None,
+        request_id=row["request_id"],
+        batch_id=row["batch_id"],
+        idempotency_key=row["idempotency_key"],
+        code_version=row["code_version"],
+        input_hash=row["input_hash"],
+        history_hash=row["history_hash"],
+        input_is_current=row["input_hash"] == current_hash,
+        degraded=bool(row["degraded"]),
+        unseen_fields=[name for name in (row["unseen_fields"] or "").split(",") if name],
+        produced_at=str(row["produced_at"]),
+        current=current,
+        batch_score=None if paired is None else paired["score"],
+        versus_batch=None if paired is None else cause_of(row, paired).value,
     )

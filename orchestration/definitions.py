@@ -20,6 +20,7 @@ from dagster import (
 from assets.agreement import build_agreement_assets
 from assets.automation import PRODUCTION_MODEL
 from assets.batch import build_batch_assets
+from assets.challenger import build_challenger_assets
 from orchestration.alerts import build_run_failure_alert
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.sensors import (
@@ -34,6 +35,8 @@ from orchestration.sensors import (
     build_sensors,
 )
 from orchestration.settings import OrchestrationSettings
+
+REPLAY_CHALLENGER_JOB = "replay_challenger"
 
 # Backfill policies and partition mappings are beta in Dagster 1.13; we rely on them deliberately.
 warnings.filterwarnings("ignore", category=BetaWarning)
@@ -50,6 +53,11 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         DAILY_JOB,
         selection=AssetSelection.assets("transactions", "predictions", "path_agreement"),
         description="Ingest and score one UTC day, then compare it with the online answers.",
+    )
+    replay_job = define_asset_job(
+        REPLAY_CHALLENGER_JOB,
+        selection=AssetSelection.assets("challenger_predictions"),
+        description="Replay stored days with the challenger (a backfill over labelled days is its backtest).",
     )
     rescore_job = define_asset_job(
         RESCORE_JOB,
@@ -91,8 +99,8 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         "is bumped, and recomputes path_agreement after its day's predictions change.",
     )
     return Definitions(
-        assets=[*batch_assets, *agreement_assets, online_predictions],
-        jobs=[daily_job, rescore_job, ingest_job],
+        assets=[*batch_assets, *agreement_assets, online_predictions, *build_challenger_assets(partitions)],
+        jobs=[daily_job, rescore_job, ingest_job, replay_job],
         schedules=[nightly],
         sensors=[
             *build_sensors(sensor_settings),

@@ -66,6 +66,16 @@ class ModelStoreResource(ConfigurableResource):
     def production_tag(self) -> str | None:
         return modelstore.production_tag(self.model_name)
 
+    def challenger_tag(self) -> str | None:
+        return modelstore.challenger_tag(self.model_name)
+
+    def challenger(self) -> tuple[RiskModel, str]:
+        """The challenger, loaded; LookupError while the slot is empty."""
+        tag = self.challenger_tag()
+        if tag is None:
+            raise LookupError(f"no challenger for {self.model_name!r}: `tandem models challenge TAG` sets one")
+        return modelstore.load(tag), tag
+
     def history_length(self, tag: str) -> int:
         """The K version `tag` was trained with, read from its stored config (no weights loaded)."""
         return modelstore.model_config(tag).history_length

@@ -38,8 +38,8 @@ from dagster import (
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from assets.automation import PRODUCTION_MODEL
-from assets.model import production_model_observation
+from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL
+from assets.model import NO_CHALLENGER, challenger_model_observation, production_model_observation
 from inference.store import (
     PartitionChange,
     fixed_rejection_partitions,
@@ -180,14 +180,22 @@ def build_production_model_observer(settings: SensorSettings) -> SensorDefinitio
         tag = model_store.production_tag()
         if tag is None:
             return SkipReason("no production model yet")
+        challenger = model_store.challenger_tag() or NO_CHALLENGER
+        events: list[AssetObservation] = []
         # Compared with what Dagster last recorded, not with a cursor: risk_model reports its own
-        # promotions, and those must not be observed twice.
-        latest = context.instance.fetch_observations(AssetRecordsFilter(asset_key=PRODUCTION_MODEL), limit=1).records
-        observed = latest[0].asset_observation.data_version if latest and latest[0].asset_observation else None
-        if observed == tag:
-            return SkipReason(f"production model unchanged ({tag})")
-        context.log.info(f"production model: {observed} -> {tag}")
-        return SensorResult(asset_events=[production_model_observation(tag)])
+        # moves, and those must not be observed twice.
+        for key, version, observation in (
+            (PRODUCTION_MODEL, tag, production_model_observation),
+            (CHALLENGER_MODEL, challenger, challenger_model_observation),
+        ):
+            latest = context.instance.fetch_observations(AssetRecordsFilter(asset_key=key), limit=1).records
+            observed = latest[0].asset_observation.data_version if latest and latest[0].asset_observation else None
+            if observed != version and not (observed is None and version == NO_CHALLENGER):
+                context.log.info(f"{key.to_user_string()}: {observed} -> {version}")
+                events.append(observation(version))
+        if not events:
+            return SkipReason(f"production model unchanged ({tag}), challenger {challenger}")
+        return SensorResult(asset_events=events)
 
     return production_model_observer
 

@@ -9,6 +9,7 @@ import time
 import uuid
 from datetime import date
 
+import bentoml
 from sqlalchemy.engine import Engine
 
 from inference.batch import FORWARD_BATCH_SIZE, BatchProducer, ChunkProgress, ingest_day, score_partition
@@ -18,7 +19,7 @@ from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.model import ModelConfig
 from inference.settings import TandemSettings, get_settings
-from inference.store import make_engine, mark_rejections_fixed
+from inference.store import latest_challenger_report, make_engine, mark_rejections_fixed
 from inference.training import train_from_store
 from tandem import modelstore
 from tandem.version import code_version
@@ -121,6 +122,11 @@ def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bo
             _say(f"    run: {result.dagster_run_url}")
         if result.batch_score is not None:
             _say(f"    batch path: {result.batch_score:.6f}: {result.versus_batch}")
+    for result in report.challenger_results:
+        _say(
+            f"  challenger {result.model_version}: score {result.score:.6f} via {result.path} ({result.producer}), "
+            f"input {result.input_hash}, at {result.produced_at} (never returned to a client)"
+        )
     return 0
 
 
@@ -130,10 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("demo", help="generate, train, score one day, print a summary")
     models = commands.add_parser("models", help="model versions and the production pointer")
     model_commands = models.add_subparsers(dest="action", required=True)
-    model_commands.add_parser("list")
-    promote = model_commands.add_parser("promote")
-    promote.add_argument("tag")
-    model_commands.add_parser("rollback")
+    model_commands.add_parser("list", help="every version; * production, c challenger")
+    promote = model_commands.add_parser("promote", help="make a version production")
+    promoted = promote.add_mutually_exclusive_group(required=True)
+    promoted.add_argument("tag", nargs="?")
+    promoted.add_argument(
+        "--from-challenger",
+        action="store_true",
+        help="promote the challenger, if its latest challenger_report passed every check of the gate",
+    )
+    promote.add_argument("--force", action="store_true", help="with --from-challenger: promote past failed checks")
+    model_commands.add_parser("rollback", help="production back to the version before it")
+    challenge = model_commands.add_parser("challenge", help="set (or --clear) the challenger")
+    challenged = challenge.add_mutually_exclusive_group(required=True)
+    challenged.add_argument("tag", nargs="?")
+    challenged.add_argument("--clear", action="store_true", help="empty the challenger slot")
     lineage = commands.add_parser("lineage", help="why does a transaction have its score")
     lineage.add_argument("transaction_id")
     lineage.add_argument("--json", action="store_true", help="machine-readable output")
@@ -142,8 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     fixed = reject_commands.add_parser("fixed", help="mark rejections fixed upstream (the sensor reruns their days)")
     fixed.add_argument("rejection_ids", nargs="+", type=int)
     args = parser.parse_args(argv)
+    if args.command == "models" and args.action == "promote" and args.force and not args.from_challenger:
+        parser.error("--force goes with --from-challenger (a plain promote has no gate to force)")
+    try:
+        return _run(args, get_settings())
+    except (LookupError, ValueError, PromotionRefused, bentoml.exceptions.BentoMLException) as error:
+        print(f"tandem: {error}", file=sys.stderr)
+        return 1
 
-    settings = get_settings()
+
+def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
     if args.command == "demo":
         run_demo(settings)
     elif args.command == "lineage":
@@ -153,15 +178,61 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"{mark_rejections_fixed(conn, args.rejection_ids)} rejection(s) marked fixed")
     elif args.action == "list":
         current = modelstore.production_tag(settings.model_name)
+        challenger = modelstore.challenger_tag(settings.model_name)
         for version in modelstore.versions(settings.model_name):
-            marker = "*" if version.tag == current else " "
+            marker = "*" if version.tag == current else "c" if version.tag == challenger else " "
             _say(f"{marker} {version.tag}  created {version.created_at}  auc={version.metadata.get('auc')}")
+    elif args.action == "promote" and args.from_challenger:
+        _promote_challenger(settings, force=args.force)
     elif args.action == "promote":
         modelstore.promote(args.tag)
         _say(f"production -> {modelstore.production_tag(settings.model_name)}")
     elif args.action == "rollback":
         _say(f"production -> {modelstore.rollback(settings.model_name)}")
+    elif args.action == "challenge" and args.clear:
+        cleared = modelstore.clear_challenger(settings.model_name)
+        _say(f"challenger cleared (was {cleared})" if cleared else "no challenger was set")
+    elif args.action == "challenge":
+        _say(f"challenger -> {modelstore.challenge(args.tag)}")
     return 0
+
+
+class PromotionRefused(Exception):
+    pass
+
+
+def _promote_challenger(settings: TandemSettings, *, force: bool) -> None:
+    """The gate: the newest challenger_report that compared this challenger with this champion
+    passed every check of the gate; --force promotes past a failed or missing report, and says so."""
+    challenger = modelstore.challenger_tag(settings.model_name)
+    champion = modelstore.production_tag(settings.model_name)
+    if challenger is None:
+        raise PromotionRefused("no challenger to promote: `tandem models challenge TAG` sets one")
+    engine = _migrated_engine(settings)
+    try:
+        with engine.connect() as conn:
+            report = latest_challenger_report(conn, challenger=challenger, champion=champion or "")
+    finally:
+        engine.dispose()
+    if report is None:
+        refusal = (
+            f"no challenger_report compares {challenger} with {champion}: backfill challenger_predictions and "
+            "materialize challenger_report"
+        )
+    elif not report.passed:
+        reasons = "; ".join(f"{name}: {why}" for name, why in sorted(report.failures.items()))
+        refusal = f"challenger_report {report.report_id} ({report.created_at:%Y-%m-%d %H:%M} UTC) failed: {reasons}"
+    else:
+        refusal = None
+    if refusal is not None and not force:
+        raise PromotionRefused(f"not promoting {challenger}: {refusal} (--force promotes anyway)")
+    if refusal is not None:
+        _say(f"forced past the gate: {refusal}")
+    else:
+        assert report is not None
+        _say(f"challenger_report {report.report_id} passed every check of the gate")
+    modelstore.promote(challenger)
+    _say(f"production -> {modelstore.production_tag(settings.model_name)} (was {champion}); challenger slot empty")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Model versions in the BentoML model store, and the production pointer beside it.
+"""Model versions in the BentoML model store, and the production and challenger pointers beside it.
 
-BentoML's store has versioned tags but no notion of "the version in production", so the pointer
-is a small JSON file in BENTOML_HOME, replaced atomically; its history makes rollback the same
-move backwards.
+BentoML's store has versioned tags but no notion of "the version in production", so the pointers
+are a small JSON file in BENTOML_HOME, replaced atomically; the production history makes rollback
+the same move backwards. The challenger is the version scored beside production (shadowed online,
+replayed in batch) until it is promoted or cleared.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def _pointer_file(name: str) -> Path:
 def _read_pointer(name: str) -> dict[str, Any]:
     path = _pointer_file(name)
     if not path.exists():
-        return {"current": None, "previous": []}
-    return dict(json.loads(path.read_text()))
+        return {"current": None, "previous": [], "challenger": None}
+    return {"challenger": None, **json.loads(path.read_text())}
 
 
 def _write_pointer(name: str, pointer: dict[str, Any]) -> None:
@@ -95,16 +96,42 @@ def production_tag(name: str) -> str | None:
 
 
 def promote(tag: str) -> None:
-    """Make `tag` the production version (it must exist in the store)."""
+    """Make `tag` the production version (it must exist in the store); a promoted challenger
+    leaves the challenger slot."""
+    resolved = str(bentoml.models.get(tag).tag)
+    name = resolved.split(":", 1)[0]
+    pointer = _read_pointer(name)
+    challenger = None if pointer["challenger"] == resolved else pointer["challenger"]
+    if pointer["current"] == resolved and challenger == pointer["challenger"]:
+        return
+    previous = list(pointer["previous"])
+    if pointer["current"] and pointer["current"] != resolved:
+        previous.append(pointer["current"])
+    _write_pointer(name, {"current": resolved, "previous": previous, "challenger": challenger})
+
+
+def challenger_tag(name: str) -> str | None:
+    challenger = _read_pointer(name)["challenger"]
+    return str(challenger) if challenger else None
+
+
+def challenge(tag: str) -> str:
+    """Make `tag` the challenger (it must exist in the store, and not be in production); returns it."""
     resolved = str(bentoml.models.get(tag).tag)
     name = resolved.split(":", 1)[0]
     pointer = _read_pointer(name)
     if pointer["current"] == resolved:
-        return
-    previous = list(pointer["previous"])
-    if pointer["current"]:
-        previous.append(pointer["current"])
-    _write_pointer(name, {"current": resolved, "previous": previous})
+        raise ValueError(f"{resolved} is in production already; a challenger is another version")
+    _write_pointer(name, {**pointer, "challenger": resolved})
+    return resolved
+
+
+def clear_challenger(name: str) -> str | None:
+    """Empty the challenger slot; returns the version that was in it."""
+    pointer = _read_pointer(name)
+    if pointer["challenger"] is not None:
+        _write_pointer(name, {**pointer, "challenger": None})
+    return str(pointer["challenger"]) if pointer["challenger"] else None
 
 
 def rollback(name: str) -> str:
@@ -114,7 +141,8 @@ def rollback(name: str) -> str:
     if not previous:
         raise LookupError(f"{name} has no earlier production version to roll back to")
     restored = previous.pop()
-    _write_pointer(name, {"current": restored, "previous": previous})
+    challenger = None if pointer["challenger"] == restored else pointer["challenger"]
+    _write_pointer(name, {"current": restored, "previous": previous, "challenger": challenger})
     return str(restored)
 
 

@@ -1,16 +1,17 @@
 """The result store: Tandem's tables in SQLAlchemy Core and every statement run on them.
 
 This package is the only place that speaks SQL on Tandem's tables (`transactions`, `predictions`,
-`rejected_records`, `idempotency_keys`); the service's local outbox file (serving/outbox.py) is the
-one exception, and it is not one of these tables. All statements are built with SQLAlchemy
-(parameterised). Writes are idempotent upserts keyed by the data contract's keys, never blind
-appends, so a retried or replayed write changes nothing.
+`rejected_records`, `idempotency_keys`, `challenger_predictions`, `challenger_reports`); the
+service's local outbox file (serving/outbox.py) is the one exception, and it is not one of these
+tables. All statements are built with SQLAlchemy (parameterised). Writes are idempotent upserts
+keyed by the data contract's keys, never blind appends, so a retried or replayed write changes nothing.
 
 Modules, by concern: `schema` (tables, enums, row schemas), `engine` (engines, the clock, which
 errors are transient), `merge` (the upsert machinery), `source_rows` (`transactions`: source rows
 and history), `answers` (`predictions`: the row builder, upserts, reads of answers), `rejections`
 (quarantine and its resolution), `checks` (what the batch asset checks read back), `watch` (what
-the sensors watch), `idempotency` (idempotency keys). Import from the package: `from
+the sensors watch), `idempotency` (idempotency keys), `challenger` (a challenger's answers and the
+reports that gate its promotion). Import from the package: `from
 inference.store import X`. No module is named after a table, so `inference.store.predictions`
 stays the table even after a submodule import.
 """
@@ -29,6 +30,18 @@ from inference.store.answers import (
     prediction_rows,
     read_predictions,
     upsert_predictions,
+)
+from inference.store.challenger import (
+    COMPARISON_SCHEMA,
+    SHADOW_SCHEMA,
+    StoredReport,
+    challenger_lineage_rows,
+    champion_challenger_pairs,
+    latest_challenger_report,
+    latest_replayed_day,
+    online_latencies,
+    record_challenger_report,
+    upsert_challenger_predictions,
 )
 from inference.store.checks import PartitionCounts, batch_scores, partition_counts, sample_batch_predictions
 from inference.store.engine import is_missing_schema, is_transient_db_error, make_engine, utc_now
@@ -56,6 +69,8 @@ from inference.store.schema import (
     RejectStage,
     Resolution,
     ResultPath,
+    challenger_predictions,
+    challenger_reports,
     idempotency_keys,
     metadata,
     predictions,
@@ -82,11 +97,13 @@ from inference.store.watch import (
 
 __all__ = [
     "ANSWER_PAIR_SCHEMA",
+    "COMPARISON_SCHEMA",
     "HISTORY_SCHEMA",
     "NO_HISTORY",
     "PREDICTION_COLUMNS",
     "PREDICTION_SCHEMA",
     "ROW_COLUMNS",
+    "SHADOW_SCHEMA",
     "UNWRITABLE_RESULT",
     "BatchProducer",
     "ConflictPolicy",
@@ -99,9 +116,14 @@ __all__ = [
     "Resolution",
     "ResultPath",
     "StoreHistory",
+    "StoredReport",
     "answer_key_expr",
     "answer_pairs",
     "batch_scores",
+    "challenger_lineage_rows",
+    "challenger_predictions",
+    "challenger_reports",
+    "champion_challenger_pairs",
     "claim_idempotency_key",
     "complete_idempotency_key",
     "count_rejected",
@@ -111,12 +133,15 @@ __all__ = [
     "idempotency_keys",
     "is_missing_schema",
     "is_transient_db_error",
+    "latest_challenger_report",
+    "latest_replayed_day",
     "lineage_rows",
     "make_engine",
     "mark_rejections_fixed",
     "metadata",
     "online_activity",
     "online_answers",
+    "online_latencies",
     "partition_counts",
     "prediction_frame",
     "prediction_rows",
@@ -126,6 +151,7 @@ __all__ = [
     "quarantine_unwritable_result",
     "read_partition_rows",
     "read_predictions",
+    "record_challenger_report",
     "rejected_records",
     "release_idempotency_key",
     "resolve_superseded_rejections",
@@ -135,6 +161,7 @@ __all__ = [
     "stream_partition_rows",
     "take_over_idempotency_key",
     "transactions",
+    "upsert_challenger_predictions",
     "upsert_predictions",
     "upsert_transactions",
     "utc_now",

@@ -4,6 +4,7 @@ reads of stored answers (replays, lineage, the online/batch pairs that path_agre
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
@@ -149,8 +150,9 @@ def answer_key_expr() -> pl.Expr:
 
 
 # ------------------------------------------------------------------ writes
-def upsert_predictions(conn: Connection, rows: pl.DataFrame) -> int:
-    """Write prediction rows idempotently; returns rows inserted or changed.
+def upsert_predictions(conn: Connection, rows: pl.DataFrame, *, table: sa.Table = predictions) -> int:
+    """Write prediction rows idempotently; returns rows inserted or changed. `table` is
+    `predictions`, or `challenger_predictions`, which has the same columns and rules.
 
     Keyed by (transaction_id, model_version, path, answer_key), so one path never touches what the
     other recorded:
@@ -172,13 +174,12 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame) -> int:
         .select(PREDICTION_COLUMNS)
         .unique(["transaction_id", "model_version", "path", "answer_key"], keep="last")
     )
-    return _merge(
-        conn, predictions, frame, ["transaction_id", "model_version", "path", "answer_key"], _prediction_conflict
-    )
+    key = ["transaction_id", "model_version", "path", "answer_key"]
+    return _merge(conn, table, frame, key, functools.partial(_prediction_conflict, table))
 
 
-def _prediction_conflict(excluded: Any) -> tuple[dict[str, Any], Any]:
-    p = predictions.c
+def _prediction_conflict(table: sa.Table, excluded: Any) -> tuple[dict[str, Any], Any]:
+    p = table.c
     # A batch score is a function of the record and of the history it read: either changing rewrites it.
     changed = sa.or_(p.input_hash != excluded.input_hash, p.history_hash.is_distinct_from(excluded.history_hash))
     key = ("transaction_id", "model_version", "path", "answer_key")
@@ -187,17 +188,22 @@ def _prediction_conflict(excluded: Any) -> tuple[dict[str, Any], Any]:
 
 
 def delete_batch_predictions(
-    conn: Connection, *, partition_key: str, model_version: str, transaction_ids: list[str]
+    conn: Connection,
+    *,
+    partition_key: str,
+    model_version: str,
+    transaction_ids: list[str],
+    table: sa.Table = predictions,
 ) -> int:
     """Drop batch predictions of records that a rerun now rejects (a correction made them invalid)."""
     deleted = 0
     for chunk in _chunks(transaction_ids, 1000):
         deleted += conn.execute(
-            sa.delete(predictions).where(
-                predictions.c.partition_key == partition_key,
-                predictions.c.model_version == model_version,
-                predictions.c.path == ResultPath.BATCH.value,
-                predictions.c.transaction_id.in_(chunk),
+            sa.delete(table).where(
+                table.c.partition_key == partition_key,
+                table.c.model_version == model_version,
+                table.c.path == ResultPath.BATCH.value,
+                table.c.transaction_id.in_(chunk),
             )
         ).rowcount
     return deleted

@@ -109,5 +109,6 @@ def _chunks(items: Sequence[Any] | Iterable[Any], size: int) -> Iterator[list[An
 
 
 def _aware(moment: Any) -> datetime:
+    """A stored instant in UTC: SQLite hands back naive values, PostgreSQL its session's time zone."""
     value = moment if isinstance(moment, datetime) else datetime.fromisoformat(str(moment))
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
+    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)

@@ -21,6 +21,9 @@ metadata = sa.MetaData()
 class ResultPath(enum.StrEnum):
     BATCH = "batch"
     ONLINE = "online"
+    # A challenger's answer to an admitted online request, never returned to the client
+    # (challenger_predictions only).
+    SHADOW = "shadow"
 
 
 class Resolution(enum.StrEnum):
@@ -107,6 +110,44 @@ predictions = sa.Table(
     sa.CheckConstraint("path IN ('batch', 'online')", name="ck_predictions_path"),
     sa.Index("ix_predictions_partition_key", "partition_key"),
     sa.Index("ix_predictions_idempotency_key", "idempotency_key"),
+)
+
+# The challenger's answers, apart from `predictions`: nothing that serves, replays or compares the
+# production answers can read one by mistake. The same columns and keys as `predictions`; path is
+# 'batch' (a replay of a stored day) or 'shadow' (beside an online answer).
+challenger_predictions = sa.Table(
+    "challenger_predictions",
+    metadata,
+    *(
+        sa.Column(
+            c.name,
+            c.type,
+            primary_key=c.primary_key,
+            nullable=c.nullable,
+            server_default=sa.false() if c.name == "degraded" else None,
+            comment=c.comment,
+        )
+        for c in predictions.columns
+    ),
+    sa.CheckConstraint("path IN ('batch', 'shadow')", name="ck_challenger_predictions_path"),
+    sa.Index("ix_challenger_predictions_partition_key", "partition_key"),
+    sa.Index("ix_challenger_predictions_model_version", "model_version", "path"),
+)
+
+# Every materialization of challenger_report: the verdict `tandem models promote --from-challenger`
+# reads, for the champion and challenger it compared.
+challenger_reports = sa.Table(
+    "challenger_reports",
+    metadata,
+    sa.Column("report_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("champion", sa.Text, nullable=False),
+    sa.Column("challenger", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("run_id", sa.Text, nullable=True, comment="the Dagster run that materialized the report"),
+    sa.Column("passed", sa.Boolean, nullable=False, comment="every check of the promotion gate passed"),
+    sa.Column("failures", sa.Text, nullable=False, comment="JSON: the failed checks and why"),
+    sa.Column("metrics", sa.Text, nullable=False, comment="JSON: the report's numbers"),
+    sa.Index("ix_challenger_reports_pair", "challenger", "champion", "report_id"),
 )
 
 idempotency_keys = sa.Table(

@@ -1,0 +1,263 @@
+"""The challenger path in the asset graph: `challenger_predictions` replays stored days with the
+challenger through the batch path, and `challenger_report` compares it with the champion on the same
+transactions. The report's checks are the gate `tandem models promote --from-challenger` reads
+(through the verdict each materialization records in `challenger_reports`).
+
+Nothing here touches `predictions`: the challenger's answers live in `challenger_predictions`, so
+no production read (replays, lineage's current answer, path_agreement) can pick one up.
+"""
+
+# No `from __future__ import annotations`: Dagster reads the Config class from the asset
+# function's annotations (see assets/agreement.py).
+import time
+from datetime import date, timedelta
+from typing import Any
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetDep,
+    AssetExecutionContext,
+    AssetKey,
+    AssetsDefinition,
+    AssetSpec,
+    BackfillPolicy,
+    Config,
+    DailyPartitionsDefinition,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    TimeWindowPartitionMapping,
+    asset,
+)
+from pydantic import Field
+
+from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL
+from assets.batch import DATABASE_POOL
+from assets.metadata import frame_schema, table_metadata, table_schema
+from assets.model import build_challenger_model
+from assets.retries import TRANSIENT_RETRY, fail_at_once, retry_only_transient_errors
+from inference.batch import FORWARD_BATCH_SIZE, MODEL_WORKERS, BatchProducer, score_partition
+from inference.challenger import BLOCKING_CHECKS, Comparison, PromotionGate, compare
+from inference.contract import TorchPredictor
+from inference.store import (
+    COMPARISON_SCHEMA,
+    challenger_predictions,
+    champion_challenger_pairs,
+    latest_replayed_day,
+    online_latencies,
+    record_challenger_report,
+    utc_now,
+)
+from orchestration.resources import DatabaseResource, ModelStoreResource
+from tandem.version import code_version
+
+# The online shadow, as Dagster sees it: written by the BentoML service, not by a run.
+SHADOW_PREDICTIONS = AssetKey("shadow_predictions")
+
+# Bumped by hand when the output would change for the same inputs (see assets/batch.py).
+CHALLENGER_PREDICTIONS_CODE_VERSION = "1"
+CHALLENGER_REPORT_CODE_VERSION = "1"
+
+_CHECK_DESCRIPTIONS = {
+    "enough_labelled_evidence": "enough labelled pairs, and frauds among them, to judge the challenger",
+    "challenger_auc_not_worse": "challenger AUC at least the champion's minus TANDEM_CHALLENGER_AUC_MARGIN",
+    "challenger_precision_not_worse": "challenger precision at the alert rate at least the champion's minus "
+    "TANDEM_CHALLENGER_PRECISION_MARGIN",
+}
+
+
+class ChallengerPredictionsConfig(Config):
+    chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
+    forward_batch_size: int = Field(default=FORWARD_BATCH_SIZE, ge=1, le=65_536)
+    model_workers: int = Field(default=MODEL_WORKERS, ge=1, le=64)
+
+
+class ChallengerReportConfig(Config):
+    days: int = Field(default=7, ge=1, le=366, description="replayed days compared, ending at the latest one")
+    shadow_window_hours: float = Field(
+        default=24.0, gt=0, description="online answers whose shadow cost is reported, ending now"
+    )
+
+
+def _report_markdown(comparison: Comparison) -> str:
+    lines = ["| check | verdict |", "| --- | --- |"]
+    for name in BLOCKING_CHECKS:
+        verdict = comparison.failures.get(name)
+        said = f"FAILS: {verdict}" if verdict else f"passes: {comparison.passed_checks.get(name, '')}"
+        lines.append(f"| {name} | {said.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def _plotted(metrics: dict[str, Any]) -> dict[str, float | int]:
+    """Numbers as float metadata (the UI plots each across materializations); nothing to say is NaN."""
+    return {
+        name: float("nan") if value is None else value
+        for name, value in metrics.items()
+        if value is None or isinstance(value, int | float)
+    }
+
+
+def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[AssetsDefinition | AssetSpec]:
+    shadow_predictions = AssetSpec(
+        SHADOW_PREDICTIONS,
+        deps=[CHALLENGER_MODEL],
+        group_name="challenger",
+        kinds={"bentoml"},
+        description="The challenger's answers to a sample of admitted online requests (challenger_predictions, "
+        "path=shadow), scored by the BentoML service off the critical path; never returned to a client.",
+    )
+
+    @asset(
+        name="challenger_predictions",
+        partitions_def=partitions,
+        deps=[
+            # As predictions: a day's features read the accounts' earlier records.
+            AssetDep(
+                AssetKey("transactions"),
+                partition_mapping=TimeWindowPartitionMapping(
+                    start_offset=-1, allow_nonexistent_upstream_partitions=True
+                ),
+            ),
+            CHALLENGER_MODEL,
+        ],
+        code_version=CHALLENGER_PREDICTIONS_CODE_VERSION,
+        metadata={"dagster/column_schema": table_schema(challenger_predictions)},
+        retry_policy=TRANSIENT_RETRY,
+        backfill_policy=BackfillPolicy.multi_run(1),
+        pool=DATABASE_POOL,
+        group_name="challenger",
+        kinds={"pytorch", "sql"},
+        description="One stored day scored by the challenger through the batch path (challenger_predictions, "
+        "path=batch): a backfill over the last N days is a labelled backtest. Production answers are untouched.",
+    )
+    def challenger_predictions_asset(
+        context: AssetExecutionContext,
+        config: ChallengerPredictionsConfig,
+        database: DatabaseResource,
+        model_store: ModelStoreResource,
+    ) -> MaterializeResult:
+        day = date.fromisoformat(context.partition_key)
+        with fail_at_once("the challenger could not be loaded"):
+            model, version = model_store.challenger()
+        predictor = TorchPredictor(model=model, model_version=version, forward_batch_size=config.forward_batch_size)
+        producer = BatchProducer(
+            run_id=context.run.run_id, partition_key=context.partition_key, code_version=code_version()
+        )
+        with retry_only_transient_errors():
+            report = score_partition(
+                database.engine,
+                predictor,
+                day,
+                producer=producer,
+                history_length=predictor.history_length,
+                chunk_rows=config.chunk_rows,
+                model_workers=config.model_workers,
+                as_challenger=True,
+            )
+        context.log.info(f"{version}: {report.scored} scored, {report.rejected} rejected on {day}")
+        return MaterializeResult(
+            metadata={
+                **table_metadata(table_schema(challenger_predictions), report.scored),
+                "model_version": version,
+                "rows_in": report.rows_in,
+                "scored": report.scored,
+                "rejected": report.rejected,
+                "rows_per_second": round(report.rows_per_second),
+            }
+        )
+
+    @asset(
+        deps=["challenger_predictions", "predictions", SHADOW_PREDICTIONS, CHALLENGER_MODEL, PRODUCTION_MODEL],
+        code_version=CHALLENGER_REPORT_CODE_VERSION,
+        metadata={"dagster/column_schema": frame_schema(COMPARISON_SCHEMA)},
+        retry_policy=TRANSIENT_RETRY,
+        pool=DATABASE_POOL,
+        group_name="challenger",
+        kinds={"sql"},
+        # They gate promotion (`tandem models promote --from-challenger` reads the verdict), not
+        # downstream assets: nothing reads the report, and a run that reports a worse challenger
+        # did its job, so it succeeds with the checks failed (severity ERROR) rather than fails.
+        check_specs=[
+            AssetCheckSpec(name, asset="challenger_report", description=description)
+            for name, description in _CHECK_DESCRIPTIONS.items()
+        ],
+        description="Champion against challenger on the same replayed transactions: score agreement, decision "
+        "flips, AUC and precision at the alert rate on labelled days, and what shadowing cost. Its checks gate "
+        "`tandem models promote --from-challenger`.",
+    )
+    def challenger_report(
+        context: AssetExecutionContext,
+        config: ChallengerReportConfig,
+        database: DatabaseResource,
+        model_store: ModelStoreResource,
+    ) -> MaterializeResult:
+        champion, challenger = model_store.production_tag(), model_store.challenger_tag()
+        if champion is None or challenger is None:
+            raise Failure(
+                description=f"nothing to compare: production {champion}, challenger {challenger} "
+                "(`tandem models challenge TAG` sets a challenger)",
+                allow_retries=False,
+            )
+        gate = PromotionGate()
+        started = time.perf_counter()
+        with retry_only_transient_errors(), database.engine.connect() as conn:
+            last_day = latest_replayed_day(conn, challenger)
+            if last_day is None:
+                raise Failure(
+                    description=f"challenger_predictions has replayed no day with {challenger}: backfill it over "
+                    "the labelled days first",
+                    allow_retries=False,
+                )
+            first_day = last_day - timedelta(days=config.days - 1)
+            pairs = champion_challenger_pairs(
+                conn, champion=champion, challenger=challenger, first_day=first_day, last_day=last_day
+            )
+            since = utc_now() - timedelta(hours=config.shadow_window_hours)
+            latencies = online_latencies(conn, champion=champion, challenger=challenger, since=since)
+        comparison = compare(pairs, latencies, gate)
+        metrics = {
+            **comparison.metrics,
+            "first_day": first_day.isoformat(),
+            "last_day": last_day.isoformat(),
+            "champion": champion,
+            "challenger": challenger,
+        }
+        with retry_only_transient_errors(), database.engine.begin() as conn:
+            report_id = record_challenger_report(
+                conn,
+                champion=champion,
+                challenger=challenger,
+                created_at=utc_now(),
+                run_id=context.run.run_id,
+                failures=comparison.failures,
+                metrics=metrics,
+            )
+        verdict = "may be promoted" if comparison.passed else "blocked: " + "; ".join(comparison.failures)
+        context.log.info(f"challenger {challenger} against {champion}: {verdict}")
+        return MaterializeResult(
+            metadata={
+                **table_metadata(frame_schema(COMPARISON_SCHEMA), pairs.height),
+                **_plotted(comparison.metrics),
+                "champion": champion,
+                "challenger": challenger,
+                "window": f"{first_day} .. {last_day}",
+                "verdict": MetadataValue.md(_report_markdown(comparison)),
+                "promotable": comparison.passed,
+                "report_id": report_id,
+                "seconds": round(time.perf_counter() - started, 3),
+            },
+            check_results=[
+                AssetCheckResult(
+                    check_name=name,
+                    passed=name not in comparison.failures,
+                    severity=AssetCheckSeverity.ERROR,
+                    description=comparison.failures.get(name) or comparison.passed_checks.get(name),
+                    metadata={"champion": champion, "challenger": challenger, "report_id": report_id},
+                )
+                for name in BLOCKING_CHECKS
+            ],
+        )
+
+    return [build_challenger_model(), challenger_predictions_asset, shadow_predictions, challenger_report]
