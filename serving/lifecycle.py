@@ -23,6 +23,7 @@ from typing import Literal
 
 from serving.backends import ScoringBackend, warm_up_backend
 from serving.runtime import OnlineScorer
+from serving.shadow import ShadowScorer
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,57 @@ class _Periodic:
         raise NotImplementedError
 
 
-class ModelWatcher(_Periodic):
+class _PointerFollower(_Periodic):
+    """A task that follows a pointer of the model store and loads what it names, retrying a
+    version that failed with a doubling back-off (each try costs a process start on the cores the
+    serving pool needs)."""
+
+    def __init__(
+        self,
+        *,
+        pointer: Callable[[], str | None],
+        load: LoadFn,
+        interval_s: float,
+        load_timeout_s: float,
+        retry_max_s: float,
+        discard: Callable[[Executor], None],
+        clock: Callable[[], float],
+    ) -> None:
+        """`pointer` reads the tag (None: none set); `load` starts a scoring pool for a tag
+        (cheaply: the process and the model load lazily, during warm-up); `discard` disposes of
+        a pool that failed, which may be hung mid-load."""
+        super().__init__(interval_s)
+        self.pointer = pointer
+        self.load = load
+        self.load_timeout_s = load_timeout_s
+        self.retry_max_s = retry_max_s
+        self.discard = discard
+        self.clock = clock
+        self._failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
+
+    async def tick(self) -> None:
+        await self.poll_once()
+
+    async def poll_once(self) -> str | None:
+        raise NotImplementedError
+
+    def _backing_off(self, tag: str) -> bool:
+        return self.clock() < self._retry_at.get(tag, 0.0)
+
+    def _failed(self, tag: str) -> int:
+        """Count a failed attempt at `tag` and set its next try; returns the attempts so far."""
+        failures = self._failures.get(tag, 0) + 1
+        self._failures[tag] = failures
+        self._retry_at[tag] = self.clock() + min(self.interval_s * 2 ** (failures - 1), self.retry_max_s)
+        return failures
+
+    def _succeeded(self, tag: str) -> None:
+        self._failures.pop(tag, None)
+        self._retry_at.pop(tag, None)
+
+
+class ModelWatcher(_PointerFollower):
     name = "tandem-model-watcher"
 
     def __init__(
@@ -107,29 +158,21 @@ class ModelWatcher(_Periodic):
         discard: Callable[[Executor], None] = shutdown_now,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`production_tag` reads the pointer (None: nothing promoted); `load` starts a scoring
-        pool for a tag (cheaply: the process and the model load lazily, during warm-up);
-        `discard` disposes of a pool that failed, which may be hung mid-load."""
-        super().__init__(interval_s)
+        super().__init__(
+            pointer=production_tag,
+            load=load,
+            interval_s=interval_s,
+            load_timeout_s=load_timeout_s,
+            retry_max_s=retry_max_s,
+            discard=discard,
+            clock=clock,
+        )
         self.scorer = scorer
-        self.production_tag = production_tag
-        self.load = load
-        self.load_timeout_s = load_timeout_s
-        self.retry_max_s = retry_max_s
-        self.discard = discard
-        self.clock = clock
-        self._failures: dict[str, int] = {}
-        self._retry_at: dict[str, float] = {}
-
-    async def tick(self) -> None:
-        await self.poll_once()
 
     async def poll_once(self) -> SwapOutcome | None:
         """Swap to the version the pointer names, if it is not the one serving and not in back-off."""
-        tag = await asyncio.to_thread(self.production_tag)
-        if tag is None or tag == self.scorer.model_version:
-            return None
-        if self.clock() < self._retry_at.get(tag, 0.0):
+        tag = await asyncio.to_thread(self.pointer)
+        if tag is None or tag == self.scorer.model_version or self._backing_off(tag):
             return None
         return await self.swap_to(tag)
 
@@ -146,17 +189,16 @@ class ModelWatcher(_Periodic):
                 self.scorer, tag, load=self.load, load_timeout_s=self.load_timeout_s, discard=self.discard
             )
         except Exception:  # whatever broke the new version, the old one keeps serving
-            self._failed(tag)
+            self.scorer.metrics.model_swaps.labels(outcome="failed").inc()
             logger.exception(
                 "model %s failed to load or warm up; still serving %s (attempt %d, next in %.0f s)",
                 tag,
                 serving,
-                self._failures[tag],
+                self._failed(tag),
                 self._retry_at[tag] - self.clock(),
             )
             return "failed"
-        self._failures.pop(tag, None)
-        self._retry_at.pop(tag, None)
+        self._succeeded(tag)
         self.scorer.metrics.model_swaps.labels(outcome="succeeded").inc()
         # The swap took effect between batches, so nothing is running on the old pool: shutting
         # it down only waits for its process to exit.
@@ -171,14 +213,6 @@ class ModelWatcher(_Periodic):
             min(seconds for n, seconds in samples if n == largest) * 1000,
         )
         return "succeeded"
-
-    def _failed(self, tag: str) -> None:
-        self.scorer.metrics.model_swaps.labels(outcome="failed").inc()
-        failures = self._failures.get(tag, 0) + 1
-        self._failures[tag] = failures
-        # A version that cannot load costs a process start per try; doubling keeps that off the cores.
-        backoff = min(self.interval_s * 2 ** (failures - 1), self.retry_max_s)
-        self._retry_at[tag] = self.clock() + backoff
 
 
 class PoolSupervisor(_Periodic):
@@ -228,3 +262,79 @@ class PoolSupervisor(_Periodic):
         await asyncio.to_thread(self.discard, dead.executor)
         logger.warning("replaced the dead scoring process of %s in %.1f s", tag, time.monotonic() - started)
         return True
+
+
+class ChallengerWatcher(_PointerFollower):
+    """Follows the challenger pointer for the shadow: a new challenger is started in a scoring
+    process of its own (niceness ServingSettings.shadow_nice), warmed up with one round, and handed
+    to the ShadowScorer; a cleared or promoted one is let go. The champion is never involved, so a
+    challenger that fails to load only leaves shadowing off, logged and retried with back-off."""
+
+    name = "tandem-challenger-watcher"
+
+    def __init__(
+        self,
+        shadow: ShadowScorer,
+        *,
+        challenger_tag: Callable[[], str | None],
+        load: LoadFn,
+        interval_s: float,
+        load_timeout_s: float,
+        retry_max_s: float,
+        discard: Callable[[Executor], None] = shutdown_now,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            pointer=challenger_tag,
+            load=load,
+            interval_s=interval_s,
+            load_timeout_s=load_timeout_s,
+            retry_max_s=retry_max_s,
+            discard=discard,
+            clock=clock,
+        )
+        self.shadow = shadow
+
+    async def poll_once(self) -> str | None:
+        """Shadow with the version the pointer names; returns what changed ("started", "stopped",
+        "failed") or None."""
+        tag = await asyncio.to_thread(self.pointer)
+        if tag == self.shadow.model_version:
+            return None
+        if tag is None:
+            self._let_go(self.shadow.set_backend(None))
+            logger.info("challenger cleared: shadowing stopped")
+            return "stopped"
+        if self._backing_off(tag):
+            return None
+        backend: ScoringBackend | None = None
+        try:
+            backend = await asyncio.to_thread(self.load, tag)
+            await asyncio.to_thread(
+                warm_up_backend,
+                backend,
+                max_batch_size=self.shadow.settings.shadow_max_batch,
+                rounds=1,
+                timeout_s=self.load_timeout_s,
+            )
+        except Exception:
+            if backend is not None:
+                await asyncio.shield(asyncio.to_thread(self.discard, backend.executor))
+            logger.exception(
+                "challenger %s failed to load or warm up; not shadowing (attempt %d)", tag, self._failed(tag)
+            )
+            return "failed"
+        self._succeeded(tag)
+        self._let_go(self.shadow.set_backend(backend))
+        share = self.shadow.settings.shadow_sample
+        logger.info("shadowing challenger %s on %.0f%% of scored items", tag, 100 * share)
+        return "started"
+
+    def _let_go(self, previous: ScoringBackend | None) -> None:
+        if previous is not None:
+            # Not awaited: a shadow batch may still be running on it, and nobody waits for that.
+            previous.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def close(self) -> None:
+        await super().close()
+        self._let_go(self.shadow.set_backend(None))

@@ -34,6 +34,14 @@ ITEM_OUTCOMES: Final = (
     "failed",  # the scoring process died (503 unavailable)
 )
 SECONDS_PER_DAY: Final = 86_400
+# Why a sampled item got no shadow answer (serving/shadow.py); the champion's answer is never affected.
+SHADOW_DROP_REASONS: Final = (
+    "overload",  # the champion had requests waiting: shadow work is the first thing dropped
+    "queue_full",  # the shadow queue was at its bound
+    "stale",  # waited past shadow_max_age_ms for the champion to be idle
+    "scoring_failed",  # the challenger's scoring process failed the batch (or is being replaced)
+    "store_error",  # the shadow answers could not be written
+)
 
 
 def target_seconds(p99_target_ms: float) -> float:
@@ -174,6 +182,39 @@ class ServingMetrics:
         for outcome in ("succeeded", "failed"):
             # Exported at 0 from the start, so an alert on increase() sees the first failure.
             self.model_swaps.labels(outcome=outcome)
+        self.shadow_items = Counter(
+            "tandem_shadow_items_total",
+            "Sampled items for the challenger's shadow scoring, by outcome (scored, dropped).",
+            ["outcome"],
+            registry=r,
+        )
+        self.shadow_dropped = Counter(
+            "tandem_shadow_dropped_total",
+            "Sampled items the challenger did not score, by reason; never counted against the p99 target.",
+            ["reason"],
+            registry=r,
+        )
+        for name in ("scored", "dropped"):
+            self.shadow_items.labels(outcome=name)
+        for reason in SHADOW_DROP_REASONS:
+            self.shadow_dropped.labels(reason=reason)
+        self.shadow_queue_depth = Gauge(
+            "tandem_shadow_queue_depth", "Items waiting for the challenger.", registry=r, multiprocess_mode="livesum"
+        )
+        self.shadow_latency = Histogram(
+            "tandem_shadow_latency_seconds",
+            "From the champion's answer to the challenger's shadow answer.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.shadow_model_info = Gauge(
+            "tandem_shadow_model_info",
+            "1 for the challenger version being shadowed, 0 for versions shadowed earlier by this process.",
+            ["model_version"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self._shadowing: str | None = None
         self.p99_target.set(self.target_s)
         self.availability_target.set(resolved.availability_target)
         self.slo_window.set(resolved.slo_window_days * SECONDS_PER_DAY)
@@ -188,6 +229,14 @@ class ServingMetrics:
             self.model_info.labels(model_version=self._serving, code_version=self.code_version).set(0)
         self.model_info.labels(model_version=model_version, code_version=self.code_version).set(1)
         self._serving = model_version
+
+    def shadowing_model(self, model_version: str | None) -> None:
+        """Mark `model_version` as the challenger being shadowed (None: no shadowing)."""
+        if self._shadowing is not None and self._shadowing != model_version:
+            self.shadow_model_info.labels(model_version=self._shadowing).set(0)
+        if model_version is not None:
+            self.shadow_model_info.labels(model_version=model_version).set(1)
+        self._shadowing = model_version
 
     def exposition(self) -> bytes:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

@@ -20,18 +20,13 @@ from serving.admission import BatchCostModel, Decision, LoopLag
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, WorkItem
 from serving.breaker import BreakerState, CircuitBreaker
-from serving.idempotency import (
-    Admission,
-    IdempotencyKeys,
-    KeyInProgress,
-    KeyReused,
-    request_fingerprint,
-)
+from serving.idempotency import Admission, IdempotencyKeys, KeyInProgress, KeyReused, request_fingerprint
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
+from serving.shadow import ShadowScorer
 from serving.writer import ResultWriter
 
 logger = logging.getLogger(__name__)
@@ -107,6 +102,13 @@ class OnlineScorer:
         self.in_flight: dict[tuple[str, str], WorkItem] = {}
         self.restore_failures = 0  # consecutive failed attempts to replace a dead scoring process
         self.batcher: AdaptiveBatcher | None = None
+        # The challenger, once ChallengerWatcher installs one: offered what the champion answered.
+        self.shadow = ShadowScorer(
+            engine=engine,
+            settings=settings,
+            metrics=metrics,
+            champion_waiting=lambda: 0 if self.batcher is None else self.batcher.queued,
+        )
         self.warm = False
         metrics.p99_target.set(settings.p99_target_ms / 1000)
         metrics.serving_model(model_version)
@@ -136,6 +138,7 @@ class OnlineScorer:
         self.batcher.start()
         self.loop_lag.start()
         self.writer.start()
+        self.shadow.start()
 
     @property
     def model_version(self) -> str:
@@ -167,7 +170,8 @@ class OnlineScorer:
         self.restore_failures = 0
 
     async def close(self, drain_s: float = 0.0) -> None:
-        """Stop batching, write what was submitted, and drain the outbox for up to `drain_s`."""
+        """Stop shadowing and batching, write what was submitted, and drain the outbox for up to `drain_s`."""
+        await self.shadow.close()
         await self.loop_lag.stop()
         if self.batcher is not None:
             await self.batcher.stop()
@@ -356,6 +360,7 @@ class OnlineScorer:
             row["latency_ms"] = waited_ms.get(row["transaction_id"])
         self.writer.submit_rows(outcome.rows)
         self.writer.submit_rejections(outcome.rejected)
+        self.shadow.offer([item.spec for item in batch], outcome)
         self.metrics.breaker_state.set(max(int(self.breaker.state), outcome.breaker_state))
 
     def quarantine_invalid(self, items: list[Any], details: dict[int, str], request_id: str) -> None:

@@ -30,7 +30,7 @@ from serving import worker
 from serving.app import answer, build_app
 from serving.backends import ScoringBackend
 from serving.gate import CURRENT_CALL, ScoreGate
-from serving.lifecycle import ModelWatcher, PoolSupervisor
+from serving.lifecycle import ChallengerWatcher, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
@@ -148,6 +148,20 @@ class RiskScorer:
             if follow
             else None
         )
+        # The challenger is followed as production is, and only then: a pinned service shadows nothing.
+        self.challenger_watcher = (
+            ChallengerWatcher(
+                self.scorer.shadow,
+                challenger_tag=functools.partial(modelstore.challenger_tag, settings.model_name),
+                load=functools.partial(self.load_version, nice=serving.shadow_nice),
+                interval_s=serving.model_poll_interval_s,
+                load_timeout_s=serving.model_load_timeout_s,
+                retry_max_s=serving.model_retry_max_s,
+                discard=worker.discard_pool,
+            )
+            if follow and serving.shadow_sample > 0
+            else None
+        )
         # Always on: a pinned version needs its dead scoring process replaced as much as any.
         self.supervisor = PoolSupervisor(
             self.scorer,
@@ -175,10 +189,12 @@ class RiskScorer:
         assert call is not None, "POST /score always passes the gate"
         return await answer(call, self.scorer)  # type: ignore[return-value]
 
-    def load_version(self, tag: str) -> ScoringBackend:
+    def load_version(self, tag: str, nice: int = 0) -> ScoringBackend:
         """A scoring pool for another stored version; its process starts on the first (warm-up) call."""
         stored = bentoml.models.get(tag)
-        config = dataclasses.replace(self.worker_config, model_dir=str(stored.path), model_version=str(stored.tag))
+        config = dataclasses.replace(
+            self.worker_config, model_dir=str(stored.path), model_version=str(stored.tag), nice=nice
+        )
         return ScoringBackend(config.model_version, worker.start_pool(config), worker.score)
 
     @bentoml.on_startup
@@ -187,6 +203,8 @@ class RiskScorer:
         self.supervisor.start()
         if self.watcher is not None:
             self.watcher.start()
+        if self.challenger_watcher is not None:
+            self.challenger_watcher.start()
 
     @bentoml.on_shutdown
     async def stop_scorer(self) -> None:
@@ -197,6 +215,8 @@ class RiskScorer:
         await self.supervisor.close()
         if self.watcher is not None:
             await self.watcher.close()
+        if self.challenger_watcher is not None:
+            await self.challenger_watcher.close()
         await self.scorer.close(drain_s=self.shutdown_drain_s)
         # The pool of the version serving now, which a swap may have replaced since __init__.
         self.scorer.executor.shutdown(wait=True)

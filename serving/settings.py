@@ -71,6 +71,27 @@ class ServingSettings(BaseSettings):
         description="How often the production pointer is checked for a promoted (or rolled back) version; "
         "0 turns hot swap off, as does pinning model_tag.",
     )
+    shadow_sample: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Share of admitted, scored items the challenger also scores in shadow while one is set "
+        "(`tandem models challenge`); chosen by transaction id, so a retry is sampled alike. 0 turns shadowing off.",
+    )
+    shadow_queue_capacity: int = Field(default=512, ge=1, description="Sampled items waiting for the challenger.")
+    shadow_max_batch: int = Field(default=32, ge=1, le=4096, description="Items per challenger batch at most.")
+    shadow_max_age_ms: float = Field(
+        default=2000.0,
+        gt=0,
+        description="How long a sampled item may wait for the champion to be idle before it is dropped.",
+    )
+    shadow_nice: int = Field(
+        default=19,
+        ge=0,
+        le=19,
+        description="Scheduling niceness of the challenger's scoring process: on shared cores it gets what the "
+        "champion leaves.",
+    )
     pool_check_interval_s: float = Field(
         default=0.5,
         gt=0,

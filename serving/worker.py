@@ -40,10 +40,13 @@ class WorkerConfig:
     breaker_failure_threshold: int
     breaker_reset_s: float
     engine_options: dict[str, Any] = field(default_factory=dict)
+    nice: int = 0  # the challenger's shadow process runs at 19: the champion's process goes first
 
 
 def initialize(config: WorkerConfig) -> None:
     global _core  # noqa: PLW0603 - set once, when the pool starts this process
+    if config.nice:
+        os.nice(config.nice)
     torch.set_num_threads(config.torch_threads)
     # Scored with the K the model was trained with (TorchPredictor.history_length), so a version
     # swapped in later is scored with its own K, whatever the settings say.

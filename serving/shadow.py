@@ -1,0 +1,215 @@
+"""Shadow scoring: the challenger scores a sample of what the champion answered, off the critical
+path, and its answers go to `challenger_predictions` (path=shadow), never to a client.
+
+What keeps the champion's answers and p99 untouched:
+- an item is offered only after the champion's batch is answered, from the batcher's hook, and the
+  offer is a bounded append on the event loop (no I/O, no await);
+- the challenger runs in a scoring process of its own at niceness 19 (ServingSettings.shadow_nice):
+  on shared cores the scheduler gives it what the champion's process leaves;
+- a shadow batch starts only while the champion has nothing waiting; when the champion has more
+  queued than its next batch takes, new samples are dropped ("overload"), and waiting ones age out
+  ("stale") while it stays busy;
+- no shadow work counts in admission, in the champion's cost model or in its latency metrics; what
+  was dropped is counted in `tandem_shadow_dropped_total{reason}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import BrokenExecutor
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Engine
+
+from inference.store import ResultPath, prediction_frame, upsert_challenger_predictions
+from serving.backends import ScoringBackend
+from serving.metrics import ServingMetrics
+from serving.scoring import BatchResult, ItemSpec
+from serving.settings import ServingSettings
+
+logger = logging.getLogger(__name__)
+
+_SAMPLE_SCALE = 1_000_000
+# How often a waiting shadow batch looks again whether the champion is idle.
+_IDLE_POLL_S = 0.005
+
+
+def sampled(transaction_id: str, share: float) -> bool:
+    """Whether the challenger shadows this transaction: by a hash of its id, so a retry of the
+    same transaction is sampled alike and the sample is the same on every worker."""
+    return zlib.crc32(transaction_id.encode()) % _SAMPLE_SCALE < share * _SAMPLE_SCALE
+
+
+@dataclass(frozen=True)
+class _Offered:
+    spec: ItemSpec
+    at: float
+
+
+class ShadowScorer:
+    """The challenger's side of the online path in one server process: the sample, a bounded queue,
+    one loop that scores the queue on the challenger's backend while the champion is idle, and the
+    writes of the shadow answers.
+
+    `champion_waiting()` says how many items the champion has queued (the batcher's `queued`);
+    `set_backend` is how the challenger watcher installs, replaces or removes the challenger.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        settings: ServingSettings,
+        metrics: ServingMetrics,
+        champion_waiting: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.champion_waiting = champion_waiting
+        self.clock = clock
+        self.backend: ScoringBackend | None = None
+        self._queue: collections.deque[_Offered] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._writes: set[asyncio.Future[None]] = set()
+
+    @property
+    def model_version(self) -> str | None:
+        return None if self.backend is None else self.backend.model_version
+
+    def set_backend(self, backend: ScoringBackend | None) -> ScoringBackend | None:
+        """Shadow with `backend` from the next shadow batch on (None: stop); returns the one it
+        replaced, which no new shadow batch reaches. What was queued for the old one is dropped."""
+        previous, self.backend = self.backend, backend
+        if previous is not None and self._queue:
+            self._drop(len(self._queue), "scoring_failed")
+            self._queue.clear()
+        self.metrics.shadowing_model(self.model_version)
+        return previous
+
+    # ------------------------------------------------------------------ on the event loop, per batch
+    def offer(self, specs: Sequence[ItemSpec], outcome: BatchResult) -> None:
+        """One champion batch, after it was answered: its sampled scored items join the shadow
+        queue unless the champion is over capacity or the queue is full. A degraded batch is not
+        offered: the store the challenger would read history from is down."""
+        if self.backend is None or self.settings.shadow_sample <= 0 or outcome.degraded:
+            return
+        share = self.settings.shadow_sample
+        chosen = [
+            spec
+            for spec, result in zip(specs, outcome.results, strict=True)
+            if result.status == "scored" and sampled(str(spec.raw["transaction_id"]), share)
+        ]
+        if not chosen:
+            return
+        if self.champion_waiting() >= self.settings.max_batch_size:
+            # More waiting than the champion's next batch can take: it is over capacity.
+            self._drop(len(chosen), "overload")
+            return
+        room = self.settings.shadow_queue_capacity - len(self._queue)
+        now = self.clock()
+        self._queue.extend(_Offered(spec, now) for spec in chosen[: max(room, 0)])
+        if len(chosen) > room:
+            self._drop(len(chosen) - max(room, 0), "queue_full")
+        self.metrics.shadow_queue_depth.set(len(self._queue))
+        self._wakeup.set()
+
+    def _drop(self, count: int, reason: str) -> None:
+        self.metrics.shadow_items.labels(outcome="dropped").inc(count)
+        self.metrics.shadow_dropped.labels(reason=reason).inc(count)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-shadow")
+
+    async def close(self) -> None:
+        """Stop shadowing: what is queued is dropped, what is being written is waited for."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._queue:
+            self._drop(len(self._queue), "stale")
+            self._queue.clear()
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                await self._score_next()
+
+    async def _score_next(self) -> None:
+        while self.champion_waiting() > 0 and self._queue:
+            self._expire()
+            await asyncio.sleep(_IDLE_POLL_S)
+        self._expire()
+        backend = self.backend
+        if backend is None:  # let go of meanwhile: nothing left to score what is queued
+            self._drop(len(self._queue), "scoring_failed")
+            self._queue.clear()
+            return
+        if not self._queue:
+            return
+        batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.settings.shadow_max_batch))]
+        self.metrics.shadow_queue_depth.set(len(self._queue))
+        specs = [offered.spec for offered in batch]
+        loop = asyncio.get_running_loop()
+        try:
+            outcome = await asyncio.wrap_future(backend.executor.submit(backend.process, specs), loop=loop)
+        except Exception as error:  # whatever it was, the champion never notices
+            logger.warning("shadow batch of %d failed on %s", len(batch), backend.model_version, exc_info=True)
+            self._drop(len(batch), "scoring_failed")
+            if isinstance(error, BrokenExecutor) and self.backend is backend:
+                # Its process died: let go of it, and the challenger watcher starts another.
+                self.set_backend(None)
+                backend.executor.shutdown(wait=False, cancel_futures=True)
+            return
+        finished = self.clock()
+        offered_at = {str(offered.spec.raw["transaction_id"]): offered.at for offered in batch}
+        rows = []
+        for row in outcome.rows:
+            latency_s = finished - offered_at.get(row["transaction_id"], finished)
+            rows.append({**row, "path": ResultPath.SHADOW.value, "latency_ms": latency_s * 1000})
+            self.metrics.shadow_latency.observe(latency_s)
+        scored = sum(1 for result in outcome.results if result.status == "scored")
+        if len(batch) > scored:  # the challenger refused an item the champion scored
+            self._drop(len(batch) - scored, "scoring_failed")
+        if scored > len(rows):  # replays: this input and history were shadowed, and stored, before
+            self.metrics.shadow_items.labels(outcome="scored").inc(scored - len(rows))
+        if rows:
+            write = loop.run_in_executor(None, self._write, rows)
+            self._writes.add(write)
+            write.add_done_callback(self._writes.discard)
+
+    def _expire(self) -> None:
+        oldest_allowed = self.clock() - self.settings.shadow_max_age_ms / 1000
+        expired = 0
+        while self._queue and self._queue[0].at < oldest_allowed:
+            self._queue.popleft()
+            expired += 1
+        if expired:
+            self._drop(expired, "stale")
+            self.metrics.shadow_queue_depth.set(len(self._queue))
+
+    def _write(self, rows: list[dict[str, object]]) -> None:
+        """Off the event loop. Best effort: shadow answers lost to an outage are counted, not kept
+        in the outbox, which is for the answers clients received."""
+        try:
+            with self.engine.begin() as conn:
+                upsert_challenger_predictions(conn, prediction_frame(rows))
+        except Exception:
+            logger.warning("could not store %d shadow answers", len(rows), exc_info=True)
+            self._drop(len(rows), "store_error")
+            return
+        self.metrics.shadow_items.labels(outcome="scored").inc(len(rows))
