@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Literal
+from typing import Any, Literal
 
 from serving.backends import ScoringBackend, warm_up_backend
 from serving.runtime import OnlineScorer
@@ -106,8 +106,8 @@ class _PointerFollower(_Periodic):
         interval_s: float,
         load_timeout_s: float,
         retry_max_s: float,
-        discard: Callable[[Executor], None],
-        clock: Callable[[], float],
+        discard: Callable[[Executor], None] = shutdown_now,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`pointer` reads the tag (None: none set); `load` starts a scoring pool for a tag
         (cheaply: the process and the model load lazily, during warm-up); `discard` disposes of
@@ -146,27 +146,9 @@ class _PointerFollower(_Periodic):
 class ModelWatcher(_PointerFollower):
     name = "tandem-model-watcher"
 
-    def __init__(
-        self,
-        scorer: OnlineScorer,
-        *,
-        production_tag: Callable[[], str | None],
-        load: LoadFn,
-        interval_s: float,
-        load_timeout_s: float,
-        retry_max_s: float,
-        discard: Callable[[Executor], None] = shutdown_now,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(
-            pointer=production_tag,
-            load=load,
-            interval_s=interval_s,
-            load_timeout_s=load_timeout_s,
-            retry_max_s=retry_max_s,
-            discard=discard,
-            clock=clock,
-        )
+    def __init__(self, scorer: OnlineScorer, *, production_tag: Callable[[], str | None], **follow: Any) -> None:
+        """`follow`: the _PointerFollower settings (load, interval_s, load_timeout_s, retry_max_s, ...)."""
+        super().__init__(pointer=production_tag, **follow)
         self.scorer = scorer
 
     async def poll_once(self) -> SwapOutcome | None:
@@ -272,27 +254,9 @@ class ChallengerWatcher(_PointerFollower):
 
     name = "tandem-challenger-watcher"
 
-    def __init__(
-        self,
-        shadow: ShadowScorer,
-        *,
-        challenger_tag: Callable[[], str | None],
-        load: LoadFn,
-        interval_s: float,
-        load_timeout_s: float,
-        retry_max_s: float,
-        discard: Callable[[Executor], None] = shutdown_now,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(
-            pointer=challenger_tag,
-            load=load,
-            interval_s=interval_s,
-            load_timeout_s=load_timeout_s,
-            retry_max_s=retry_max_s,
-            discard=discard,
-            clock=clock,
-        )
+    def __init__(self, shadow: ShadowScorer, *, challenger_tag: Callable[[], str | None], **follow: Any) -> None:
+        """`follow`: the _PointerFollower settings (load, interval_s, load_timeout_s, retry_max_s, ...)."""
+        super().__init__(pointer=challenger_tag, **follow)
         self.shadow = shadow
 
     async def poll_once(self) -> str | None:
