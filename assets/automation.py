@@ -13,6 +13,8 @@ from dagster import AssetKey, AssetSelection, AutomationCondition
 
 PRODUCTION_MODEL = AssetKey("production_model")
 CHALLENGER_MODEL = AssetKey("challenger_model")
+# Written by the BentoML service, observed by shadow_predictions_observer (orchestration/sensors.py).
+SHADOW_PREDICTIONS = AssetKey("shadow_predictions")
 
 
 def rescore_after_promotion(days: int) -> AutomationCondition | None:

@@ -33,7 +33,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL
+from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICTIONS
 from assets.batch import DATABASE_POOL
 from assets.metadata import frame_schema, table_metadata, table_schema
 from assets.model import build_challenger_model
@@ -52,9 +52,6 @@ from inference.store import (
 )
 from orchestration.resources import DatabaseResource, ModelStoreResource
 from tandem.version import code_version
-
-# The online shadow, as Dagster sees it: written by the BentoML service, not by a run.
-SHADOW_PREDICTIONS = AssetKey("shadow_predictions")
 
 # Bumped by hand when the output would change for the same inputs (see assets/batch.py).
 CHALLENGER_PREDICTIONS_CODE_VERSION = "1"
@@ -245,7 +242,7 @@ def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[Asset
                 "window": f"{first_day} .. {last_day}",
                 "verdict": MetadataValue.md(_report_markdown(comparison)),
                 "promotable": comparison.passed,
-                "report_id": report_id,
+                "report_id": MetadataValue.text(str(report_id)),  # an id: not a number to plot
                 "seconds": round(time.perf_counter() - started, 3),
             },
             check_results=[
@@ -254,7 +251,7 @@ def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[Asset
                     passed=name not in comparison.failures,
                     severity=AssetCheckSeverity.ERROR,
                     description=comparison.failures.get(name) or comparison.passed_checks.get(name),
-                    metadata={"champion": champion, "challenger": challenger, "report_id": report_id},
+                    metadata={"champion": champion, "challenger": challenger, "report_id": str(report_id)},
                 )
                 for name in BLOCKING_CHECKS
             ],

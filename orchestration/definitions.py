@@ -107,6 +107,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
             automation,
             build_production_model_observer(sensor_settings),
             build_online_observer(sensor_settings),
+            build_online_observer(sensor_settings, shadow=True),
             build_run_failure_alert(sensor_settings.interval_seconds),
             build_landing_sensor(sensor_settings, partitions=partitions, jobs=[daily_job, ingest_job]),
         ],

@@ -38,7 +38,7 @@ from dagster import (
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL
+from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICTIONS
 from assets.model import NO_CHALLENGER, challenger_model_observation, production_model_observation
 from inference.store import (
     PartitionChange,
@@ -200,21 +200,26 @@ def build_production_model_observer(settings: SensorSettings) -> SensorDefinitio
     return production_model_observer
 
 
-def build_online_observer(settings: SensorSettings) -> SensorDefinition:
+def build_online_observer(settings: SensorSettings, *, shadow: bool = False) -> SensorDefinition:
+    """What the online service wrote, as observations: its answers (online_predictions, from
+    `predictions`) or, with `shadow`, the challenger's beside them (shadow_predictions, from
+    `challenger_predictions`)."""
+    asset_key, name = (SHADOW_PREDICTIONS, "shadow") if shadow else (ONLINE_PREDICTIONS, "online")
+    table = "challenger_predictions" if shadow else "predictions"
+
     @sensor(
+        name=f"{name}_predictions_observer",
         minimum_interval_seconds=settings.interval_seconds,
         default_status=DefaultSensorStatus.RUNNING,
-        description="Reports what the online service wrote to `predictions` as observations of online_predictions.",
+        description=f"Reports what the online service wrote to `{table}` as observations of {name}_predictions.",
     )
-    def online_predictions_observer(
-        context: SensorEvaluationContext, database: DatabaseResource
-    ) -> SensorResult | SkipReason:
+    def observer(context: SensorEvaluationContext, database: DatabaseResource) -> SensorResult | SkipReason:
         with database.engine.connect() as conn:
-            activity = online_activity(conn, produced_after=_watermark(context.cursor))
+            activity = online_activity(conn, produced_after=_watermark(context.cursor), shadow=shadow)
         if activity.rows == 0 or activity.latest is None:
-            return SkipReason("no new online results")
+            return SkipReason(f"no new {name} results")
         observation = AssetObservation(
-            asset_key=ONLINE_PREDICTIONS,
+            asset_key=asset_key,
             metadata={
                 "rows": activity.rows,
                 "requests": activity.requests,
@@ -226,7 +231,7 @@ def build_online_observer(settings: SensorSettings) -> SensorDefinition:
         )
         return SensorResult(asset_events=[observation], cursor=_cursor(activity.latest))
 
-    return online_predictions_observer
+    return observer
 
 
 _IN_FLIGHT = [

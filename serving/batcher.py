@@ -113,6 +113,11 @@ class AdaptiveBatcher:
     def queued(self) -> int:
         return self._live
 
+    @property
+    def busy(self) -> bool:
+        """A batch is being scored or items are waiting for one."""
+        return self._in_flight_since is not None or self._live > 0
+
     def in_flight_remaining(self) -> float:
         if self._in_flight_since is None:
             return 0.0

@@ -39,7 +39,8 @@ SHADOW_DROP_REASONS: Final = (
     "overload",  # the champion had requests waiting: shadow work is the first thing dropped
     "queue_full",  # the shadow queue was at its bound
     "stale",  # waited past shadow_max_age_ms for the champion to be idle
-    "scoring_failed",  # the challenger's scoring process failed the batch (or is being replaced)
+    "scoring_failed",  # the challenger's scoring process failed the batch
+    "replaced",  # queued for a challenger that was cleared or replaced meanwhile
     "store_error",  # the shadow answers could not be written
 )
 

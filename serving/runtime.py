@@ -107,7 +107,8 @@ class OnlineScorer:
             engine=engine,
             settings=settings,
             metrics=metrics,
-            champion_waiting=lambda: 0 if self.batcher is None else self.batcher.queued,
+            champion_queued=lambda: 0 if self.batcher is None else self.batcher.queued,
+            champion_busy=lambda: self.batcher is not None and self.batcher.busy,
         )
         self.warm = False
         metrics.p99_target.set(settings.p99_target_ms / 1000)

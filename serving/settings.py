@@ -80,6 +80,12 @@ class ServingSettings(BaseSettings):
     )
     shadow_queue_capacity: int = Field(default=512, ge=1, description="Sampled items waiting for the challenger.")
     shadow_max_batch: int = Field(default=32, ge=1, le=4096, description="Items per challenger batch at most.")
+    shadow_linger_ms: float = Field(
+        default=100.0,
+        ge=0,
+        description="How long sampled items wait for more to fill a challenger batch: each batch has a fixed "
+        "cost (history read, features, a write), so fewer, larger batches cost the shared cores less.",
+    )
     shadow_max_age_ms: float = Field(
         default=2000.0,
         gt=0,

@@ -6,9 +6,10 @@ What keeps the champion's answers and p99 untouched:
   offer is a bounded append on the event loop (no I/O, no await);
 - the challenger runs in a scoring process of its own at niceness 19 (ServingSettings.shadow_nice):
   on shared cores the scheduler gives it what the champion's process leaves;
-- a shadow batch starts only while the champion has nothing waiting; when the champion has more
-  queued than its next batch takes, new samples are dropped ("overload"), and waiting ones age out
-  ("stale") while it stays busy;
+- a shadow batch starts only while the champion is idle (no batch in flight, nothing queued), and
+  gathers up to shadow_max_batch items for shadow_linger_ms first, so the challenger's fixed cost per
+  batch is paid rarely; when the champion has more queued than its next batch takes, new samples are
+  dropped ("overload"), and waiting ones age out ("stale") while it stays busy;
 - no shadow work counts in admission, in the champion's cost model or in its latency metrics; what
   was dropped is counted in `tandem_shadow_dropped_total{reason}`.
 """
@@ -57,8 +58,9 @@ class ShadowScorer:
     one loop that scores the queue on the challenger's backend while the champion is idle, and the
     writes of the shadow answers.
 
-    `champion_waiting()` says how many items the champion has queued (the batcher's `queued`);
-    `set_backend` is how the challenger watcher installs, replaces or removes the challenger.
+    `champion_queued()` says how many items the champion has queued and `champion_busy()` whether
+    it is scoring or has anything queued (the batcher's `queued` and `busy`); `set_backend` is how
+    the challenger watcher installs, replaces or removes the challenger.
     """
 
     def __init__(
@@ -67,13 +69,15 @@ class ShadowScorer:
         engine: Engine,
         settings: ServingSettings,
         metrics: ServingMetrics,
-        champion_waiting: Callable[[], int],
+        champion_queued: Callable[[], int],
+        champion_busy: Callable[[], bool],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        self.champion_waiting = champion_waiting
+        self.champion_queued = champion_queued
+        self.champion_busy = champion_busy
         self.clock = clock
         self.backend: ScoringBackend | None = None
         self._queue: collections.deque[_Offered] = collections.deque()
@@ -90,7 +94,7 @@ class ShadowScorer:
         replaced, which no new shadow batch reaches. What was queued for the old one is dropped."""
         previous, self.backend = self.backend, backend
         if previous is not None and self._queue:
-            self._drop(len(self._queue), "scoring_failed")
+            self._drop(len(self._queue), "replaced")
             self._queue.clear()
         self.metrics.shadowing_model(self.model_version)
         return previous
@@ -110,7 +114,7 @@ class ShadowScorer:
         ]
         if not chosen:
             return
-        if self.champion_waiting() >= self.settings.max_batch_size:
+        if self.champion_queued() >= self.settings.max_batch_size:
             # More waiting than the champion's next batch can take: it is over capacity.
             self._drop(len(chosen), "overload")
             return
@@ -150,13 +154,14 @@ class ShadowScorer:
                 await self._score_next()
 
     async def _score_next(self) -> None:
-        while self.champion_waiting() > 0 and self._queue:
+        # Gather a batch, then wait for the champion to be idle; items age out meanwhile.
+        while self._queue and (self._lingering() or self.champion_busy()):
             self._expire()
             await asyncio.sleep(_IDLE_POLL_S)
         self._expire()
         backend = self.backend
         if backend is None:  # let go of meanwhile: nothing left to score what is queued
-            self._drop(len(self._queue), "scoring_failed")
+            self._drop(len(self._queue), "replaced")
             self._queue.clear()
             return
         if not self._queue:
@@ -191,6 +196,12 @@ class ShadowScorer:
             write = loop.run_in_executor(None, self._write, rows)
             self._writes.add(write)
             write.add_done_callback(self._writes.discard)
+
+    def _lingering(self) -> bool:
+        """The batch is not full and its oldest item has not waited shadow_linger_ms yet."""
+        if len(self._queue) >= self.settings.shadow_max_batch:
+            return False
+        return self.clock() - self._queue[0].at < self.settings.shadow_linger_ms / 1000
 
     def _expire(self) -> None:
         oldest_allowed = self.clock() - self.settings.shadow_max_age_ms / 1000

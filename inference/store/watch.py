@@ -13,7 +13,14 @@ from sqlalchemy.engine import Connection
 
 from inference.records import EVENT_TS_DTYPE
 from inference.store.engine import _as_utc, _aware
-from inference.store.schema import Resolution, ResultPath, predictions, rejected_records, transactions
+from inference.store.schema import (
+    Resolution,
+    ResultPath,
+    challenger_predictions,
+    predictions,
+    rejected_records,
+    transactions,
+)
 
 
 # ------------------------------------------------------------------ batch partitions to rerun
@@ -128,10 +135,12 @@ class OnlineActivity:
     latest: datetime | None
 
 
-def online_activity(conn: Connection, *, produced_after: datetime | None) -> OnlineActivity:
-    """What the online path wrote since `produced_after`, for the online_predictions observations."""
-    p = predictions.c
-    where = [p.path == ResultPath.ONLINE.value]
+def online_activity(conn: Connection, *, produced_after: datetime | None, shadow: bool = False) -> OnlineActivity:
+    """What the online path wrote since `produced_after`, for the online_predictions observations;
+    `shadow`: what the challenger answered beside it (challenger_predictions, path shadow)."""
+    table, path = (challenger_predictions, ResultPath.SHADOW) if shadow else (predictions, ResultPath.ONLINE)
+    p = table.c
+    where = [p.path == path.value]
     if produced_after is not None:
         where.append(p.produced_at > produced_after)
     rows = conn.execute(sa.select(p.model_version, p.request_id, p.latency_ms, p.produced_at).where(*where)).all()

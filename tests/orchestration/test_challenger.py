@@ -270,7 +270,7 @@ def test_the_champions_own_weights_as_challenger_pass_every_blocking_check(world
     reports = stored_reports(world)
     assert len(reports) == reports_before + 1
     row = reports[-1]
-    assert row["report_id"] == metadata["report_id"]
+    assert str(row["report_id"]) == metadata["report_id"]
     assert (row["champion"], row["challenger"], bool(row["passed"]), row["run_id"]) == (
         world.champion,
         challenger,
@@ -281,7 +281,7 @@ def test_the_champions_own_weights_as_challenger_pass_every_blocking_check(world
     with engine.connect() as conn:
         latest = latest_challenger_report(conn, challenger=challenger, champion=world.champion)
     engine.dispose()
-    assert latest is not None and latest.passed and latest.report_id == metadata["report_id"]
+    assert latest is not None and latest.passed and str(latest.report_id) == metadata["report_id"]
     assert latest.metrics["labelled_pairs"] == metadata["labelled_pairs"] >= 500
 
 
@@ -305,7 +305,7 @@ def test_an_untrained_challenger_is_blocked_and_the_verdict_recorded(world: Worl
     assert metadata["challenger_auc"] < metadata["champion_auc"]
 
     row = stored_reports(world)[-1]
-    assert row["report_id"] == metadata["report_id"]
+    assert str(row["report_id"]) == metadata["report_id"]
     assert (row["challenger"], bool(row["passed"])) == (challenger, False)
     engine = make_engine(world.url)
     with engine.connect() as conn:

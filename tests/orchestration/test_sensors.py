@@ -20,6 +20,7 @@ from inference.store import (
     mark_rejections_fixed,
     predictions,
     rejected_records,
+    upsert_challenger_predictions,
     upsert_predictions,
     upsert_transactions,
     utc_now,
@@ -66,7 +67,12 @@ def _sensors() -> dict[str, SensorDefinition]:
     settings = SensorSettings(interval_seconds=5)
     return {
         s.name: s
-        for s in [*build_sensors(settings), build_online_observer(settings), build_production_model_observer(settings)]
+        for s in [
+            *build_sensors(settings),
+            build_online_observer(settings),
+            build_online_observer(settings, shadow=True),
+            build_production_model_observer(settings),
+        ]
     }
 
 
@@ -161,14 +167,18 @@ def test_a_moved_production_pointer_is_observed_once_as_a_new_data_version(tmp_p
         assert isinstance(tick(), SkipReason)
 
 
-def test_online_results_are_observed_as_online_predictions(scored: str) -> None:
-    sensor = _sensors()["online_predictions_observer"]
+@pytest.mark.parametrize("shadow", [False, True], ids=["online", "shadow"])
+def test_online_results_are_observed_as_online_predictions(scored: str, shadow: bool) -> None:
+    """The champion's online answers as online_predictions, the challenger's shadows beside them
+    as shadow_predictions; neither observer sees the other's rows."""
+    name = "shadow" if shadow else "online"
+    sensor, other = (_sensors()[f"{kind}_predictions_observer"] for kind in (name, "online" if shadow else "shadow"))
     assert isinstance(_tick(sensor, scored), SkipReason)
     row = {
         "transaction_id": "online-1",
         "model_version": "v-online",
         "score": 0.25,
-        "path": "online",
+        "path": name,
         "run_id": None,
         "partition_key": None,
         "request_id": "req-1",
@@ -182,13 +192,15 @@ def test_online_results_are_observed_as_online_predictions(scored: str) -> None:
     }
     engine = make_engine(scored)
     with engine.begin() as conn:
-        upsert_predictions(conn, pl.DataFrame([row], schema_overrides={"produced_at": EVENT_TS_DTYPE}))
+        frame = pl.DataFrame([row], schema_overrides={"produced_at": EVENT_TS_DTYPE})
+        (upsert_challenger_predictions if shadow else upsert_predictions)(conn, frame)
     engine.dispose()
+    assert isinstance(_tick(other, scored), SkipReason)
     result = _tick(sensor, scored)
     assert isinstance(result, SensorResult)
     (observation,) = result.asset_events
     assert isinstance(observation, AssetObservation)
-    assert observation.asset_key.path == ["online_predictions"]
+    assert observation.asset_key.path == [f"{name}_predictions"]
     assert observation.metadata["rows"].value == 1
     assert observation.metadata["model_versions"].value == {"v-online": 1}
     assert isinstance(_tick(sensor, scored, result.cursor), SkipReason)

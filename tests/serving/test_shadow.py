@@ -46,6 +46,7 @@ class ChallengerStep:
         self.gate = threading.Event()
         self.gate.set()
         self.seen: list[str] = []
+        self.batch_sizes: list[int] = []
         self.fail = False
 
     def __call__(self, specs: list[ItemSpec]) -> BatchResult:
@@ -53,6 +54,7 @@ class ChallengerStep:
         if self.fail:
             raise RuntimeError("challenger weights are corrupt")
         self.seen.extend(str(spec.raw["transaction_id"]) for spec in specs)
+        self.batch_sizes.append(len(specs))
         return scored_batch(specs, model_version=CHALLENGER, batch_id=uuid.uuid4().hex, score=0.75)
 
 
@@ -226,7 +228,8 @@ def test_an_overloaded_champion_drops_shadow_work_first(sqlite_engine: Engine) -
         engine=sqlite_engine,
         settings=ServingSettings(shadow_sample=1.0, max_batch_size=8, shadow_max_age_ms=500),
         metrics=metrics,
-        champion_waiting=lambda: waiting["items"],
+        champion_queued=lambda: waiting["items"],
+        champion_busy=lambda: waiting["items"] > 0,
         clock=lambda: clock["now"],
     )
 
@@ -299,3 +302,34 @@ def test_shadow_rows_never_reach_predictions(sqlite_engine: Engine) -> None:
     }
     with pytest.raises(sa.exc.IntegrityError), sqlite_engine.begin() as conn:
         conn.execute(sa.insert(predictions).values(**row))
+
+
+def test_samples_gather_into_one_challenger_batch_while_the_champion_is_idle(sqlite_engine: Engine) -> None:
+    """Three champion batches' samples within the linger are one challenger batch, started only
+    once the champion has no batch in flight."""
+    champion = {"busy": False}
+    metrics = ServingMetrics()
+    step = ChallengerStep()
+    shadow = ShadowScorer(
+        engine=sqlite_engine,
+        settings=ServingSettings(shadow_sample=1.0, shadow_linger_ms=200, shadow_max_batch=8),
+        metrics=metrics,
+        champion_queued=lambda: 0,
+        champion_busy=lambda: champion["busy"],
+    )
+
+    async def scenario() -> None:
+        shadow.set_backend(ScoringBackend(CHALLENGER, ThreadPoolExecutor(max_workers=1), step))
+        shadow.start()
+        for batch in range(3):
+            specs = [ItemSpec(raw=transaction(f"g-{batch}").to_raw(), request_id="r")]
+            shadow.offer(specs, champion_step(specs))
+        champion["busy"] = True  # a champion batch in flight past the linger: the shadow waits
+        await asyncio.sleep(0.3)
+        assert step.batch_sizes == []
+        champion["busy"] = False
+        await until_async(lambda: metric(metrics, "tandem_shadow_items_total", outcome="scored") == 3)
+        await shadow.close()
+
+    asyncio.run(scenario())
+    assert step.batch_sizes == [3]
