@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import math
 import time
 from dataclasses import dataclass
+
+from serving.background import BackgroundTask
 
 
 class BatchCostModel:
@@ -134,16 +135,13 @@ class LoopLag:
         self._samples: collections.deque[tuple[float, float]] = collections.deque()
         self._first: float | None = None
         self.lag_s = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("tandem-loop-lag")
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-loop-lag")
+        self._task.start(self._run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._task.stop()
 
     async def _run(self) -> None:
         while True:

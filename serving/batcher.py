@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 
 from inference.store import utc_now
 from serving.admission import BatchCostModel, Decision, admit
+from serving.background import BackgroundTask
 from serving.metrics import ServingMetrics
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
@@ -99,7 +99,7 @@ class AdaptiveBatcher:
         self._wakeup = asyncio.Event()
         self._in_flight_since: float | None = None
         self._in_flight_size = 0
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("tandem-batcher")
         self.broken = False
 
     def switch_backend(self, process: ProcessFn, model_version: str) -> None:
@@ -172,13 +172,10 @@ class AdaptiveBatcher:
             self.metrics.queue_depth.set(self._live)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-batcher")
+        self._task.start(self._run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._task.stop()
 
     def _take(self) -> list[WorkItem]:
         batch: list[WorkItem] = []

@@ -14,7 +14,6 @@ Rollback is the same move: the pointer names an earlier version, which is loaded
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from concurrent.futures import Executor
 from typing import Any, Literal
 
 from serving.backends import ScoringBackend, warm_up_backend
+from serving.background import BackgroundTask
 from serving.runtime import OnlineScorer
 from serving.shadow import ShadowScorer
 
@@ -70,16 +70,13 @@ class _Periodic:
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask(self.name)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
+        self._task.start(self._run)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._task.stop()
 
     async def _run(self) -> None:
         while True:

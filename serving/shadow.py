@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 import zlib
@@ -30,6 +29,7 @@ from sqlalchemy.engine import Engine
 
 from inference.store import ResultPath, prediction_frame, upsert_challenger_predictions
 from serving.backends import ScoringBackend
+from serving.background import BackgroundTask
 from serving.metrics import ServingMetrics
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
@@ -82,7 +82,7 @@ class ShadowScorer:
         self.backend: ScoringBackend | None = None
         self._queue: collections.deque[_Offered] = collections.deque()
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("tandem-shadow")
         self._writes: set[asyncio.Future[None]] = set()
 
     @property
@@ -132,14 +132,11 @@ class ShadowScorer:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="tandem-shadow")
+        self._task.start(self._run)
 
     async def close(self) -> None:
         """Stop shadowing: what is queued is dropped, what is being written is waited for."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._task.stop()
         if self._queue:
             self._drop(len(self._queue), "stale")
             self._queue.clear()
