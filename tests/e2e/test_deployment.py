@@ -36,6 +36,7 @@ from inference.records import RAW_COLUMNS, hash_inputs, validate
 from inference.store import (
     RejectStage,
     ResultPath,
+    latest_challenger_report,
     make_engine,
     predictions,
     read_partition_rows,
@@ -80,6 +81,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+CHALLENGER_CHECKS = ["challenger_auc_not_worse", "challenger_precision_not_worse", "enough_labelled_evidence"]
 PREDICTIONS_CHECKS = [
     "batch_answers_current",
     "parity_with_online",
@@ -291,6 +293,38 @@ def _peak(intervals: list[tuple[float, float]]) -> int:
     return peak
 
 
+def _quiet_tick_after(
+    deployment: Deployment, repository: Repository, sensor: str, after: float, *, timeout: float
+) -> list[dict[str, Any]]:
+    """The sensor's evaluations that ended after `after`, once there is at least one."""
+    selector = {**repository.selector(), "sensorName": sensor}
+
+    def ticks_after() -> list[dict[str, Any]] | None:
+        state = deployment.graphql(SENSOR_TICKS, sensorSelector=selector, afterTimestamp=after)["sensorOrError"]
+        assert state["__typename"] == "Sensor", state
+        ticks = [tick for tick in state["sensorState"]["ticks"] if tick["status"] != "STARTED"]
+        return ticks or None
+
+    return deployment.wait_until(f"a {sensor} tick after {after:.0f}", ticks_after, timeout=timeout, interval=1)
+
+
+def _wait_until_settled(deployment: Deployment, repository: Repository, sensor: str) -> float:
+    """Every run over and one evaluation of `sensor` since then that requested nothing: what the
+    earlier tests set going (path_agreement after a late-records rescore) is done. Returns that time."""
+
+    def settled() -> float | None:
+        runs = _runs(deployment)
+        if any(run["endTime"] is None for run in runs):
+            return None
+        quiet_since = max((run["endTime"] for run in runs), default=0.0)
+        selector = {**repository.selector(), "sensorName": sensor}
+        state = deployment.graphql(SENSOR_TICKS, sensorSelector=selector, afterTimestamp=quiet_since)
+        ticks = [tick for tick in state["sensorOrError"]["sensorState"]["ticks"] if tick["status"] != "STARTED"]
+        return time.time() if ticks and all(not tick["runIds"] for tick in ticks) else None
+
+    return deployment.wait_until(f"no run left for {sensor} to start", settled, timeout=SENSOR_RUNS_TIMEOUT_S)
+
+
 def _run_asset_backfill(deployment: Deployment, assets: list[str], title: str) -> BackfillOutcome:
     launched = deployment.graphql(
         LAUNCH_BACKFILL,
@@ -497,17 +531,7 @@ def test_corrected_records_rescore_exactly_the_partitions_they_touch(
 
     # One more evaluation after the reruns finished must request nothing: each change is requested once.
     after = max(run["endTime"] for run in runs)
-    selector = {**repository.selector(), "sensorName": sensor}
-
-    def next_tick() -> list[dict[str, Any]] | None:
-        state = deployment.graphql(SENSOR_TICKS, sensorSelector=selector, afterTimestamp=after)["sensorOrError"]
-        assert state["__typename"] == "Sensor", state
-        ticks = [tick for tick in state["sensorState"]["ticks"] if tick["status"] != "STARTED"]
-        return ticks or None
-
-    ticks = deployment.wait_until(
-        f"a {sensor} tick after the reruns", next_tick, timeout=10 * SENSOR_INTERVAL_SECONDS, interval=1
-    )
+    ticks = _quiet_tick_after(deployment, repository, sensor, after, timeout=10 * SENSOR_INTERVAL_SECONDS)
     assert all(not tick["runIds"] for tick in ticks), ticks
 
     runs = _runs(deployment, tags=[{"key": "tandem/trigger", "value": "late_records"}])
@@ -559,9 +583,9 @@ def _tandem(deployment: Deployment, *args: str) -> str:
     return completed.stdout
 
 
-def _register_candidate(deployment: Deployment) -> str:
+def _register_candidate(deployment: Deployment, role: str = "--candidate") -> str:
     completed = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.model_setup", "--candidate"],
+        [sys.executable, "-m", "tests.e2e.model_setup", role],
         cwd=REPO,
         env=dict(deployment.env),
         capture_output=True,
@@ -593,9 +617,9 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
     previous = deployment.production_tag
 
     candidate = _register_candidate(deployment)
-    # Automation may already have run path_agreement alone for a day whose predictions the
-    # backfill wrote in a run of their own; what follows the promotion is what is checked here.
-    promoted_at = time.time()
+    # The late-records rescores wrote predictions alone, so automation follows them with
+    # path_agreement runs of its own; they are over before the promotion, which is what is checked here.
+    promoted_at = _wait_until_settled(deployment, repository, automation)
     assert f"production -> {candidate}" in _tandem(deployment, "models", "promote", candidate)
     _wait_for_production_model(deployment, candidate)
     automated = [{"key": "tandem/trigger", "value": "automation"}]
@@ -614,19 +638,12 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
 
     # One more automation tick after the rescore requests nothing: each promotion is handled once.
     after = max(run["endTime"] for run in runs)
-    selector = {**repository.selector(), "sensorName": automation}
-
-    def next_tick() -> list[dict[str, Any]] | None:
-        state = deployment.graphql(SENSOR_TICKS, sensorSelector=selector, afterTimestamp=after)["sensorOrError"]
-        assert state["__typename"] == "Sensor", state
-        ticks = [tick for tick in state["sensorState"]["ticks"] if tick["status"] != "STARTED"]
-        return ticks or None
-
-    ticks = deployment.wait_until(f"a {automation} tick after the rescore", next_tick, timeout=120, interval=2)
+    ticks = _quiet_tick_after(deployment, repository, automation, after, timeout=120)
     assert all(not tick["runIds"] for tick in ticks), ticks
     runs = since_promotion()
     # Exactly the scored days of the window, one run each, predictions and path_agreement together.
-    assert sorted(_tags(run)["dagster/partition"] for run in runs) == RESCORED, [_tags(run) for run in runs]
+    described = [(_tags(run)["dagster/partition"], _assets_of(run), run["creationTime"] - promoted_at) for run in runs]
+    assert sorted(_tags(run)["dagster/partition"] for run in runs) == RESCORED, described
     assert all(_assets_of(run) == SCORING_ASSETS for run in runs), [_assets_of(run) for run in runs]
     assert {_tags(run)["dagster/sensor_name"] for run in runs} == {automation}
 
@@ -653,6 +670,91 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
         assert versions[partition] == {previous, candidate}, partition
     for partition in LEFT_STALE:
         assert versions[partition] == {previous}, partition
+
+
+def test_a_challenger_is_replayed_over_the_week_and_its_report_plotted(
+    deployment: Deployment,
+    backfill: BackfillOutcome,
+    repository: Repository,
+    engine: Engine,
+    browser_page: Any,
+    screenshots: Path,
+) -> None:
+    """The rollout an operator runs from the UI: set a challenger, backfill challenger_predictions
+    over the week, materialize challenger_report; its gate checks are evaluated, its numbers
+    are plotted on the asset's Plots tab, and production's answers are untouched."""
+    (production_node,) = deployment.graphql(DATA_VERSION, path=["production_model"])["assetNodes"]
+    production = production_node["dataVersion"]  # the promotion test moved it from deployment.production_tag
+    batch_rows = sa.select(sa.func.count()).select_from(predictions).where(predictions.c.path == "batch")
+    with engine.connect() as conn:
+        before = conn.execute(batch_rows).scalar_one()
+    challenger = _register_candidate(deployment, "--challenger")
+    assert f"challenger -> {challenger}" in _tandem(deployment, "models", "challenge", challenger)
+
+    def observed() -> bool | None:
+        (node,) = deployment.graphql(DATA_VERSION, path=["challenger_model"])["assetNodes"]
+        return True if node["dataVersion"] == challenger else None
+
+    deployment.wait_until("challenger_model observed", observed, timeout=20 * SENSOR_INTERVAL_SECONDS)
+    replay = _run_asset_backfill(deployment, ["challenger_predictions"], "e2e: replay the challenger")
+    assert len(replay.runs) == len(PARTITIONS) and all(run["status"] == "SUCCESS" for run in replay.runs)
+
+    launched = deployment.graphql(
+        LAUNCH_RUN,
+        executionParams={
+            # What the UI's Materialize button on the asset sends: the asset job, the asset and its checks.
+            "selector": {
+                **repository.selector(),
+                "jobName": "__ASSET_JOB",
+                "assetSelection": [{"path": ["challenger_report"]}],
+                "assetCheckSelection": [
+                    {"assetKey": {"path": ["challenger_report"]}, "name": name} for name in CHALLENGER_CHECKS
+                ],
+            },
+        },
+    )["launchRun"]
+    assert launched["__typename"] == "LaunchRunSuccess", launched
+    run_id = launched["run"]["runId"]
+
+    def finished() -> dict[str, Any] | None:
+        (run,) = _runs(deployment, runIds=[run_id])
+        return run if run["status"] in {"SUCCESS", *FAILED_RUN_STATUSES} else None
+
+    run = deployment.wait_until("challenger_report", finished, timeout=SENSOR_RUNS_TIMEOUT_S)
+    assert run["status"] == "SUCCESS", _run_errors(deployment, [run_id])
+    p = predictions.c
+    with engine.connect() as conn:
+        assert conn.execute(batch_rows).scalar_one() == before, "a replay wrote to predictions"
+        report = latest_challenger_report(conn, challenger=challenger, champion=production)
+        champion_days = set(
+            conn.execute(
+                sa.select(p.partition_key).distinct().where(p.model_version == production, p.path == "batch")
+            ).scalars()
+        )
+    assert report is not None and report.run_id == run_id
+    # Compared where both versions answered: after the promotion test, the champion has batch
+    # answers only for the days automation rescored.
+    assert report.metrics["pairs"] > 0 and report.metrics["days"] == len(champion_days)
+
+    page = browser_page
+    page.set_viewport_size({"width": 1600, "height": 1400})
+    page.goto(f"{deployment.url}/assets/challenger_report?view=checks", timeout=60_000)
+    for check in CHALLENGER_CHECKS:
+        page.get_by_text(check, exact=True).first.wait_for(state="visible", timeout=60_000)
+    _screenshot(page, screenshots, "challenger-report-checks.png")
+    # The overview's Metadata section, switched from Table to Plots: one plot per number, across
+    # materializations.
+    page.goto(f"{deployment.url}/assets/challenger_report", timeout=60_000)
+    plots = page.get_by_role("button", name="Plots")
+    plots.first.wait_for(state="visible", timeout=60_000)
+    plots.first.click()
+    try:
+        for number in ("challenger_auc", "champion_auc", "decision_flips", "score_difference_p99"):
+            page.get_by_text(number, exact=True).first.wait_for(state="visible", timeout=60_000)
+        assert page.locator("canvas").count() >= 4
+    finally:
+        _screenshot(page, screenshots, "challenger-report-plots.png")
+    assert "challenger cleared" in _tandem(deployment, "models", "challenge", "--clear")
 
 
 def test_a_failed_run_is_posted_to_the_alert_webhook(
@@ -782,5 +884,15 @@ def test_asset_graph_shows_one_model_feeding_both_paths(
         _screenshot(page, screenshots, "asset-graph.png")
     for label in labels:
         assert any(re.match(rf"{label}(?!_)", text) for text in drawn), f"{label} not drawn: {drawn}"
-    for group in ("agreement", "batch", "model", "online"):
+    for group in ("agreement", "batch", "challenger", "model", "online"):
         assert group in drawn, f"group {group} not drawn: {drawn}"
+    # The challenger path beside production's: its own model pointer, replay and shadow, one report.
+    assert {_key(key) for key in nodes["challenger_model"]["dependedByKeys"]} >= {
+        "challenger_predictions",
+        "shadow_predictions",
+        "challenger_report",
+    }
+    assert {"predictions", "challenger_predictions", "shadow_predictions"} <= {
+        _key(key) for key in nodes["challenger_report"]["dependencyKeys"]
+    }
+    assert nodes["challenger_predictions"]["isPartitioned"] and not nodes["shadow_predictions"]["isExecutable"]
