@@ -560,20 +560,21 @@ def test_promotion_and_rollback_under_load_fail_nothing(swap_server: SwapServer)
     ordered = _check_switch(answers, server.v1, server.v2, promoted_at)
     _swap_latency(answers, promoted_at, server.v2, "promotion")
 
-    # The new version's answers are its own scores, not the old model's with a new label. A row's
-    # features include same-account rows of its batch, so each batch is re-scored as it was formed.
+    # The new version's answers are its own scores, not the old model's with a new label: each
+    # record of its first batches re-scored alone against the stored history (records of one batch
+    # never read each other).
     by_id = {str(row["transaction_id"]): row for row in server.requests.to_dicts()}
     predictor = TorchPredictor(server.models[server.v2], server.v2)
+    history = FrameHistory(server.history)
     first_batches = list(
         dict.fromkeys(str(a.result["batch_id"]) for a in ordered if a.result and a.version == server.v2)
     )
     for batch_id in first_batches[:3]:
-        batch = [a for a in answers if a.result and a.result["batch_id"] == batch_id]
-        frame = pl.DataFrame([by_id[a.transaction_id] for a in batch]).select(RAW_COLUMNS)
-        expected = dict(predictor.predict(frame, FrameHistory(server.history)).select("transaction_id", "score").rows())
-        for answer in batch:
+        for answer in (a for a in answers if a.result and a.result["batch_id"] == batch_id):
             assert answer.result is not None
-            assert answer.result["score"] == pytest.approx(expected[answer.transaction_id], abs=1e-5)
+            alone = pl.DataFrame([by_id[answer.transaction_id]]).select(RAW_COLUMNS)
+            expected = predictor.predict(alone, history)["score"][0]
+            assert answer.result["score"] == pytest.approx(expected, abs=1e-5)
 
     assert server.metric("tandem_serving_model_info", model_version=server.v2, code_version="test") == 1
     assert server.metric("tandem_serving_model_info", model_version=server.v1) == 0
