@@ -54,8 +54,10 @@ def write_report(
     quick: bool,
     seconds: float,
     phases: list[tuple[str, float, float]],
+    shadow: dict[str, Any] | None = None,
 ) -> None:
-    """`phases`: (name, estimated seconds, measured seconds) of the phases run so far."""
+    """`phases`: (name, estimated seconds, measured seconds) of the phases run so far; `shadow`:
+    the shadow-scoring scenario's result (bench/shadow.py), when it ran."""
     _plot_latency(out, online, target_ms)
     _plot_batch(out, raw, batch)
     _plot_workers(out, workers, target_ms)
@@ -172,9 +174,14 @@ def write_report(
             f"- Drifted baseline at the lowest load ({drifted[0]['offered_rps']:.0f} rps): p99 "
             f"{drifted[0]['p99_ms']:,.1f} ms, against Tandem's {tandem['sweep'][0]['p99_ms']:,.1f} ms."
         )
+    if shadow is not None:
+        lines += ["", *shadow_section(shadow)]
     lines += ["", "## Targets", "", "| target | measured | verdict |", "| --- | --- | --- |"]
     judged = online_targets.judge(online, target_ms)
     lines += [f"| {t['target']} | {t['measured']} | {_online_verdict(t['verdict'])} |" for t in judged["targets"]]
+    if shadow is not None:
+        t = shadow["verdict"]
+        lines.append(f"| {t['target']} | {t['measured']} | {_online_verdict(t['verdict'])} |")
     online_cpu = tandem["sweep"][0]["cpu_ms_per_request"] if tandem.get("sweep") else float("nan")
     batch_cpu = partitions[largest]["cpu_ms_per_record"]
     rows = [
@@ -205,6 +212,79 @@ def write_report(
         "",
     ]
     (out / "report.md").write_text("\n".join(lines))
+
+
+def _runs(values: list[float]) -> str:
+    return ", ".join(_ms(v) for v in values)
+
+
+def shadow_section(shadow: dict[str, Any]) -> list[str]:
+    """The shadow-scoring scenario (bench/shadow.py): the champion's p99 and goodput at each
+    sample share, every repeat shown beside the median, and the verdict on the 10% target."""
+    rates = [str(r) for r in shadow["rates"]]
+    ceiling = shadow.get("ceiling_p99_ms_by_rate", {})
+    lines = [
+        "## Shadow scoring: what the challenger costs the champion",
+        "",
+        f"One Tandem service on {shadow['database']}, champion `{shadow['champion']}` in production, challenger "
+        f"`{shadow['challenger']}` (untrained, same architecture) set with `modelstore.challenge`. Offered "
+        f"{' and '.join(rates)} rps open loop ({' / '.join(f'{s:.0%}' for s in shadow['rate_shares'])} of "
+        f"{shadow['capacity_rps']:,.0f} rps, from {shadow['capacity_source']}), {shadow['seconds_per_level']:g} s "
+        f"per level. Each sample share is a service restart; order {', '.join(shadow['order'])}; figures are the "
+        "median over the repeats, every repeat's p99 beside it. Shadow counters: the level's increase of "
+        "`tandem_shadow_items_total` and `tandem_shadow_dropped_total` (read from /metrics once the shadow "
+        "queue was empty). Load avg: the machine's 1-minute load average after each level (2 cores; the "
+        "load generator and the service count in it). Raw: `results/online_shadow.json`.",
+        "",
+        "| sample | offered rps | p50 ms | p99 ms | p99 ms, each run | goodput rps | shed | 5xx | CPU ms/req "
+        "| shadow sampled / scored / dropped (reasons) | ceiling p99 ms | load avg, each run |",
+        "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |",
+    ]
+    for sample, per_rate in shadow["by_setting"].items():
+        for rate in rates:
+            e = per_rate.get(rate)
+            if not e or not e["repeats"]:
+                lines.append(f"| {sample} | {rate} | did not run | | | | | | | | | |")
+                continue
+            s = e.get("shadow")
+            counted = (
+                "off"
+                if s is None
+                else f"{s['sampled']} / {s['scored']} / {s['dropped']}"
+                + (f" ({', '.join(f'{k} {v}' for k, v in s['dropped_by_reason'].items())})" if s["dropped"] else "")
+                + ("" if s["settled"] else ", queue not empty")
+            )
+            limited = ", **generator-limited**" if e["generator_limited"] else ""
+            lines.append(
+                f"| {sample} | {rate} | {_ms(e['p50_ms'])} | {_ms(e['p99_ms'])} | {_runs(e['p99_ms_runs'])} "
+                f"| {e['goodput_rps']:.0f} | {e['shed']} | {e['errors_5xx']} | {e['cpu_ms_per_request']:.2f} "
+                f"| {counted} | {_ms(ceiling.get(rate, float('nan')))}{limited} "
+                f"| {', '.join(f'{v:.1f}' for v in e.get('loadavg_1m_runs', []))} |"
+            )
+    verdict = shadow["verdict"]
+    lines += ["", f"**{verdict['target']}: {_online_verdict(verdict['verdict'])}.** {verdict['measured']}.", ""]
+    lines += _shadow_cost(shadow, rates)
+    return lines
+
+
+def _shadow_cost(shadow: dict[str, Any], rates: list[str]) -> list[str]:
+    """The medians' differences against the 0% baseline, at each share and rate."""
+    base = shadow["by_setting"].get("0", {})
+    lines = []
+    for sample, per_rate in shadow["by_setting"].items():
+        if sample == "0":
+            continue
+        parts = []
+        for rate in rates:
+            e, b = per_rate.get(rate, {}), base.get(rate, {})
+            if not e.get("repeats") or not b.get("repeats"):
+                continue
+            p99, goodput = e["p99_ms"] - b["p99_ms"], e["goodput_rps"] - b["goodput_rps"]
+            cpu = e["cpu_ms_per_request"] - b["cpu_ms_per_request"]
+            parts.append(f"{rate} rps: p99 {p99:+.1f} ms, goodput {goodput:+.0f} rps, CPU {cpu:+.2f} ms/req")
+        if parts:
+            lines.append(f"- Sample {sample} against 0 (medians): " + "; ".join(parts) + ".")
+    return [*lines, ""] if lines else []
 
 
 def _generator_section(online: dict[str, Any]) -> list[str]:

@@ -140,6 +140,9 @@ class Plan:
         )
         extra_workers = [n for n in self.worker_counts if n > 1]
         phases["workers scaling"] = sum(SERVICE_START_S * (1 + n / 4) + sweep for n in extra_workers)
+        from bench.shadow import ShadowPlan
+
+        phases["shadow scoring"] = ShadowPlan.for_mode(self.quick).estimate_s()
         phases["report"] = 5.0
         return phases
 
@@ -416,76 +419,33 @@ def tandem_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
 def service_specs() -> list[ServiceSpec]:
     """The services of the online comparison; `tandem_postgres` is added by `bench_online`."""
     bin_dir = Path(sys.executable).parent
-    bentoml = str(bin_dir / "bentoml")
-    uvicorn = str(bin_dir / "uvicorn")
+
+    def bentoml(target: str) -> Callable[[int], list[str]]:
+        return lambda port: [str(bin_dir / "bentoml"), "serve", target, "--port", str(port), "--host", "127.0.0.1"]
+
+    def uvicorn(app: str) -> Callable[[int], list[str]]:
+        return lambda port: [
+            *(str(bin_dir / "uvicorn"), app, "--port", str(port), "--host", "127.0.0.1"),
+            *("--log-level", "warning", "--no-access-log"),
+        ]
+
     return [
         tandem_spec(),
         ServiceSpec(
             "tandem_mounted",
             "(1b) Tandem, /score mounted (before @bentoml.api)",
-            lambda p: [
-                bentoml,
-                "serve",
-                "bench.services.mounted:MountedScorer",
-                "--port",
-                str(p),
-                "--host",
-                "127.0.0.1",
-            ],
+            bentoml("bench.services.mounted:MountedScorer"),
             {"TANDEM_SERVING_WORKERS": "1"},
         ),
         ServiceSpec(
             "tandem_unbatched",
             "(2) Tandem, batching off",
-            lambda p: [bentoml, "serve", "serving.service:RiskScorer", "--port", str(p), "--host", "127.0.0.1"],
+            bentoml("serving.service:RiskScorer"),
             {"TANDEM_SERVING_MAX_BATCH_SIZE": "1", "TANDEM_SERVING_WORKERS": "1"},
         ),
-        ServiceSpec(
-            "stock_bentoml",
-            "(3) stock BentoML",
-            lambda p: [
-                bentoml,
-                "serve",
-                "bench.services.stock_bentoml:StockScorer",
-                "--port",
-                str(p),
-                "--host",
-                "127.0.0.1",
-            ],
-            {},
-        ),
-        ServiceSpec(
-            "drifted",
-            "(4) drifted baseline",
-            lambda p: [
-                uvicorn,
-                "bench.services.drifted:app",
-                "--port",
-                str(p),
-                "--host",
-                "127.0.0.1",
-                "--log-level",
-                "warning",
-                "--no-access-log",
-            ],
-            {},
-        ),
-        ServiceSpec(
-            "do_nothing",
-            "(5) HTTP ceiling",
-            lambda p: [
-                uvicorn,
-                "bench.services.do_nothing:app",
-                "--port",
-                str(p),
-                "--host",
-                "127.0.0.1",
-                "--log-level",
-                "warning",
-                "--no-access-log",
-            ],
-            {},
-        ),
+        ServiceSpec("stock_bentoml", "(3) stock BentoML", bentoml("bench.services.stock_bentoml:StockScorer"), {}),
+        ServiceSpec("drifted", "(4) drifted baseline", uvicorn("bench.services.drifted:app"), {}),
+        ServiceSpec("do_nothing", "(5) HTTP ceiling", uvicorn("bench.services.do_nothing:app"), {}),
     ]
 
 
@@ -908,12 +868,19 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few minutes: smaller partitions, shorter load")
     parser.add_argument("--batch-only", action="store_true", help="raw forward and the batch path, no services")
     parser.add_argument(
+        "--shadow-only", action="store_true", help="only the shadow-scoring scenario (bench/shadow.py), no report"
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         help="where results/*.json, report.md and the plots go; default bench/ for a full run "
         "(the committed results), a new temporary directory for --quick",
     )
     args = parser.parse_args()
+    if args.shadow_only:
+        from bench import shadow
+
+        return shadow.run_standalone(quick=args.quick, out=args.out)
     plan = Plan.for_mode(args.quick)
     out: Path = args.out or (Path(tempfile.mkdtemp(prefix="tandem-bench-quick-")) if plan.quick else ROOT / "bench")
     phases = Phases(plan.estimates(args.batch_only))
@@ -955,6 +922,18 @@ def main() -> int:
                 online.get("tandem", {}),
                 online_targets.ceiling_p99_by_rate(online),
             )
+        with phases.run("shadow scoring"):
+            from bench.shadow import bench_shadow
+
+            capacity = online.get("tandem", {}).get("capacity_rps")
+            shadow_result = bench_shadow(
+                online_env,
+                out,
+                good,
+                quick=plan.quick,
+                capacity_rps=capacity or plan.rates[-1],
+                capacity_source="this run's Tandem sweep" if capacity else "the top rate (no capacity measured)",
+            )
         with phases.run("report"):
             from bench.report import write_report
 
@@ -968,6 +947,7 @@ def main() -> int:
                 quick=plan.quick,
                 seconds=time.perf_counter() - started,
                 phases=phases.table(),
+                shadow=shadow_result,
             )
         _say(f"report: {out / 'report.md'}")
     finally:

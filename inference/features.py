@@ -168,10 +168,13 @@ def build_features(
     wanted = targets.select(columns).with_columns(target_position=pl.int_range(pl.len(), dtype=pl.Int64))
     accounts = wanted["account_id"].unique().implode()
     candidates = history.select(columns).filter(pl.col("account_id").is_in(accounts))
-    if targets_read_each_other:
-        # One timeline per account: targets and history rows together.
+    if targets_read_each_other or not wanted["account_id"].is_duplicated().any():
+        # One timeline per account: targets and history rows together. Targets of distinct
+        # accounts never meet on one, so read alone they need no timeline of their own (the common
+        # online case); a stored row then gives way only to the same transaction of its own account.
         timeline_key = "account_id"
-        past = candidates.join(wanted.select("transaction_id"), on="transaction_id", how="anti").with_columns(
+        superseded = ["transaction_id"] if targets_read_each_other else ["transaction_id", "account_id"]
+        past = candidates.join(wanted.select(superseded), on=superseded, how="anti").with_columns(
             target_position=pl.lit(None, dtype=pl.Int64)
         )
         together = pl.concat([wanted, past])
