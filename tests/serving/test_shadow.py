@@ -143,7 +143,8 @@ def test_the_challenger_scores_the_sample_and_the_client_gets_the_champion(
         assert {row["path"] for row in rows} == {"shadow"} and {row["model_version"] for row in rows} == {CHALLENGER}
         assert all(row["score"] == 0.75 and row["request_id"] == "req" for row in rows)
         assert all(row["latency_ms"] is not None and row["latency_ms"] >= 0 for row in rows)
-        assert metric(scorer.metrics, "tandem_shadow_items_total", outcome="scored") == len(chosen)
+        # Counted once the write's transaction is over, a moment after its rows are visible.
+        await until_async(lambda: metric(scorer.metrics, "tandem_shadow_items_total", outcome="scored") == len(chosen))
         assert metric(scorer.metrics, "tandem_shadow_model_info", model_version=CHALLENGER) == 1
 
     with_scorer(sqlite_engine, tmp_path, body)
