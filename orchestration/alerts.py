@@ -17,6 +17,8 @@ from dagster._utils.error import SerializableErrorInfo
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from orchestration.runs import partition_label
+
 # Enough to say what broke; the run page has the rest.
 MAX_ERROR_CHARS = 2000
 
@@ -50,7 +52,7 @@ def failure_payload(context: RunFailureSensorContext, ui_url: str) -> dict[str, 
         "event": "dagster_run_failure",
         "run_id": run.run_id,
         "job": run.job_name,
-        "partition": run.tags.get("dagster/partition"),
+        "partition": partition_label(run),
         "error": (context.failure_event.message or "")[:MAX_ERROR_CHARS],
         "step_errors": step_errors,
         "trigger": run.tags.get("tandem/trigger"),

@@ -23,12 +23,10 @@ from dagster import (
     AssetObservation,
     AssetRecordsFilter,
     DagsterInstance,
-    DagsterRunStatus,
     DefaultSensorStatus,
     MetadataValue,
     PartitionsDefinition,
     RunRequest,
-    RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
@@ -47,6 +45,7 @@ from inference.store import (
     stale_scored_partitions,
 )
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from orchestration.runs import partitions_in_flight
 
 if TYPE_CHECKING:  # what define_asset_job returns; dagster does not export the name
     from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
@@ -234,14 +233,6 @@ def build_online_observer(settings: SensorSettings, *, shadow: bool = False) -> 
     return observer
 
 
-_IN_FLIGHT = [
-    DagsterRunStatus.QUEUED,
-    DagsterRunStatus.NOT_STARTED,
-    DagsterRunStatus.STARTING,
-    DagsterRunStatus.STARTED,
-]
-
-
 def _ingested_version(instance: DagsterInstance, partition_key: str) -> str | None:
     """The file version the latest `transactions` materialization of this day read, if any."""
     records = instance.fetch_materializations(
@@ -293,7 +284,10 @@ def build_landing_sensor(
             return SkipReason("the source is a SQL query: no landing location to watch")
         seen: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
         requests: list[RunRequest] = []
-        for day, version in sorted(files.versions().items()):
+        versions = files.versions()
+        # Looked up after listing the files: a run that wrote one of them is still seen in flight.
+        busy = partitions_in_flight(context.instance, partitions)
+        for day, version in sorted(versions.items()):
             key = day.isoformat()
             if seen.get(key) == version:
                 continue
@@ -301,10 +295,7 @@ def build_landing_sensor(
                 # Before the first partition, or a day not over yet (a key outside the set is refused).
                 context.log.info(f"landing: {key} is not a partition (yet); skipped")
                 continue
-            in_flight = context.instance.get_runs(
-                RunsFilter(tags={"dagster/partition": key}, statuses=_IN_FLIGHT), limit=1
-            )
-            if in_flight:
+            if key in busy:
                 continue  # maybe writing this very file (the demo): decide once it is done
             if _ingested_version(context.instance, key) != version:
                 job = INGEST_JOB if _is_scored(context.instance, key) else DAILY_JOB

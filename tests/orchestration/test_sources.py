@@ -10,6 +10,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from dagster import (
     AssetMaterialization,
@@ -266,17 +267,54 @@ def test_a_day_already_ingested_from_this_file_requests_nothing(
     assert result.cursor is not None and PARTITION in result.cursor  # remembered, not looked up again
 
 
-def test_a_day_with_a_run_in_flight_is_left_for_a_later_tick(instance: DagsterInstance, tmp_path: Path) -> None:
+# How each launcher names a run's day: a sensor, a job backfill or the launchpad in
+# dagster/partition; an asset backfill (the README's) as a range, even of one day.
+RUN_TAGS_NAMING_THE_DAY = {
+    "sensor_or_launchpad": {"dagster/partition": PARTITION},
+    "asset_backfill_of_one_day": {
+        "dagster/asset_partition_range_start": PARTITION,
+        "dagster/asset_partition_range_end": PARTITION,
+    },
+    "asset_backfill_of_a_range": {
+        "dagster/asset_partition_range_start": "2026-11-01",
+        "dagster/asset_partition_range_end": "2026-11-05",
+    },
+}
+
+
+@pytest.mark.parametrize("tags", RUN_TAGS_NAMING_THE_DAY.values(), ids=RUN_TAGS_NAMING_THE_DAY.keys())
+def test_a_day_with_a_run_in_flight_is_left_for_a_later_tick(
+    instance: DagsterInstance, tmp_path: Path, tags: dict[str, str]
+) -> None:
+    """The run may be writing this very file (the demo): requesting another run of the day would
+    ingest and score it twice."""
+    _write_csv(tmp_path / f"{PARTITION}.csv", _user_rows(PARTITION, 5))
+    run_id = str(uuid.uuid4())
+    instance.add_run(DagsterRun(job_name="__ASSET_JOB", run_id=run_id, status=DagsterRunStatus.STARTED, tags=tags))
+    assert isinstance(_tick(instance, tmp_path), SkipReason)
+
+    instance.report_run_failed(instance.get_run_by_id(run_id))  # over (and read nothing): now it is new
+    result = _tick(instance, tmp_path)
+    assert isinstance(result, SensorResult)
+    assert [request.partition_key for request in result.run_requests] == [PARTITION]
+
+
+def test_a_run_of_other_days_in_flight_does_not_hold_this_one_back(instance: DagsterInstance, tmp_path: Path) -> None:
     _write_csv(tmp_path / f"{PARTITION}.csv", _user_rows(PARTITION, 5))
     instance.add_run(
         DagsterRun(
-            job_name=DAILY_JOB,
+            job_name="__ASSET_JOB",
             run_id=str(uuid.uuid4()),
             status=DagsterRunStatus.STARTED,
-            tags={"dagster/partition": PARTITION},
+            tags={
+                "dagster/asset_partition_range_start": "2026-11-04",
+                "dagster/asset_partition_range_end": "2026-11-06",
+            },
         )
     )
-    assert isinstance(_tick(instance, tmp_path), SkipReason)
+    result = _tick(instance, tmp_path)
+    assert isinstance(result, SensorResult)
+    assert [request.partition_key for request in result.run_requests] == [PARTITION]
 
 
 def test_days_outside_the_partitions_are_skipped(instance: DagsterInstance, tmp_path: Path) -> None:
