@@ -264,6 +264,9 @@ def shadow_section(shadow: dict[str, Any]) -> list[str]:
     verdict = shadow["verdict"]
     lines += ["", f"**{verdict['target']}: {_online_verdict(verdict['verdict'])}.** {verdict['measured']}.", ""]
     lines += _shadow_cost(shadow, rates)
+    rollout = shadow.get("rollout_verdict")
+    if rollout:
+        lines += ["", f"**{rollout['target']}: {_online_verdict(rollout['verdict'])}.** {rollout['measured']}.", ""]
     return lines
 
 

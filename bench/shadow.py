@@ -19,6 +19,7 @@ repeat there is no spread, and the verdict is "not measurable".
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import online_targets
 from bench.loadgen import run_load
+from bench.rollout import RolloutPlan, judge_rollout, rollout_run
 from bench.run import (
     ROOT,
     TARGET_P99_MS,
@@ -79,7 +81,8 @@ class ShadowPlan:
         service = 20.0 + 2.0 + len(RATE_SHARES) * per_level  # start, warm-up load, levels
         challenger = 6.0  # the pointer poll (2 s) and the challenger's own start
         ceiling = 2 * (5.0 + 2.0 + len(RATE_SHARES) * per_level)
-        return self.rounds * len(SAMPLES) * (service + challenger * 2 / 3) + ceiling
+        rollout = RolloutPlan.for_mode(self.quick).estimate_s()
+        return self.rounds * len(SAMPLES) * (service + challenger * 2 / 3) + ceiling + rollout
 
 
 # ---------------------------------------------------------------- environment
@@ -133,16 +136,21 @@ def rates_for(capacity_rps: float) -> list[int]:
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape(port: int) -> Metrics:
-    """The tandem_shadow_* samples of the service's /metrics, by name and labels."""
+def scrape_prefixed(port: int, prefixes: tuple[str, ...]) -> Metrics:
+    """The samples of the service's /metrics whose names start with one of `prefixes`, by name and labels."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): float(sample.value)
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name.startswith("tandem_shadow")
+        if sample.name.startswith(prefixes)
     }
+
+
+def scrape(port: int) -> Metrics:
+    """The tandem_shadow_* samples."""
+    return scrape_prefixed(port, ("tandem_shadow",))
 
 
 def _value(metrics: Metrics, name: str, **labels: str) -> float:
@@ -398,6 +406,8 @@ def bench_shadow(
     started = time.perf_counter()
     rates = rates_for(capacity_rps)
     champion = modelstore.production_tag(MODEL_NAME)
+    if champion is None:
+        raise RuntimeError(f"no {MODEL_NAME} in production to shadow")
     challenger = modelstore.challenge(_register_untrained(1))
     _say(
         f"shadow scoring: champion {champion}, challenger {challenger}, rates {rates} rps "
@@ -412,6 +422,9 @@ def bench_shadow(
         for round_ in range(plan.rounds):
             for sample in SAMPLES:
                 runs.append(_shadow_run(bench, sample, round_, rates, plan.load_seconds, good, challenger))
+        modelstore.clear_challenger(MODEL_NAME)
+        # Last, at the higher rate: it promotes a version and then puts the champion back.
+        rollout = rollout_run(bench, rates[-1], good, champion, quick=quick)
         if plan.rounds > 1:
             ceilings.append(_ceiling_run(bench, rates, plan.load_seconds, good, 1))
     finally:
@@ -446,6 +459,8 @@ def bench_shadow(
         "runs": runs,
         "by_setting": settings,
         "verdict": judge(settings, rates),
+        "rollout": rollout,
+        "rollout_verdict": judge_rollout(rollout, ceiling),
         "took_s": round(time.perf_counter() - started, 1),
     }
     _write(out, "online_shadow", result)
@@ -465,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
         "--capacity", type=float, help="the champion's goodput at the target (rps); default: the last full run's"
     )
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # the report is written last: say so before the run
+        print("bench.shadow needs the bench extra: pip install -e '.[bench]' (make bench installs it)", file=sys.stderr)
+        return 2
     return run_standalone(quick=args.quick, out=args.out, capacity=args.capacity)
 
 
