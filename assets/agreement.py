@@ -15,7 +15,6 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetsDefinition,
-    BackfillPolicy,
     Config,
     DailyPartitionsDefinition,
     MaterializeResult,
@@ -25,9 +24,9 @@ from dagster import (
 from pydantic import Field
 
 from assets.automation import follow_predictions
-from assets.batch import DATABASE_POOL
 from assets.metadata import frame_schema, table_metadata
-from assets.retries import TRANSIENT_RETRY, retry_only_transient_errors
+from assets.retries import retry_only_transient_errors
+from assets.scoring import daily_database_step
 from inference.agreement import DECISION_THRESHOLD, AgreementReport, Cause, summarize
 from inference.parity import PARITY_TOLERANCE
 from inference.store import ANSWER_PAIR_SCHEMA, answer_pairs
@@ -63,16 +62,13 @@ def _distribution(report: AgreementReport) -> dict[str, float]:
 
 def build_agreement_assets(partitions: DailyPartitionsDefinition) -> list[AssetsDefinition]:
     @asset(
-        partitions_def=partitions,
+        **daily_database_step(partitions),
         # Same daily partitions: day D's report reads day D's batch answers once they are written.
         deps=["predictions"],
         code_version=PATH_AGREEMENT_CODE_VERSION,
         automation_condition=follow_predictions(),
         # The report's rows are the answer pairs it compares; it writes no table of its own.
         metadata={"dagster/column_schema": frame_schema(ANSWER_PAIR_SCHEMA)},
-        retry_policy=TRANSIENT_RETRY,
-        backfill_policy=BackfillPolicy.multi_run(1),
-        pool=DATABASE_POOL,
         group_name="agreement",
         kinds={"sql"},
         check_specs=[

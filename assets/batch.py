@@ -16,17 +16,14 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
-    AssetDep,
     AssetExecutionContext,
     AssetsDefinition,
-    BackfillPolicy,
     Config,
     DailyPartitionsDefinition,
     DataVersion,
     Failure,
     MaterializeResult,
     MetadataValue,
-    TimeWindowPartitionMapping,
     asset,
 )
 from pydantic import Field
@@ -34,16 +31,15 @@ from pydantic import Field
 from assets.automation import PRODUCTION_MODEL, rescore_after_promotion
 from assets.metadata import score_distribution, table_metadata, table_schema
 from assets.model import build_production_model, challenger_model_observation, production_model_observation
-from assets.retries import TRANSIENT_RETRY, fail_at_once, retry_only_transient_errors
-from inference.batch import (
-    FORWARD_BATCH_SIZE,
-    MODEL_WORKERS,
-    BatchProducer,
-    ChunkProgress,
-    ingest_day,
-    score_partition,
+from assets.retries import fail_at_once, retry_only_transient_errors
+from assets.scoring import (
+    DATABASE_POOL,
+    BatchScoringConfig,
+    daily_database_step,
+    score_day,
+    transactions_with_history,
 )
-from inference.contract import TorchPredictor
+from inference.batch import ChunkProgress, ingest_day
 from inference.model import IncompatibleModelError, ModelConfig
 from inference.parity import PARITY_TOLERANCE, check_parity
 from inference.records import input_hash_expr
@@ -55,9 +51,6 @@ from inference.training import evaluate_auc, train_from_store
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from tandem import modelstore
 from tandem.version import code_version
-
-# Concurrency pool shared by every asset that holds database connections (limit: dagster.yaml).
-DATABASE_POOL = "database"
 
 # Dagster code versions: a constant per asset, bumped by hand when that asset's output would change
 # for the same inputs (its body, or the inference/ code it calls: features, scoring). Not
@@ -82,14 +75,7 @@ class RiskModelConfig(Config):
     )
 
 
-class PredictionsConfig(Config):
-    chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
-    forward_batch_size: int = Field(
-        default=FORWARD_BATCH_SIZE, ge=1, description="rows per forward pass (measured, see bench/findings.md)"
-    )
-    model_workers: int = Field(
-        default=MODEL_WORKERS, ge=1, description="threads running the forward passes; the torch threads are split"
-    )
+class PredictionsConfig(BatchScoringConfig):
     reject_rate_warn: float = Field(default=0.02, ge=0, le=1)
     reject_rate_max: float = Field(default=0.10, ge=0, le=1, description="above this the check blocks")
     parity_sample: int = Field(default=64, ge=0, description="rows re-scored through the online code path")
@@ -121,12 +107,9 @@ def build_batch_assets(
     partitions: DailyPartitionsDefinition, history_length: int, *, rescore_days: int = 7
 ) -> list[AssetsDefinition]:
     @asset(
-        partitions_def=partitions,
+        **daily_database_step(partitions),
         code_version=TRANSACTIONS_CODE_VERSION,
         metadata={"dagster/column_schema": table_schema(transactions_table)},
-        retry_policy=TRANSIENT_RETRY,
-        backfill_policy=BackfillPolicy.multi_run(1),
-        pool=DATABASE_POOL,
         group_name="batch",
         kinds={"polars", "sql"},
         description="Source transactions of one UTC day, stored as received (poison included).",
@@ -231,24 +214,11 @@ def build_batch_assets(
         )
 
     @asset(
-        partitions_def=partitions,
-        # A day's features read the accounts' earlier transactions, so the day before must be
-        # ingested too: asset backfills then order ingestion ahead of scoring across days.
-        deps=[
-            AssetDep(
-                transactions,
-                partition_mapping=TimeWindowPartitionMapping(
-                    start_offset=-1, allow_nonexistent_upstream_partitions=True
-                ),
-            ),
-            PRODUCTION_MODEL,
-        ],
+        **daily_database_step(partitions),
+        deps=[transactions_with_history(), PRODUCTION_MODEL],
         code_version=PREDICTIONS_CODE_VERSION,
         automation_condition=rescore_after_promotion(rescore_days),
         metadata={"dagster/column_schema": table_schema(predictions_table)},
-        retry_policy=TRANSIENT_RETRY,
-        backfill_policy=BackfillPolicy.multi_run(1),
-        pool=DATABASE_POOL,
         group_name="batch",
         kinds={"pytorch", "sql"},
         check_specs=[
@@ -282,12 +252,8 @@ def build_batch_assets(
     ) -> MaterializeResult:
         day = date.fromisoformat(context.partition_key)
         with fail_at_once("the production model could not be loaded"):
-            model, version = model_store.production()
-        # Scored with the K the model was trained with (predictor.history_length), not a setting.
-        predictor = TorchPredictor(model=model, model_version=version, forward_batch_size=config.forward_batch_size)
-        producer = BatchProducer(
-            run_id=context.run.run_id, partition_key=context.partition_key, code_version=code_version()
-        )
+            loaded = model_store.production()
+        version = loaded[1]
 
         def progress(chunk: ChunkProgress) -> None:
             context.log.info(f"chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")
@@ -295,16 +261,7 @@ def build_batch_assets(
         started = time.perf_counter()
         with retry_only_transient_errors():
             cpu_started = time.process_time()  # every thread of this process: the pipeline's stages
-            report = score_partition(
-                database.engine,
-                predictor,
-                day,
-                producer=producer,
-                history_length=predictor.history_length,
-                chunk_rows=config.chunk_rows,
-                on_chunk=progress,
-                model_workers=config.model_workers,
-            )
+            report, predictor = score_day(context, database, loaded, config, on_chunk=progress)
             cpu_seconds = time.process_time() - cpu_started
             with database.engine.connect() as conn:
                 counts = partition_counts(

@@ -10,37 +10,31 @@ no production read (replays, lineage's current answer, path_agreement) can pick 
 # No `from __future__ import annotations`: Dagster reads the Config class from the asset
 # function's annotations (see assets/agreement.py).
 import time
-from datetime import date, timedelta
+from datetime import timedelta
 from typing import Any
 
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
-    AssetDep,
     AssetExecutionContext,
-    AssetKey,
     AssetsDefinition,
     AssetSpec,
-    BackfillPolicy,
     Config,
     DailyPartitionsDefinition,
     Failure,
     MaterializeResult,
     MetadataValue,
-    TimeWindowPartitionMapping,
     asset,
 )
 from pydantic import Field
 
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICTIONS
-from assets.batch import DATABASE_POOL
 from assets.metadata import frame_schema, table_metadata, table_schema
 from assets.model import build_challenger_model
 from assets.retries import TRANSIENT_RETRY, fail_at_once, retry_only_transient_errors
-from inference.batch import FORWARD_BATCH_SIZE, MODEL_WORKERS, BatchProducer, score_partition
+from assets.scoring import DATABASE_POOL, BatchScoringConfig, daily_database_step, score_day, transactions_with_history
 from inference.challenger import BLOCKING_CHECKS, Comparison, PromotionGate, compare
-from inference.contract import TorchPredictor
 from inference.store import (
     COMPARISON_SCHEMA,
     challenger_predictions,
@@ -51,7 +45,6 @@ from inference.store import (
     utc_now,
 )
 from orchestration.resources import DatabaseResource, ModelStoreResource
-from tandem.version import code_version
 
 # Bumped by hand when the output would change for the same inputs (see assets/batch.py).
 CHALLENGER_PREDICTIONS_CODE_VERSION = "1"
@@ -65,10 +58,8 @@ _CHECK_DESCRIPTIONS = {
 }
 
 
-class ChallengerPredictionsConfig(Config):
-    chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
-    forward_batch_size: int = Field(default=FORWARD_BATCH_SIZE, ge=1, le=65_536)
-    model_workers: int = Field(default=MODEL_WORKERS, ge=1, le=64)
+class ChallengerPredictionsConfig(BatchScoringConfig):
+    """The same knobs as `predictions`: a replay costs what the production run costs."""
 
 
 class ChallengerReportConfig(Config):
@@ -108,22 +99,10 @@ def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[Asset
 
     @asset(
         name="challenger_predictions",
-        partitions_def=partitions,
-        deps=[
-            # As predictions: a day's features read the accounts' earlier records.
-            AssetDep(
-                AssetKey("transactions"),
-                partition_mapping=TimeWindowPartitionMapping(
-                    start_offset=-1, allow_nonexistent_upstream_partitions=True
-                ),
-            ),
-            CHALLENGER_MODEL,
-        ],
+        **daily_database_step(partitions),
+        deps=[transactions_with_history(), CHALLENGER_MODEL],
         code_version=CHALLENGER_PREDICTIONS_CODE_VERSION,
         metadata={"dagster/column_schema": table_schema(challenger_predictions)},
-        retry_policy=TRANSIENT_RETRY,
-        backfill_policy=BackfillPolicy.multi_run(1),
-        pool=DATABASE_POOL,
         group_name="challenger",
         kinds={"pytorch", "sql"},
         description="One stored day scored by the challenger through the batch path (challenger_predictions, "
@@ -135,25 +114,12 @@ def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[Asset
         database: DatabaseResource,
         model_store: ModelStoreResource,
     ) -> MaterializeResult:
-        day = date.fromisoformat(context.partition_key)
         with fail_at_once("the challenger could not be loaded"):
-            model, version = model_store.challenger()
-        predictor = TorchPredictor(model=model, model_version=version, forward_batch_size=config.forward_batch_size)
-        producer = BatchProducer(
-            run_id=context.run.run_id, partition_key=context.partition_key, code_version=code_version()
-        )
+            loaded = model_store.challenger()
+        version = loaded[1]
         with retry_only_transient_errors():
-            report = score_partition(
-                database.engine,
-                predictor,
-                day,
-                producer=producer,
-                history_length=predictor.history_length,
-                chunk_rows=config.chunk_rows,
-                model_workers=config.model_workers,
-                as_challenger=True,
-            )
-        context.log.info(f"{version}: {report.scored} scored, {report.rejected} rejected on {day}")
+            report, _ = score_day(context, database, loaded, config, as_challenger=True)
+        context.log.info(f"{version}: {report.scored} scored, {report.rejected} rejected on {context.partition_key}")
         return MaterializeResult(
             metadata={
                 **table_metadata(table_schema(challenger_predictions), report.scored),

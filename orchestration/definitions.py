@@ -10,7 +10,6 @@ from dagster import (
     AutomationConditionSensorDefinition,
     BetaWarning,
     DailyPartitionsDefinition,
-    DefaultSensorStatus,
     Definitions,
     build_schedule_from_partitioned_job,
     define_asset_job,
@@ -42,6 +41,31 @@ REPLAY_CHALLENGER_JOB = "replay_challenger"
 warnings.filterwarnings("ignore", category=BetaWarning)
 
 
+# (name, assets, description) of each job the sensors, the schedule and operators launch.
+ASSET_JOBS = [
+    (
+        DAILY_JOB,
+        ("transactions", "predictions", "path_agreement"),
+        "Ingest and score one UTC day, then compare it with the online answers.",
+    ),
+    (
+        RESCORE_JOB,
+        ("predictions", "path_agreement"),
+        "Rescore stored partitions (late records, a promoted model) and compare them again.",
+    ),
+    (
+        INGEST_JOB,
+        ("transactions",),
+        "Re-ingest days whose source files changed; late_records_sensor rescores what that changed.",
+    ),
+    (
+        REPLAY_CHALLENGER_JOB,
+        ("challenger_predictions",),
+        "Replay stored days with the challenger (a backfill over labelled days is its backtest).",
+    ),
+]
+
+
 def build_definitions(settings: OrchestrationSettings) -> Definitions:
     partitions = DailyPartitionsDefinition(start_date=settings.partitions_start, timezone="UTC")
     sensor_settings = SensorSettings()
@@ -49,26 +73,11 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         partitions, settings.history_length, rescore_days=sensor_settings.promotion_rescore_partitions
     )
     agreement_assets = build_agreement_assets(partitions)
-    daily_job = define_asset_job(
-        DAILY_JOB,
-        selection=AssetSelection.assets("transactions", "predictions", "path_agreement"),
-        description="Ingest and score one UTC day, then compare it with the online answers.",
-    )
-    replay_job = define_asset_job(
-        REPLAY_CHALLENGER_JOB,
-        selection=AssetSelection.assets("challenger_predictions"),
-        description="Replay stored days with the challenger (a backfill over labelled days is its backtest).",
-    )
-    rescore_job = define_asset_job(
-        RESCORE_JOB,
-        selection=AssetSelection.assets("predictions", "path_agreement"),
-        description="Rescore stored partitions (late records, a promoted model) and compare them again.",
-    )
-    ingest_job = define_asset_job(
-        INGEST_JOB,
-        selection=AssetSelection.assets("transactions"),
-        description="Re-ingest days whose source files changed; late_records_sensor rescores what that changed.",
-    )
+    jobs = {
+        name: define_asset_job(name, selection=AssetSelection.assets(*selected), description=description)
+        for name, selected, description in ASSET_JOBS
+    }
+    daily_job, ingest_job = jobs[DAILY_JOB], jobs[INGEST_JOB]
     nightly = build_schedule_from_partitioned_job(
         daily_job,
         name="daily_scoring_schedule",
@@ -91,8 +100,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
     automation = AutomationConditionSensorDefinition(
         "scoring_automation_sensor",
         target=AssetSelection.assets("predictions", "path_agreement"),
-        default_status=DefaultSensorStatus.RUNNING,
-        minimum_interval_seconds=sensor_settings.interval_seconds,
+        **sensor_settings.sensor_args(),
         run_tags={"tandem/trigger": "automation"},
         emit_backfills=False,
         description="Rescores the last scored days after the production model moves or predictions' code version "
@@ -100,7 +108,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
     )
     return Definitions(
         assets=[*batch_assets, *agreement_assets, online_predictions, *build_challenger_assets(partitions)],
-        jobs=[daily_job, rescore_job, ingest_job, replay_job],
+        jobs=list(jobs.values()),
         schedules=[nightly],
         sensors=[
             *build_sensors(sensor_settings),

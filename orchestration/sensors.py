@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dagster import (
     AssetKey,
@@ -66,6 +66,11 @@ class SensorSettings(BaseSettings):
         description="a promotion (or a bump of predictions' code version) rescores the days among the last N that "
         "were scored; 0: none",
     )
+
+    def sensor_args(self) -> dict[str, Any]:
+        """What every Tandem sensor is declared with: this interval, and running from the first
+        deployment on (nothing to switch on in the UI)."""
+        return {"minimum_interval_seconds": self.interval_seconds, "default_status": DefaultSensorStatus.RUNNING}
 
 
 # A row's ingested_at is stamped before its transaction commits, so a row can become visible after
@@ -117,8 +122,7 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
     # account's next records) is row-level knowledge in the tables; conditions see partitions.
     @sensor(
         job_name=RESCORE_JOB,
-        minimum_interval_seconds=settings.interval_seconds,
-        default_status=DefaultSensorStatus.RUNNING,
+        **settings.sensor_args(),
         description="Late or corrected source records -> rescore their partitions and those of the "
         "records whose history they are (already scored partitions only).",
     )
@@ -141,8 +145,7 @@ def build_sensors(settings: SensorSettings) -> list[SensorDefinition]:
     # in rejected_records, which Dagster never sees as an event.
     @sensor(
         job_name=DAILY_JOB,
-        minimum_interval_seconds=settings.interval_seconds,
-        default_status=DefaultSensorStatus.RUNNING,
+        **settings.sensor_args(),
         description="Quarantined records marked fixed -> re-ingest and rescore their partitions.",
     )
     def fixed_rejects_sensor(
@@ -168,8 +171,7 @@ def build_production_model_observer(settings: SensorSettings) -> SensorDefinitio
     """
 
     @sensor(
-        minimum_interval_seconds=settings.interval_seconds,
-        default_status=DefaultSensorStatus.RUNNING,
+        **settings.sensor_args(),
         description="The production model pointer moved (risk_model, `tandem models promote`, `rollback`) -> "
         "an observation of production_model with the new tag as its data version.",
     )
@@ -208,8 +210,7 @@ def build_online_observer(settings: SensorSettings, *, shadow: bool = False) -> 
 
     @sensor(
         name=f"{name}_predictions_observer",
-        minimum_interval_seconds=settings.interval_seconds,
-        default_status=DefaultSensorStatus.RUNNING,
+        **settings.sensor_args(),
         description=f"Reports what the online service wrote to `{table}` as observations of {name}_predictions.",
     )
     def observer(context: SensorEvaluationContext, database: DatabaseResource) -> SensorResult | SkipReason:
@@ -271,8 +272,7 @@ def build_landing_sensor(
 
     @sensor(
         jobs=list(jobs),
-        minimum_interval_seconds=settings.interval_seconds,
-        default_status=DefaultSensorStatus.RUNNING,
+        **settings.sensor_args(),
         description="New day files in the landing location -> daily_scoring; a changed day file -> "
         "ingest_transactions (late_records_sensor then rescores what changed). Demo and files sources.",
     )

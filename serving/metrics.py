@@ -10,6 +10,7 @@ histogram always has a bucket exactly at the p99 target, so `le="<target>"` meas
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Final
 
@@ -64,155 +65,137 @@ class ServingMetrics:
         self.target_s = target_seconds(resolved.p99_target_ms)
         self._serving: str | None = None
         self.registry = CollectorRegistry()
-        r = self.registry
+        # Every metric goes to this instance's registry (tests build several side by side).
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
         buckets = latency_buckets(resolved.p99_target_ms)
-        self.latency = Histogram(
+        self.latency = histogram(
             "tandem_serving_request_latency_seconds",
             "End-to-end latency of /score, by HTTP status; one bucket is exactly the p99 target.",
             ["status"],
             buckets=buckets,
-            registry=r,
         )
-        self.p99_target = Gauge(
+        self.p99_target = gauge(
             "tandem_serving_p99_target_seconds",
             "The declared p99 latency target.",
-            registry=r,
             multiprocess_mode="max",
         )
-        self.availability_target = Gauge(
+        self.availability_target = gauge(
             "tandem_serving_availability_target",
             "The declared availability objective of /score, a ratio (0.999: at most 0.1% of requests answered 5xx).",
-            registry=r,
             multiprocess_mode="max",
         )
-        self.slo_window = Gauge(
+        self.slo_window = gauge(
             "tandem_serving_slo_window_seconds",
             "The rolling window the SLOs are declared over.",
-            registry=r,
             multiprocess_mode="max",
         )
-        self.over_target = Counter(
+        self.over_target = counter(
             "tandem_serving_requests_over_target_total",
             "Successful (200) /score requests whose end-to-end latency exceeded the p99 target.",
-            registry=r,
         )
-        self.items = Counter(
+        self.items = counter(
             "tandem_serving_items_total",
             "Items (transactions) of /score requests, by what became of them.",
             ["outcome"],
-            registry=r,
         )
         for outcome in ITEM_OUTCOMES:
             # Exported at 0 from the start, so ratios and increase() see the first one.
             self.items.labels(outcome=outcome)
-        self.in_flight = Gauge(
+        self.in_flight = gauge(
             "tandem_serving_requests_in_flight",
             "/score requests being handled (parsed, queued or being scored).",
-            registry=r,
             multiprocess_mode="livesum",
         )
-        self.scores = Histogram(
+        self.scores = histogram(
             "tandem_serving_score",
             "Scores returned by /score (degraded ones included).",
             buckets=SCORE_BUCKETS,
-            registry=r,
         )
-        self.queue_depth = Gauge(
-            "tandem_serving_queue_depth", "Items waiting for a batch.", registry=r, multiprocess_mode="livesum"
+        self.queue_depth = gauge(
+            "tandem_serving_queue_depth", "Items waiting for a batch.", multiprocess_mode="livesum"
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "tandem_serving_queue_wait_seconds",
             "Time an item waited before its batch started.",
             buckets=buckets,
-            registry=r,
         )
-        self.shed = Counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"], registry=r)
-        self.batch_size = Histogram(
-            "tandem_serving_batch_size", "Items per adaptive batch.", buckets=_BATCH_BUCKETS, registry=r
+        self.shed = counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"])
+        self.batch_size = histogram("tandem_serving_batch_size", "Items per adaptive batch.", buckets=_BATCH_BUCKETS)
+        self.batch_seconds = histogram(
+            "tandem_serving_batch_seconds", "Service time of one batch.", buckets=_LATENCY_BUCKETS
         )
-        self.batch_seconds = Histogram(
-            "tandem_serving_batch_seconds", "Service time of one batch.", buckets=_LATENCY_BUCKETS, registry=r
+        self.item_errors = counter(
+            "tandem_serving_item_errors_total", "Items answered with an error, by reason.", ["reason"]
         )
-        self.item_errors = Counter(
-            "tandem_serving_item_errors_total", "Items answered with an error, by reason.", ["reason"], registry=r
-        )
-        self.cpu_per_request = Histogram(
+        self.cpu_per_request = histogram(
             "tandem_serving_request_cpu_seconds",
             "CPU time spent on one request: its parsing plus its share of its batches.",
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
-            registry=r,
         )
-        self.outbox_depth = Gauge(
+        self.outbox_depth = gauge(
             "tandem_serving_outbox_depth",
             "Prediction rows waiting in the local outbox.",
-            registry=r,
             multiprocess_mode="max",
         )
-        self.breaker_state = Gauge(
+        self.breaker_state = gauge(
             "tandem_serving_db_breaker_state",
             "Database circuit breaker: 0 closed, 1 half-open, 2 open.",
-            registry=r,
             multiprocess_mode="max",
         )
-        self.degraded = Counter(
-            "tandem_serving_degraded_total", "Items scored without account history (database down).", registry=r
+        self.degraded = counter(
+            "tandem_serving_degraded_total", "Items scored without account history (database down)."
         )
-        self.unseen_values = Counter(
+        self.unseen_values = counter(
             "tandem_unseen_values_total",
             "Scored items whose field held a value outside the training vocabulary (scored through the "
             "model's unknown bucket), by field: vocabulary drift, a reason to retrain.",
             ["field"],
-            registry=r,
         )
         for name in VOCABULARY_FIELDS:
             # Exported at 0 from the start, so a rate() over the first unseen value sees it.
             self.unseen_values.labels(field=name)
-        self.model_info = Gauge(
+        self.model_info = gauge(
             "tandem_serving_model_info",
             "1 for the model version being served, 0 for versions served earlier by this process.",
             ["model_version", "code_version"],
-            registry=r,
             multiprocess_mode="livemax",
         )
-        self.model_swaps = Counter(
+        self.model_swaps = counter(
             "tandem_serving_model_swaps_total",
             "Attempts to serve a newly promoted (or rolled back) model version without a restart, by outcome.",
             ["outcome"],
-            registry=r,
         )
         for outcome in ("succeeded", "failed"):
             # Exported at 0 from the start, so an alert on increase() sees the first failure.
             self.model_swaps.labels(outcome=outcome)
-        self.shadow_items = Counter(
+        self.shadow_items = counter(
             "tandem_shadow_items_total",
             "Sampled items for the challenger's shadow scoring, by outcome (scored, dropped).",
             ["outcome"],
-            registry=r,
         )
-        self.shadow_dropped = Counter(
+        self.shadow_dropped = counter(
             "tandem_shadow_dropped_total",
             "Sampled items the challenger did not score, by reason; never counted against the p99 target.",
             ["reason"],
-            registry=r,
         )
         for name in ("scored", "dropped"):
             self.shadow_items.labels(outcome=name)
         for reason in SHADOW_DROP_REASONS:
             self.shadow_dropped.labels(reason=reason)
-        self.shadow_queue_depth = Gauge(
-            "tandem_shadow_queue_depth", "Items waiting for the challenger.", registry=r, multiprocess_mode="livesum"
+        self.shadow_queue_depth = gauge(
+            "tandem_shadow_queue_depth", "Items waiting for the challenger.", multiprocess_mode="livesum"
         )
-        self.shadow_latency = Histogram(
+        self.shadow_latency = histogram(
             "tandem_shadow_latency_seconds",
             "From the champion's answer to the challenger's shadow answer.",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.shadow_model_info = Gauge(
+        self.shadow_model_info = gauge(
             "tandem_shadow_model_info",
             "1 for the challenger version being shadowed, 0 for versions shadowed earlier by this process.",
             ["model_version"],
-            registry=r,
             multiprocess_mode="livemax",
         )
         self._shadowing: str | None = None

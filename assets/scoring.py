@@ -1,0 +1,104 @@
+"""What the day-partitioned assets share: how each one runs (`daily_database_step`), and for
+`predictions` and `challenger_predictions` the batch path's knobs and one stored day scored through
+it by a loaded model. Only where the answers go, and what is checked, differs."""
+
+# No `from __future__ import annotations`: Dagster reads a Config subclass's annotations.
+from collections.abc import Callable
+from datetime import date
+from typing import Any
+
+from dagster import (
+    AssetDep,
+    AssetExecutionContext,
+    AssetKey,
+    BackfillPolicy,
+    Config,
+    DailyPartitionsDefinition,
+    TimeWindowPartitionMapping,
+)
+from pydantic import Field
+
+from assets.retries import TRANSIENT_RETRY
+from inference.batch import (
+    FORWARD_BATCH_SIZE,
+    MODEL_WORKERS,
+    BatchProducer,
+    ChunkProgress,
+    PartitionReport,
+    score_partition,
+)
+from inference.contract import TorchPredictor
+from inference.model import RiskModel
+from orchestration.resources import DatabaseResource
+from tandem.version import code_version
+
+# Concurrency pool shared by every asset that holds database connections (limit: dagster.yaml).
+DATABASE_POOL = "database"
+
+
+def daily_database_step(partitions: DailyPartitionsDefinition) -> dict[str, Any]:
+    """The @asset arguments of every day-partitioned asset that reads or writes Tandem's database:
+    one run per day in a backfill (a failed day reruns alone), Dagster's retry on a transient
+    database error, and a slot of the `database` pool."""
+    return {
+        "partitions_def": partitions,
+        "retry_policy": TRANSIENT_RETRY,
+        "backfill_policy": BackfillPolicy.multi_run(1),
+        "pool": DATABASE_POOL,
+    }
+
+
+def transactions_with_history() -> AssetDep:
+    """A day's stored transactions and the day before: a record's features read its account's
+    earlier records, so the day before must be ingested too (asset backfills then order ingestion
+    ahead of scoring across days)."""
+    return AssetDep(
+        AssetKey("transactions"),
+        partition_mapping=TimeWindowPartitionMapping(start_offset=-1, allow_nonexistent_upstream_partitions=True),
+    )
+
+
+class BatchScoringConfig(Config):
+    chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
+    forward_batch_size: int = Field(
+        default=FORWARD_BATCH_SIZE,
+        ge=1,
+        le=65_536,
+        description="rows per forward pass (measured, see bench/findings.md)",
+    )
+    model_workers: int = Field(
+        default=MODEL_WORKERS,
+        ge=1,
+        le=64,
+        description="threads running the forward passes; the torch threads are split",
+    )
+
+
+def score_day(
+    context: AssetExecutionContext,
+    database: DatabaseResource,
+    loaded: tuple[RiskModel, str],
+    config: BatchScoringConfig,
+    *,
+    as_challenger: bool = False,
+    on_chunk: Callable[[ChunkProgress], None] | None = None,
+) -> tuple[PartitionReport, TorchPredictor]:
+    """The run's partition scored by `loaded` (model, version); returns the report and the predictor."""
+    model, version = loaded
+    # Scored with the K the model was trained with (predictor.history_length), not a setting.
+    predictor = TorchPredictor(model=model, model_version=version, forward_batch_size=config.forward_batch_size)
+    producer = BatchProducer(
+        run_id=context.run.run_id, partition_key=context.partition_key, code_version=code_version()
+    )
+    report = score_partition(
+        database.engine,
+        predictor,
+        date.fromisoformat(context.partition_key),
+        producer=producer,
+        history_length=predictor.history_length,
+        chunk_rows=config.chunk_rows,
+        on_chunk=on_chunk,
+        model_workers=config.model_workers,
+        as_challenger=as_challenger,
+    )
+    return report, predictor
