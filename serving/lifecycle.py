@@ -5,8 +5,8 @@ A new process per version, rather than new weights in the running one: a version
 load, scores NaN or hangs is found out in a process no request depends on, and is discarded
 without the serving process ever having seen it. The price is the new process's model load and
 warm-up (1-3 s on two shared cores; its imports are paid once, by the fork server in `worker`)
-competing with the serving pool for the same cores; tests/serving/test_hot_swap.py measures what
-that does to p99.
+competing with the serving pool for the same cores; tests/serving/test_hot_swap_live.py measures
+what that does to p99.
 
 Rollback is the same move: the pointer names an earlier version, which is loaded afresh.
 """

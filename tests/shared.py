@@ -1,5 +1,6 @@
 """Helpers every test package uses: a throwaway PostgreSQL database (stocked, or cut off), a model
-version in the store, polling for a condition (never a bare sleep to wait for something).
+version in the store, polling for a condition (never a bare sleep to wait for something), a child
+process run to its end, and the environment a served process starts with.
 
 Plain functions without pytest, so child processes started by tests can import them too.
 """
@@ -11,9 +12,10 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import date
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -91,6 +93,22 @@ def wait_until_ready(
         until(answered, timeout_s=timeout_s, interval_s=0.25)
     except AssertionError:
         raise RuntimeError(f"server never became ready: {log()[-3000:]}") from None
+
+
+def run_child(
+    argv: Sequence[str], *, cwd: Path, env: Mapping[str, str] | None = None, timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """Runs `argv` in `cwd` (with `env`, or this process's environment) and waits for it, at most
+    `timeout_s`: its output captured as text, and a non-zero exit returned rather than raised, so
+    that the test's own assertion fails showing what the child wrote on stdout and stderr."""
+    return subprocess.run(list(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def service_env(*, database_url: str, data_dir: Path, model_name: str) -> dict[str, str]:
+    """The environment variables every served process (`bentoml serve`, a built Bento) a test
+    starts needs: the database it records to, its data folder, the model it serves. A test adds
+    its own settings with `|` (BENTOML_HOME, TANDEM_SERVING_...), each beside why it has its value."""
+    return {"DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir), "TANDEM_MODEL_NAME": model_name}
 
 
 @contextmanager

@@ -3,9 +3,10 @@ import-linter rather than by goodwill."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.shared import run_child
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -13,13 +14,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_import_contracts_are_kept() -> None:
     lint_imports = Path(sys.executable).parent / "lint-imports"
     assert lint_imports.exists(), f"import-linter is not installed next to {sys.executable}"
-    result = subprocess.run(
-        [str(lint_imports), "--config", str(REPO_ROOT / "pyproject.toml")],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_child([str(lint_imports), "--config", str(REPO_ROOT / "pyproject.toml")], cwd=REPO_ROOT, timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert " 0 broken" in result.stdout

@@ -1,27 +1,22 @@
 """The challenger path through Dagster, materialized for real on SQLite: risk_model registering a
 challenger, challenger_predictions replaying stored days into challenger_predictions alone, and
-challenger_report's gate checks and recorded verdict; production_model_observer reporting the
-challenger slot."""
+challenger_report's gate checks and recorded verdict. production_model_observer reporting the
+challenger slot is in test_sensors.py."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from dagster import (
     AssetKey,
-    AssetObservation,
     AssetsDefinition,
     DagsterEventType,
     DagsterInstance,
     ExecuteInProcessResult,
-    SensorResult,
-    SkipReason,
-    build_sensor_context,
     materialize,
 )
 
@@ -38,14 +33,12 @@ from inference.store import (
     transactions,
 )
 from orchestration.definitions import build_definitions
-from orchestration.resources import ModelStoreResource
 from tandem import modelstore
 from tests.orchestration.support import SETTINGS, batch_resources, predictions_config, run_partition
 from tests.shared import register_untrained_model
 
 # Names of their own: nothing here may move another test's production pointer, nor see its challenger.
 MODEL = "risk_model_challenger_tests"
-SENSOR_MODEL = "risk_model_challenger_sensor_tests"
 DAYS = ("2026-11-01", "2026-11-02", "2026-11-03")
 REPLAYED = DAYS[1:]
 ROWS = 2000
@@ -361,42 +354,3 @@ def test_replay_challenger_is_the_job_of_challenger_predictions_alone() -> None:
     job = build_definitions(SETTINGS).resolve_job_def("replay_challenger")
     assert job.asset_layer.executable_asset_keys == {AssetKey("challenger_predictions")}
     assert job.partitions_def is not None
-
-
-# ------------------------------------------------------------------ production_model_observer
-def test_the_observer_reports_the_challenger_slot_when_it_moves(tmp_path: Path) -> None:
-    sensor = build_definitions(SETTINGS).get_sensor_def("production_model_observer")
-    champion = register_untrained_model(SENSOR_MODEL)
-    with DagsterInstance.ephemeral() as instance:
-
-        def tick() -> list[tuple[str, str | None]]:
-            with build_sensor_context(
-                instance=instance, resources={"model_store": ModelStoreResource(model_name=SENSOR_MODEL)}
-            ) as context:
-                result = sensor(context)
-            if isinstance(result, SkipReason):
-                return []
-            assert isinstance(result, SensorResult)
-            events = []
-            for event in result.asset_events:
-                assert isinstance(event, AssetObservation)
-                instance.report_runless_asset_event(event)  # as the daemon records a sensor's events
-                events.append((event.asset_key.to_user_string(), event.data_version))
-            return events
-
-        assert tick() == [("production_model", champion)], "an empty slot never observed is not news"
-        assert tick() == []
-
-        challenger = modelstore.challenge(register_untrained_model(SENSOR_MODEL, seed=1, promote=False))
-        assert tick() == [("challenger_model", challenger)]
-        assert tick() == [], "an unchanged slot is observed once"
-
-        modelstore.clear_challenger(SENSOR_MODEL)
-        assert tick() == [("challenger_model", NO_CHALLENGER)]
-        assert tick() == []
-
-        modelstore.challenge(challenger)
-        assert tick() == [("challenger_model", challenger)]
-        modelstore.promote(challenger)  # a promoted challenger leaves the slot: both move at once
-        assert tick() == [("production_model", challenger), ("challenger_model", NO_CHALLENGER)]
-        assert tick() == []

@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 from dagster import AssetObservation, DagsterInstance, SensorDefinition, SensorResult, SkipReason, build_sensor_context
 
+from assets.model import NO_CHALLENGER
 from inference.demo import DemoConfig, generate_day
 from inference.records import EVENT_TS_DTYPE, validate
 from inference.store import (
@@ -32,12 +33,15 @@ from orchestration.sensors import (
     build_production_model_observer,
     build_sensors,
 )
+from tandem import modelstore
 from tests.orchestration.support import DEMO_SEED, PARTITIONED, batch_resources, predictions_config, run_partition
 from tests.shared import register_untrained_model
 
 DAYS = ("2026-11-02", "2026-11-03")
 ROWS = 600
 SENSOR_MODEL = "risk_model_sensor_tests"
+# Its own name: the challenger slot it moves is no other test's.
+CHALLENGER_SENSOR_MODEL = "risk_model_challenger_sensor_tests"
 
 
 def _run(
@@ -252,3 +256,41 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
     assert after[next_record][1] != before[next_record][1]
     assert after[next_record][0] != before[next_record][0]
     engine.dispose()
+
+
+def test_the_observer_reports_the_challenger_slot_when_it_moves(tmp_path: Path) -> None:
+    sensor = build_production_model_observer(SensorSettings())
+    champion = register_untrained_model(CHALLENGER_SENSOR_MODEL)
+    with DagsterInstance.ephemeral() as instance:
+
+        def tick() -> list[tuple[str, str | None]]:
+            with build_sensor_context(
+                instance=instance, resources={"model_store": ModelStoreResource(model_name=CHALLENGER_SENSOR_MODEL)}
+            ) as context:
+                result = sensor(context)
+            if isinstance(result, SkipReason):
+                return []
+            assert isinstance(result, SensorResult)
+            events = []
+            for event in result.asset_events:
+                assert isinstance(event, AssetObservation)
+                instance.report_runless_asset_event(event)  # as the daemon records a sensor's events
+                events.append((event.asset_key.to_user_string(), event.data_version))
+            return events
+
+        assert tick() == [("production_model", champion)], "an empty slot never observed is not news"
+        assert tick() == []
+
+        challenger = modelstore.challenge(register_untrained_model(CHALLENGER_SENSOR_MODEL, seed=1, promote=False))
+        assert tick() == [("challenger_model", challenger)]
+        assert tick() == [], "an unchanged slot is observed once"
+
+        modelstore.clear_challenger(CHALLENGER_SENSOR_MODEL)
+        assert tick() == [("challenger_model", NO_CHALLENGER)]
+        assert tick() == []
+
+        modelstore.challenge(challenger)
+        assert tick() == [("challenger_model", challenger)]
+        modelstore.promote(challenger)  # a promoted challenger leaves the slot: both move at once
+        assert tick() == [("production_model", challenger), ("challenger_model", NO_CHALLENGER)]
+        assert tick() == []

@@ -18,12 +18,15 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from tests.orchestration.support import SETTINGS, prediction_rows, predictions_config, rejection_rows
+from inference.demo import DemoConfig, generate_day
+from tests.orchestration.support import DEMO_SEED, SETTINGS, prediction_rows, predictions_config, rejection_rows
 from tests.serving.support import DemoServer, serve_demo
+from tests.shared import migrate_and_ingest
 
 ROOT = Path(__file__).resolve().parents[2]
 # A model name of this suite's own: no other package promoting "risk_model" can swap it.
@@ -91,6 +94,28 @@ def prediction_facts(url: str, partition_key: str) -> list[dict[str, Any]]:
 
 def rejection_facts(url: str, partition_key: str) -> list[dict[str, Any]]:
     return rejection_rows(url, partition_key, columns=REJECTION_FACTS)
+
+
+# ------------------------------------------------------------------ the batch fault tests' partition
+# One demo day on PostgreSQL, shared by test_batch_crash_and_race.py and test_batch_connection_and_poison.py.
+DAY = date(2026, 11, 3)
+KEY = DAY.isoformat()
+ROWS = 9_000
+
+
+def _source(rows: int = ROWS, poison_rate: float = 0.01) -> pl.DataFrame:
+    return generate_day(DAY, DemoConfig(seed=DEMO_SEED, rows_per_day=rows, poison_rate=poison_rate))
+
+
+def _ingest(url: str, frame: pl.DataFrame) -> None:
+    migrate_and_ingest(url, frame, DAY)
+
+
+def _count(url: str, sql_text: str, *params: Any) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(sql_text, params).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 # ------------------------------------------------------------------ a live `bentoml serve`

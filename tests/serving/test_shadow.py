@@ -4,7 +4,8 @@ a client can see; under load, with a full queue, a slow or a dead challenger, sh
 dropped and counted while the champion's answers stay exactly what they are without a shadow.
 
 Hand-written scoring steps on thread pools stand in for the two versions' processes (as in
-test_hot_swap.py); the live service with real models is tests/scenario/test_challenger_rollout.py.
+test_hot_swap_in_process.py); the live service with real models is
+tests/scenario/test_challenger_rollout.py.
 """
 
 from __future__ import annotations

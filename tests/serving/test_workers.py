@@ -26,7 +26,7 @@ from prometheus_client.mmap_dict import MmapedDict
 
 from inference.records import MERCHANT_CATEGORIES
 from tests.serving.support import LiveServer, serve
-from tests.shared import fresh_postgres_database, register_untrained_model
+from tests.shared import fresh_postgres_database, register_untrained_model, service_env
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
@@ -66,11 +66,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str) ->
     shutil.copytree(version_dir.parent, home / "models" / version_dir.parent.name)
 
     with fresh_postgres_database(postgres_admin_url, prefix="tandem_workers") as database_url:
-        env = {
+        env = service_env(database_url=database_url, data_dir=root / "data", model_name=MODEL_NAME) | {
             "BENTOML_HOME": str(home),
-            "DATABASE_URL": database_url,
-            "TANDEM_DATA_DIR": str(root / "data"),
-            "TANDEM_MODEL_NAME": MODEL_NAME,
             # Pinned: no production pointer in this store, and no hot-swap polling.
             "TANDEM_SERVING_MODEL_TAG": tag,
             "TANDEM_SERVING_WORKERS": str(WORKERS),
