@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import yaml
 from inference.records import MERCHANT_CATEGORIES
 from tests.deploy.support import ROOT
 from tests.serving.support import LiveServer, serve
-from tests.shared import fresh_postgres_database, register_untrained_model
+from tests.shared import fresh_postgres_database, register_untrained_model, run_child, service_env
 
 BENTOFILE = yaml.safe_load((ROOT / "bentofile.yaml").read_text())
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -61,14 +60,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, 
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(pointer, target)
     env = {**os.environ, "BENTOML_HOME": str(home), "TANDEM_MODEL_NAME": MODEL_NAME, "BENTOML_DO_NOT_TRACK": "True"}
-    result = subprocess.run(
-        [sys.executable, "-m", "bentoml", "build", "--output", "tag", str(ROOT)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    result = run_child(
+        [sys.executable, "-m", "bentoml", "build", "--output", "tag", str(ROOT)], cwd=ROOT, env=env, timeout_s=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
     bento_tag = result.stdout.strip().splitlines()[-1].removeprefix("__tag__:")
@@ -93,11 +86,8 @@ def test_bentoml_build_packs_the_production_model_by_reference(built: tuple[str,
 def test_the_built_bento_serves_score(built: tuple[str, str, Path], postgres_admin_url: str, tmp_path: Path) -> None:
     bento_tag, model_tag, home = built
     with fresh_postgres_database(postgres_admin_url, prefix="tandem_bento") as database_url:
-        env = {
+        env = service_env(database_url=database_url, data_dir=tmp_path / "data", model_name=MODEL_NAME) | {
             "BENTOML_HOME": str(home),
-            "DATABASE_URL": database_url,
-            "TANDEM_DATA_DIR": str(tmp_path / "data"),
-            "TANDEM_MODEL_NAME": MODEL_NAME,
             "TANDEM_SERVING_MODEL_POLL_INTERVAL_S": "0",
         }
         with serve(LiveServer, env, tmp_path / "serve.log", target=bento_tag) as server:

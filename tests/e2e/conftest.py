@@ -2,24 +2,27 @@
 a model store with a production model, real `dagster-webserver` + `dagster-daemon` processes, and
 the alert webhook they post failed runs to.
 
-Slow (minutes), so it runs only when asked: TANDEM_RUN_E2E=1, or CI=true.
+Slow (minutes), so it runs only when asked: TANDEM_RUN_E2E=1, or CI=true. Started once for the
+package: the test modules are one operator's day on it, in SCENARIO's order.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.engine import Engine
 
 from inference.migrate import upgrade
 from inference.store import make_engine
+from tests.e2e.browser import CHROMIUM_ARGS, chromium_path
 from tests.e2e.deployment import (
     ARTIFACTS,
     BIN,
@@ -33,12 +36,33 @@ from tests.e2e.deployment import (
     fresh_database,
     rescore_window_days,
 )
+from tests.e2e.graphql import REPOSITORIES, Repository, wait_for_production_model
+from tests.e2e.week import LOCATION, SCORING_ASSETS, BackfillOutcome, run_asset_backfill
+from tests.shared import run_child
 
+E2E_DIR = Path(__file__).resolve().parent
 RUN_E2E = os.environ.get("TANDEM_RUN_E2E") == "1" or os.environ.get("CI", "").lower() == "true"
 STARTUP_TIMEOUT_S = 180
 
 
+# One deployment serves the package (package-scoped fixtures: minutes to start), and its modules
+# are the order of an operator's day on it: each reads what the one before left behind.
+SCENARIO = ("test_backfill.py", "test_rollout.py", "test_surfaces.py")
+
+
+def _in_scenario_order(items: list[pytest.Item]) -> None:
+    """Put this package's tests in SCENARIO's module order, in place; every other test keeps its place."""
+    here = [index for index, item in enumerate(items) if item.path.parent == E2E_DIR]
+    unknown = sorted({items[index].path.name for index in here} - set(SCENARIO))
+    if unknown:
+        raise pytest.UsageError(f"tests/e2e modules {unknown} are not in SCENARIO (tests/e2e/conftest.py)")
+    ordered = sorted((items[index] for index in here), key=lambda item: SCENARIO.index(item.path.name))
+    for index, item in zip(here, ordered, strict=True):
+        items[index] = item
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _in_scenario_order(items)
     if RUN_E2E:
         return
     skip = pytest.mark.skip(reason="end-to-end deployment test: set TANDEM_RUN_E2E=1 (CI=true runs it)")
@@ -48,15 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _register_model(env: dict[str, str]) -> str:
-    completed = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.model_setup"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    completed = run_child([sys.executable, "-m", "tests.e2e.model_setup"], cwd=REPO, env=env, timeout_s=180)
     if completed.returncode != 0:
         pytest.fail(f"registering the production model failed:\n{completed.stderr[-4000:]}")
     return completed.stdout.strip().splitlines()[-1]
@@ -80,13 +96,13 @@ def _location_loaded(deployment: Deployment) -> bool | None:
     return True if loaded and len(loaded) == len(entries) else None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def alert_receiver() -> Iterator[WebhookReceiver]:
     with WebhookReceiver() as receiver:
         yield receiver
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def deployment(
     postgres_admin_url: str, tmp_path_factory: pytest.TempPathFactory, alert_receiver: WebhookReceiver
 ) -> Iterator[Deployment]:
@@ -159,7 +175,59 @@ def deployment(
         yield deployment
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where this module's screenshots go (copied on with TANDEM_E2E_ARTIFACTS: see deployment.py)."""
+    """Where the package's screenshots go (copied on with TANDEM_E2E_ARTIFACTS: see deployment.py)."""
     return tmp_path_factory.mktemp("screenshots")
+
+
+@pytest.fixture(scope="package")
+def engine(deployment: Deployment) -> Iterator[Engine]:
+    connected = make_engine(deployment.database_url)
+    yield connected
+    connected.dispose()
+
+
+@pytest.fixture(scope="package")
+def repository(deployment: Deployment) -> Repository:
+    result = deployment.graphql(REPOSITORIES)["repositoriesOrError"]
+    assert result["__typename"] == "RepositoryConnection", result
+    found = [node for node in result["nodes"] if node["location"]["name"] == LOCATION]
+    assert len(found) == 1, f"expected one repository in location {LOCATION!r}: {result['nodes']}"
+    node = found[0]
+    return Repository(
+        location=LOCATION,
+        name=node["name"],
+        sensors={sensor["name"]: sensor["sensorState"]["status"] for sensor in node["sensors"]},
+    )
+
+
+@pytest.fixture(scope="package")
+def ingested(deployment: Deployment, repository: Repository) -> BackfillOutcome:
+    """The fresh deployment's week, ingested: an asset backfill of `transactions`."""
+    # Scoring records which production model it read; the observer reports it within a tick.
+    wait_for_production_model(deployment, deployment.production_tag)
+    return run_asset_backfill(deployment, ["transactions"], "e2e: ingest the demo week")
+
+
+@pytest.fixture(scope="package")
+def backfill(deployment: Deployment, ingested: BackfillOutcome) -> BackfillOutcome:
+    """The README's backfill: predictions and path_agreement over the week, as the UI launches it."""
+    return run_asset_backfill(deployment, SCORING_ASSETS, "e2e: score the demo week")
+
+
+@pytest.fixture(scope="package")
+def browser_page(deployment: Deployment) -> Iterator[Any]:
+    """One headless Chromium page on the deployment's UI, its onboarding dialog dismissed."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: pip install playwright (the wheel carries its driver)")
+    # The onboarding dialog ("Join the Dagster community") would cover the page; this is its Skip.
+    assert deployment.graphql("mutation { setNuxSeen }")["setNuxSeen"] is True
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser.new_page(viewport={"width": 1600, "height": 1000})
+        finally:
+            browser.close()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import uuid
-from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from orchestration.settings import OrchestrationSettings
 from tandem import cli, modelstore
 from tests.orchestration.support import select_rows
 from tests.serving.support import LiveServer, serve
-from tests.shared import fresh_postgres_database, register_untrained_model, until
+from tests.shared import register_untrained_model, service_env, until
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
@@ -110,12 +109,6 @@ def shadow_metric(server: LiveServer, name: str, **labels: str) -> float:
     return 0.0
 
 
-@pytest.fixture
-def database_url(postgres_admin_url: str) -> Iterator[str]:
-    with fresh_postgres_database(postgres_admin_url, prefix="tandem_rollout") as url:
-        yield url
-
-
 def test_a_challenger_is_shadowed_replayed_judged_and_promoted_through_the_gate(
     database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -145,10 +138,7 @@ def test_a_challenger_is_shadowed_replayed_judged_and_promoted_through_the_gate(
     # 3. Clients under load while every request is shadowed.
     live = validate(generate_day(LIVE_DAY, DEMO).select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null())
     requests = live.select(RAW_COLUMNS).head(LOAD_REQUESTS).to_dicts()
-    env = {
-        "DATABASE_URL": database_url,
-        "TANDEM_DATA_DIR": str(tmp_path / "service"),
-        "TANDEM_MODEL_NAME": MODEL_NAME,
+    env = service_env(database_url=database_url, data_dir=tmp_path / "service", model_name=MODEL_NAME) | {
         "TANDEM_SERVING_MODEL_POLL_INTERVAL_S": "0.5",
         "TANDEM_SERVING_SHADOW_SAMPLE": "1.0",
         # Shared cores and Dagster runs beside the service: this test is about which answers clients get

@@ -21,7 +21,7 @@ which runs they asked for.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -57,7 +57,7 @@ from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
 from tests.orchestration.support import select_rows
 from tests.serving.support import LiveServer, serve
-from tests.shared import fresh_postgres_database, until
+from tests.shared import service_env, until
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
@@ -179,12 +179,6 @@ def answered(response: httpx.Response) -> Answer:
     )
 
 
-@pytest.fixture
-def database_url(postgres_admin_url: str) -> Iterator[str]:
-    with fresh_postgres_database(postgres_admin_url, prefix="tandem_day") as url:
-        yield url
-
-
 def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     landing = tmp_path / "landing"
     day = Day(database_url, landing)
@@ -211,10 +205,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
     valid = validate(source_day.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null())
     online = valid.filter(pl.int_range(pl.len()) % 10 < 7).select(RAW_COLUMNS).to_dicts()
     received: list[Answer] = []
-    env = {
-        "DATABASE_URL": database_url,
-        "TANDEM_DATA_DIR": str(tmp_path / "service"),
-        "TANDEM_MODEL_NAME": MODEL_NAME,
+    env = service_env(database_url=database_url, data_dir=tmp_path / "service", model_name=MODEL_NAME) | {
         "TANDEM_SERVING_MODEL_POLL_INTERVAL_S": "0.5",
         # Two shared cores and a Dagster run beside the service: this test is about what is
         # recorded, not latency, so nothing may be shed.
@@ -246,6 +237,14 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         for row in poison:
             response = post(server, client, row)
             assert response.status_code == 422, response.text
+
+        def recorded() -> bool:
+            """Every answer a client received is stored: the service's writer lands them behind the answers."""
+            stored = {(row["transaction_id"], row["request_id"]) for row in select_rows(database_url, ONLINE_ROWS)}
+            return {(a.transaction_id, a.request_id) for a in received} <= stored
+
+        # The night comes hours after the day's last payment, long after the writer has caught up.
+        until(recorded, message="answers a client received are not recorded")
 
         # 3. D's file lands: the late records (never seen online) and corrections of answered ones.
         corrected_ids = {row["transaction_id"] for row in online[::33]}
@@ -329,13 +328,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         for backfilled in [*HISTORY, DAY]:
             assert_every_check_passed(day.run_job(DAILY_JOB, backfilled))
         assert select_rows(database_url, sa.select(predictions)) == settled, "a backfill of the week changes nothing"
-        until(  # the service's writer lands the last answers
-            lambda: (
-                {(a.transaction_id, a.request_id) for a in received}
-                <= {(row["transaction_id"], row["request_id"]) for row in select_rows(database_url, ONLINE_ROWS)}
-            ),
-            message="answers a client received are not recorded",
-        )
+        until(recorded, message="answers a client received are not recorded")  # the last ones, after the swap
 
     # Every answer a client received is recorded, with its lineage; nothing else is.
     online_rows = select_rows(database_url, ONLINE_ROWS)
@@ -400,6 +393,3 @@ def _affected_by(database_url: str, changed_ids: set[str]) -> tuple[set[str], se
                     affected.add(touched["transaction_id"])
                     partitions.add(str(touched["partition_date"]))
     return affected, partitions
-
-
-_ = timedelta  # dates above are literal; kept for readers extending the day

@@ -99,6 +99,19 @@ def assert_one_line_error(err: list[str], *fragments: str) -> None:
         assert fragment in err[0], (fragment, err[0])
 
 
+def assert_promotion_refused(
+    store: Store, capsys: pytest.CaptureFixture[str], *fragments: str, challenger: str | None, force: bool = False
+) -> None:
+    """`tandem models promote --from-challenger` (`--force` too if `force`) exits 1 with nothing on
+    stdout and one line on stderr holding each of `fragments`, and moves neither pointer:
+    production stays on the champion, the challenger slot on `challenger`."""
+    code, out, err = run(capsys, "models", "promote", "--from-challenger", *(["--force"] if force else []))
+    assert (code, out) == (1, [])
+    assert_one_line_error(err, *fragments)
+    assert modelstore.production_tag(store.name) == store.champion
+    assert modelstore.challenger_tag(store.name) == challenger
+
+
 # ------------------------------------------------------------------ challenge, clear, list
 def test_challenge_clear_and_the_list_markers(store: Store, capsys: pytest.CaptureFixture[str]) -> None:
     assert markers(capsys) == {store.champion: "*", store.challenger: " ", store.spare: " "}
@@ -168,11 +181,10 @@ def test_usage_errors_exit_2(
 
 # ------------------------------------------------------------------ promote --from-challenger: the gate
 def test_no_challenger_nothing_to_promote(store: Store, capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (("--from-challenger",), ("--from-challenger", "--force")):
-        code, out, err = run(capsys, "models", "promote", *argv)
-        assert (code, out) == (1, [])
-        assert_one_line_error(err, "no challenger to promote", "tandem models challenge TAG")
-    assert modelstore.production_tag(store.name) == store.champion
+    for force in (False, True):
+        assert_promotion_refused(
+            store, capsys, "no challenger to promote", "tandem models challenge TAG", challenger=None, force=force
+        )
 
 
 def test_refused_without_a_report_of_this_pair(
@@ -183,16 +195,14 @@ def test_refused_without_a_report_of_this_pair(
     report(store.spare, store.challenger)
     report(store.champion, store.spare)
 
-    code, out, err = run(capsys, "models", "promote", "--from-challenger")
-    assert (code, out) == (1, [])
-    assert_one_line_error(
-        err,
+    assert_promotion_refused(
+        store,
+        capsys,
         f"not promoting {store.challenger}",
         f"no challenger_report compares {store.challenger} with {store.champion}",
         "(--force promotes anyway)",
+        challenger=store.challenger,
     )
-    assert modelstore.production_tag(store.name) == store.champion
-    assert modelstore.challenger_tag(store.name) == store.challenger
 
 
 def test_refused_after_a_failed_report_naming_the_failed_checks(
@@ -206,16 +216,14 @@ def test_refused_after_a_failed_report_naming_the_failed_checks(
         {AUC_NOT_WORSE: "worse by 0.1234: challenger AUC 0.7000", ENOUGH_EVIDENCE: "12 labelled pairs"},
     )
 
-    code, out, err = run(capsys, "models", "promote", "--from-challenger")
-    assert (code, out) == (1, [])
-    assert_one_line_error(
-        err,
+    assert_promotion_refused(
+        store,
+        capsys,
         f"challenger_report {failed} (2026-11-08 09:30 UTC) failed",
         f"{AUC_NOT_WORSE}: worse by 0.1234: challenger AUC 0.7000",
         f"{ENOUGH_EVIDENCE}: 12 labelled pairs",
+        challenger=store.challenger,
     )
-    assert modelstore.production_tag(store.name) == store.champion
-    assert modelstore.challenger_tag(store.name) == store.challenger
 
 
 def test_a_passing_report_promotes_and_empties_the_slot(
@@ -320,6 +328,6 @@ def test_the_refusal_says_the_report_time_in_utc_whatever_the_database_time_zone
     engine.dispose()
     modelstore.challenge(store.challenger)
 
-    code, _, err = run(capsys, "models", "promote", "--from-challenger")
-    assert code == 1
-    assert_one_line_error(err, f"challenger_report {failed} (2026-11-08 09:30 UTC) failed")
+    assert_promotion_refused(
+        store, capsys, f"challenger_report {failed} (2026-11-08 09:30 UTC) failed", challenger=store.challenger
+    )
