@@ -175,7 +175,12 @@ def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[Asset
                 )
             first_day = last_day - timedelta(days=config.days - 1)
             pairs = champion_challenger_pairs(
-                conn, champion=champion, challenger=challenger, first_day=first_day, last_day=last_day
+                conn,
+                champion=champion,
+                challenger=challenger,
+                first_day=first_day,
+                last_day=last_day,
+                same_history_length=model_store.history_length(champion) == model_store.history_length(challenger),
             )
             since = utc_now() - timedelta(hours=config.shadow_window_hours)
             latencies = online_latencies(conn, champion=champion, challenger=challenger, since=since)

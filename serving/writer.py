@@ -1,8 +1,10 @@
 """Result persistence off the event loop: one upsert per adaptive batch, an outbox when the
 database is down, and a drain of that outbox once it is back.
 
-One thread owns all writes so batches land in order and neither the event loop nor the scoring
-process ever waits on them.
+One thread owns every write of what clients received (answers, quarantined items), so batches land
+in order and neither the event loop nor the scoring process ever waits on them. The challenger's
+shadow answers are written apart, best effort (serving/shadow.py): they never queue behind, or
+ahead of, a client's.
 """
 
 from __future__ import annotations

@@ -45,11 +45,23 @@ COMPARISON_SCHEMA: dict[str, pl.DataType] = {
 
 
 def champion_challenger_pairs(
-    conn: Connection, *, champion: str, challenger: str, first_day: date, last_day: date
+    conn: Connection,
+    *,
+    champion: str,
+    challenger: str,
+    first_day: date,
+    last_day: date,
+    same_history_length: bool = True,
 ) -> pl.DataFrame:
     """The batch answers of both versions to the same transactions of [first_day, last_day]
-    (COMPARISON_SCHEMA), with the label where it is known. A transaction either version has not
-    scored (a day not replayed yet, a record one version rejected) is left out."""
+    (COMPARISON_SCHEMA), with the label where it is known. Only answers to the same inputs pair
+    up: a transaction either version has not scored (a day not replayed yet, a record one version
+    rejected), or that was corrected, or whose history changed, since the challenger replayed it
+    (the champion's rescore read other inputs) is left out until the replay is run again.
+
+    `same_history_length`: both versions read the same K records of history, so their history
+    digests must match too; versions of different K digest different records, and only the
+    record itself can be matched."""
     champ, chall, t = predictions.alias("champion"), challenger_predictions.alias("challenger"), transactions.c
     stmt = (
         sa.select(
@@ -67,6 +79,10 @@ def champion_challenger_pairs(
                     champ.c.model_version == champion,
                     champ.c.path == ResultPath.BATCH.value,
                     champ.c.answer_key == "",
+                    champ.c.input_hash == chall.c.input_hash,
+                    champ.c.history_hash.is_not_distinct_from(chall.c.history_hash)
+                    if same_history_length
+                    else sa.true(),
                 ),
             ).join(transactions, t.transaction_id == chall.c.transaction_id)
         )

@@ -219,6 +219,33 @@ def test_pairs_join_only_batch_answers_of_the_named_versions(engine: Engine) -> 
     assert other_champion.is_empty()
 
 
+def test_a_pair_needs_both_answers_to_the_same_inputs(engine: Engine) -> None:
+    """A correction after the replay: the champion's rescore read the new record (or a changed
+    history), the challenger's replay the old one. Comparing those would judge the challenger on
+    another input than the champion's, so the pair waits for the next replay."""
+    ids = ingest_two_days(engine)[DAY_1]["transaction_id"].to_list()[:3]
+    key = DAY_1.isoformat()
+    write_production(
+        engine,
+        answer(ids[0], path="batch", score=0.1, model_version=CHAMPION, partition_key=key),
+        answer(ids[1], path="batch", score=0.2, model_version=CHAMPION, partition_key=key, input_hash="input-2"),
+        answer(ids[2], path="batch", score=0.3, model_version=CHAMPION, partition_key=key, history_hash="history-2"),
+    )
+    write_challenger(
+        engine, *(answer(tid, path="batch", score=0.5, model_version=CHALLENGER, partition_key=key) for tid in ids)
+    )
+    with engine.connect() as conn:
+        pairs = champion_challenger_pairs(
+            conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_1
+        )
+        # Versions of different K digest different history records: only the record can be matched.
+        across_k = champion_challenger_pairs(
+            conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_1, same_history_length=False
+        )
+    assert pairs["transaction_id"].to_list() == [ids[0]]
+    assert across_k["transaction_id"].to_list() == sorted([ids[0], ids[2]])
+
+
 def test_online_latencies_mark_the_shadowed_answers(engine: Engine) -> None:
     now = datetime.now(UTC)
     online = [
