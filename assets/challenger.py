@@ -164,6 +164,8 @@ def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[Asset
                 allow_retries=False,
             )
         gate = PromotionGate()
+        # Versions of one K read the same history records, so their history digests compare.
+        same_history_length = model_store.history_length(champion) == model_store.history_length(challenger)
         started = time.perf_counter()
         with retry_only_transient_errors(), database.engine.connect() as conn:
             last_day = latest_replayed_day(conn, challenger)
@@ -180,7 +182,7 @@ def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[Asset
                 challenger=challenger,
                 first_day=first_day,
                 last_day=last_day,
-                same_history_length=model_store.history_length(champion) == model_store.history_length(challenger),
+                same_history_length=same_history_length,
             )
             since = utc_now() - timedelta(hours=config.shadow_window_hours)
             latencies = online_latencies(conn, champion=champion, challenger=challenger, since=since)

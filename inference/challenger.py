@@ -151,7 +151,7 @@ def _judge(
 def _shadow_cost(latencies: pl.DataFrame) -> dict[str, Any]:
     """What the shadow cost, as the stored answers show it: the champion's online service times
     while shadowing ran, and the challenger's own time per shadowed item. The cost against no
-    shadowing at all is measured side by side by the benchmark (bench/online.py, shadow scenario)."""
+    shadowing at all is measured side by side by the benchmark (bench/shadow.py)."""
     shadowed = latencies.filter(pl.col("shadowed"))
     return {
         "online_answers": latencies.height,
