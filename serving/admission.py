@@ -11,6 +11,7 @@ import asyncio
 import collections
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from serving.background import BackgroundTask
@@ -159,3 +160,104 @@ class LoopLag:
         # Until a whole window has been watched, nothing has stood for one.
         stood = now - self._first >= self.window_s
         self.lag_s = min(sample for _, sample in self._samples) if stood else 0.0
+
+
+class ConcurrencyLimit:
+    """An adaptive limit on admitted requests in flight: what holds the target past capacity.
+
+    The wait predictor sees the queue and the batches; it cannot see the CPU that admitted work
+    takes from everything else on the machine. Past capacity, each admitted request costs the
+    server about five refusals' worth of CPU (bench/findings.md), the event loop runs late, and
+    the accepted requests themselves miss the target while the predictor still says yes. This
+    limit closes the loop on what it costs: the latency admitted requests actually had, from
+    when they began to wait (proxy stamp or loop lag) to their answer.
+
+    The rule is Netflix's Gradient2 and Envoy's adaptive concurrency, with the declared target in
+    place of a measured minimum RTT (the target, not the fastest answer, is what is promised):
+    every `window_s`, when the window's 90th-percentile latency is over `headroom` x target, the
+    limit shrinks by that ratio (halving at most); otherwise it grows by sqrt(limit) while it binds,
+    and by a quarter while it does not, so a past overload is forgotten within a second or two.
+
+    It is not enforced until latency has stood over the target for `burst_interval_s` (CoDel's
+    interval, as for the queue's age): a burst at moderate load is served whole. Once it binds,
+    each window corrects it at once; its first cut starts from the peak in flight, not from the
+    idle ceiling, so a single window brings it to where it binds.
+    """
+
+    def __init__(
+        self,
+        target_s: float,
+        *,
+        max_limit: int,
+        min_limit: int = 8,
+        window_s: float = 0.1,
+        burst_interval_s: float = 0.25,
+        headroom: float = 0.8,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.target_s = target_s
+        self.max_limit = float(max_limit)
+        self.min_limit = float(min(min_limit, max_limit))
+        self.window_s = window_s
+        self.burst_interval_s = burst_interval_s
+        self.headroom = headroom
+        self.clock = clock
+        self.limit = self.max_limit
+        self.in_flight = 0
+        self._window_started = clock()
+        self._samples: list[float] = []
+        self._peak = 0
+        self._refused = False
+        self._over_since: float | None = None
+
+    def acquire(self) -> bool:
+        """Take a slot for a request about to be admitted; False: refuse it (the limit is full)."""
+        self._roll(self.clock())
+        if self.in_flight >= max(int(self.limit), 1):
+            self._refused = True
+            return False
+        self.in_flight += 1
+        self._peak = max(self._peak, self.in_flight)
+        return True
+
+    def release(self, latency_s: float | None) -> None:
+        """Give the slot back; `latency_s` is the request's latency, None when it never reached
+        the scorer (refused later for its body), which says nothing about load."""
+        self._roll(self.clock())
+        self.in_flight = max(self.in_flight - 1, 0)
+        if latency_s is not None:
+            self._samples.append(latency_s)
+
+    def current(self) -> float:
+        """The limit now, with any window that has ended accounted for."""
+        self._roll(self.clock())
+        return self.limit
+
+    def _roll(self, now: float) -> None:
+        if now - self._window_started < self.window_s:
+            return
+        if self._samples:
+            self._adjust(now, _quantile(self._samples, 0.9))
+        self._window_started = now
+        self._samples = []
+        self._peak = self.in_flight
+        self._refused = False
+
+    def _adjust(self, now: float, latency_s: float) -> None:
+        binding = self._refused or self._peak >= int(self.limit)
+        allowed = self.headroom * self.target_s
+        if latency_s > allowed:
+            if self._over_since is None:
+                self._over_since = self._window_started
+            if binding or now - self._over_since >= self.burst_interval_s:
+                base = min(self.limit, float(max(self._peak, 1)))
+                self.limit = max(self.min_limit, base * max(0.5, allowed / latency_s))
+            return
+        self._over_since = None
+        grown = self.limit + math.sqrt(self.limit) if binding else self.limit * 1.25
+        self.limit = min(self.max_limit, grown)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]

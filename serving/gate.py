@@ -205,6 +205,9 @@ class ScoreGate:
         finally:
             CURRENT_CALL.reset(call_token)
             PARSED_REQUEST.reset(parsed_token)
+            # The whole wait, the time before the service read the request included: what the
+            # client saw, and what the concurrency limit must keep within the target.
+            scorer.finished(time.monotonic() - call.arrived)
         return status
 
     async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:
@@ -216,6 +219,21 @@ class ScoreGate:
         early = scorer.refuse_early(arrived + deadline_ms / 1000, waited_s=time.monotonic() - arrived)
         if early is not None:
             raise Refused.overloaded(early, items=1)  # at least one item; the body is never read
+        try:
+            return await self._read_and_parse(request, scorer, request_id, arrived, deadline_ms, key)
+        except BaseException:
+            scorer.finished(None)  # refused for its body (or the client left): no latency to learn from
+            raise
+
+    async def _read_and_parse(
+        self,
+        request: Request,
+        scorer: OnlineScorer,
+        request_id: str,
+        arrived: float,
+        deadline_ms: float,
+        key: str | None,
+    ) -> tuple[ScoreCall, bytes]:
         try:
             body = await read_body(request, self.edge.settings.max_body_bytes)
         except BodyRefused as refused:

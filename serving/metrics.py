@@ -122,6 +122,11 @@ class ServingMetrics:
             buckets=buckets,
         )
         self.shed = counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"])
+        self.concurrency_limit = gauge(
+            "tandem_serving_concurrency_limit",
+            "The adaptive limit on admitted /score requests in flight; at queue_capacity until overload.",
+            multiprocess_mode="livesum",
+        )
         self.batch_size = histogram("tandem_serving_batch_size", "Items per adaptive batch.", buckets=_BATCH_BUCKETS)
         self.batch_seconds = histogram(
             "tandem_serving_batch_seconds", "Service time of one batch.", buckets=_LATENCY_BUCKETS

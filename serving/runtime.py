@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.engine import Engine
 
 from inference.records import Transaction, raw_frame, validate
-from serving.admission import BatchCostModel, Decision, LoopLag
+from serving.admission import BatchCostModel, ConcurrencyLimit, Decision, LoopLag
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, WorkItem
 from serving.breaker import BreakerState, CircuitBreaker
@@ -83,6 +83,13 @@ class OnlineScorer:
         self.breaker = CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_reset_s)
         self.cost = BatchCostModel(settings.cost_decay)
         self.loop_lag = LoopLag(window_s=settings.burst_interval_ms / 1000)
+        self.concurrency = ConcurrencyLimit(
+            settings.p99_target_ms / 1000,
+            max_limit=settings.queue_capacity,
+            min_limit=settings.min_concurrency,
+            window_s=settings.concurrency_window_ms / 1000,
+            burst_interval_s=settings.burst_interval_ms / 1000,
+        )
         self.writer = ResultWriter(
             engine,
             self.breaker,
@@ -201,14 +208,22 @@ class OnlineScorer:
 
     # ------------------------------------------------------------------ requests
     def refuse_early(self, deadline: float, *, waited_s: float = 0.0) -> Decision | None:
-        """The refusal a single item would get now, before its request is even read; None to go on."""
-        if self.batcher is None:
-            return None
-        decision = self.batcher.decide(1, deadline, waited_s=waited_s)
-        if decision.admitted:
-            return None
+        """The refusal a single item would get now, before its request is even read; None to go on,
+        holding one of the concurrency limit's slots (give it back with `finished`)."""
+        decision = self.batcher.decide(1, deadline, waited_s=waited_s) if self.batcher is not None else None
+        if decision is None or decision.admitted:
+            self.metrics.concurrency_limit.set(self.concurrency.current())
+            if self.concurrency.acquire():
+                return None
+            waited = decision.predicted_wait_s if decision is not None else waited_s
+            decision = Decision(False, waited, self.concurrency.target_s, "concurrency_limit")
         self.metrics.shed.labels(reason=decision.reason or "unknown").inc()
         return decision
+
+    def finished(self, latency_s: float | None) -> None:
+        """A request `refuse_early` let in is answered (`latency_s` from when it began to wait), or
+        was refused later for what its body held (None)."""
+        self.concurrency.release(latency_s)
 
     async def score(
         self,

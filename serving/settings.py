@@ -36,6 +36,15 @@ class ServingSettings(BaseSettings):
     queue_capacity: int = Field(
         default=1024, ge=1, description="Hard bound on queued items, whatever the predicted wait says."
     )
+    min_concurrency: int = Field(
+        default=8,
+        ge=1,
+        description="The floor of the adaptive limit on admitted requests in flight (admission.ConcurrencyLimit), "
+        "which shrinks past capacity when admitted requests miss the target.",
+    )
+    concurrency_window_ms: float = Field(
+        default=100.0, gt=0, description="How often the adaptive concurrency limit is corrected from latency."
+    )
     max_transactions_per_request: int = Field(default=256, ge=1)
     request_timeout_ms: float = Field(
         default=2000.0, gt=0, description="Deadline of a request that sends no X-Deadline-Ms header."

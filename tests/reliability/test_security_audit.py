@@ -250,6 +250,9 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
         def refuse_early(self, deadline: float, **_: object) -> None:
             return None
 
+        def finished(self, latency_s: float | None) -> None:
+            pass
+
     monkeypatch.delenv("TANDEM_SERVING_AUTH_TOKEN", raising=False)
     app = build_app(Stub)  # type: ignore[arg-type]
     monkeypatch.setenv("TANDEM_SERVING_AUTH_TOKEN", "set-after-import")

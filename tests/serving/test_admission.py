@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from serving.admission import BatchCostModel, Decision, LoopLag, admit, predicted_wait
+from serving.admission import BatchCostModel, ConcurrencyLimit, Decision, LoopLag, admit, predicted_wait
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.gate import _arrival
 from tests.serving.support import FakeClock
@@ -172,3 +172,74 @@ def test_a_proxy_request_start_stamp_moves_the_arrival_back() -> None:
     for bogus in ("t=later", f"t={time.time() + 30:.3f}", f"t={time.time() - 3600:.3f}", "t=nan"):
         request = Request({"type": "http", "headers": [(b"x-request-start", bogus.encode())]})
         assert time.monotonic() - _arrival(request, loop_lag_s=0.01) == pytest.approx(0.01, abs=0.005), bogus
+
+
+# ------------------------------------------------------------------ the adaptive concurrency limit
+def limit_with(clock: FakeClock, **changes: Any) -> ConcurrencyLimit:
+    """50 ms target, 100 ms windows, 250 ms burst interval, 1024 at most, 4 at least."""
+    return ConcurrencyLimit(0.05, max_limit=1024, min_limit=4, clock=clock, **changes)
+
+
+def run_window(limit: ConcurrencyLimit, clock: FakeClock, *, in_flight: int, latency_s: float) -> int:
+    """One 100 ms window: `in_flight` requests try to get in, those let in are answered in
+    `latency_s`. Returns how many were let in."""
+    admitted = sum(limit.acquire() for _ in range(in_flight))
+    clock.now += 0.05
+    for _ in range(admitted):
+        limit.release(latency_s)
+    clock.now += 0.05
+    limit.current()  # the window is over: its correction is made
+    return admitted
+
+
+def test_a_burst_shorter_than_the_interval_is_let_in_whole() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock)
+    for _ in range(2):  # 200 ms over the target: less than the 250 ms interval
+        assert run_window(limit, clock, in_flight=64, latency_s=0.1) == 64
+    assert limit.limit == 1024
+    run_window(limit, clock, in_flight=8, latency_s=0.01)
+    assert limit.limit == 1024, "a window within the target forgets the burst"
+
+
+def test_standing_overload_cuts_the_limit_from_what_was_in_flight_and_it_binds() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock)
+    for _ in range(4):
+        run_window(limit, clock, in_flight=60, latency_s=0.2)
+    assert limit.limit < 60, "cut from the 60 in flight, not from the idle ceiling of 1024"
+    cut = limit.limit
+    assert run_window(limit, clock, in_flight=60, latency_s=0.2) == int(cut), "the limit now refuses the rest"
+    assert limit.limit == max(4, cut * 0.5), "a binding limit is cut at once, by at most half"
+    for _ in range(10):
+        run_window(limit, clock, in_flight=60, latency_s=0.2)
+    assert limit.limit == 4, "never below the floor: some requests are always answered"
+
+
+def test_the_cut_follows_how_far_latency_is_over_the_headroom() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock, burst_interval_s=0.0)
+    run_window(limit, clock, in_flight=20, latency_s=0.05)  # 50 ms against 0.8 x 50 = 40 ms allowed
+    assert limit.limit == pytest.approx(20 * 0.04 / 0.05)
+
+
+def test_the_limit_grows_back_once_latency_is_within_the_target() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock, burst_interval_s=0.0)
+    run_window(limit, clock, in_flight=16, latency_s=1.0)
+    assert limit.limit == 8
+    run_window(limit, clock, in_flight=16, latency_s=0.02)
+    assert limit.limit == 8 + 8**0.5, "binding and within the target: grows by sqrt(limit)"
+    for _ in range(40):
+        run_window(limit, clock, in_flight=2, latency_s=0.02)
+    assert limit.limit == 1024, "not binding: a past overload is forgotten"
+
+
+def test_a_request_refused_for_its_body_gives_its_slot_back_without_a_sample() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock, burst_interval_s=0.0)
+    assert limit.acquire()
+    limit.release(None)
+    clock.now += 0.1
+    assert limit.current() == 1024, "no latency seen: nothing to correct"
+    assert limit.in_flight == 0

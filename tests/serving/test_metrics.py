@@ -245,6 +245,7 @@ class ScriptedScorer:
         self.metrics = ServingMetrics(settings=self.settings)
         self._script = script
         self._scoring = scoring
+        self.finished_latencies: list[float | None] = []
 
     def scoring_available(self) -> bool:
         return self._scoring
@@ -253,6 +254,9 @@ class ScriptedScorer:
 
     def refuse_early(self, deadline: float, **_: object) -> None:
         return None
+
+    def finished(self, latency_s: float | None) -> None:
+        self.finished_latencies.append(latency_s)
 
     async def score(self, transactions: list[Any], **_: Any) -> tuple[list[ItemResult], float]:
         result = self._script()
@@ -339,3 +343,21 @@ def test_requests_in_flight_rises_while_a_request_waits_and_falls_after() -> Non
 
     during, after, status = asyncio.run(scenario())
     assert (during, after, status) == (1, 0, 200)
+
+
+def test_every_request_let_in_early_gives_its_concurrency_slot_back_once() -> None:
+    """A request refused later for its body teaches the limit nothing (None); an answered one
+    reports its latency. A slot never given back would shrink admission for good."""
+    scorer = ScriptedScorer(lambda: None)
+
+    async def go() -> list[int]:
+        async with client_for(scorer) as client:
+            answered = await client.post("/score", json={"transactions": [tx("a")]})
+            invalid = await client.post("/score", json={"transactions": [{"transaction_id": "b"}]})
+            not_json = await client.post("/score", content=b"{", headers={"content-type": "application/json"})
+            return [answered.status_code, invalid.status_code, not_json.status_code]
+
+    assert asyncio.run(go()) == [200, 422, 422]
+    answered_latency, *refused = scorer.finished_latencies
+    assert answered_latency is not None and answered_latency > 0
+    assert refused == [None, None]
