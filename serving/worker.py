@@ -9,6 +9,7 @@ the server process, batches here.
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -17,12 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import TorchPredictor
 from inference.model import load_model
-from inference.store import make_engine
+from inference.store import make_engine, warm_history_statements
 from serving.breaker import CircuitBreaker
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
+
+logger = logging.getLogger(__name__)
 
 # A process pool calls plain functions; this is the one piece of per-process state they share.
 _core: ScoringCore | None = None
@@ -56,6 +60,11 @@ def initialize(config: WorkerConfig) -> None:
         forward_batch_size=config.forward_batch_size,
     )
     engine = make_engine(config.database_url, **config.engine_options)
+    try:
+        with engine.connect() as conn:
+            warm_history_statements(conn, config.forward_batch_size)
+    except SQLAlchemyError as error:  # the store may be down at start: batches then score without history
+        logger.warning("could not prepare the history reads: %s", error)
     breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
     _core = ScoringCore(predictor, engine, breaker, code_version=config.code_version)
     # The imported libraries and the model live as long as the process: a full collection

@@ -86,6 +86,7 @@ from inference.store.source_rows import (
     stream_partition_rows,
     upsert_transactions,
     valid_rows_between,
+    warm_history_statements,
 )
 from inference.store.watch import (
     OnlineActivity,
@@ -166,4 +167,5 @@ __all__ = [
     "upsert_transactions",
     "utc_now",
     "valid_rows_between",
+    "warm_history_statements",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from datetime import date
+from datetime import UTC, date, datetime
 
 import polars as pl
 import sqlalchemy as sa
@@ -92,15 +92,41 @@ def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) 
     frames = []
     # SQLite refuses a compound SELECT of more than 500 terms, so large target sets go in groups.
     for group in _chunks(rows, _TARGETS_PER_STATEMENT):
-        parameters: dict[str, object] = {"history_length": history_length}
-        for index, (account_id, moment, transaction_id) in enumerate(group):
-            parameters |= {f"account_{index}": account_id, f"moment_{index}": moment, f"before_{index}": transaction_id}
-        result = conn.execute(_history_statement(len(group)), parameters)
+        size = _statement_size(len(group))
+        # The last target repeated up to the statement's size reads the same rows again, and
+        # `unique` below drops them: the answer is the group's own.
+        padded = group + [group[-1]] * (size - len(group))
+        result = conn.execute(_history_statement(size), _history_parameters(padded, history_length))
         frames.append(_frame_from_rows(result.all(), schema))
     return pl.concat(frames).unique("transaction_id", keep="first", maintain_order=True)
 
 
-@functools.lru_cache(maxsize=64)
+def warm_history_statements(conn: Connection, targets: int) -> None:
+    """Compile the history statements of every group of up to `targets` targets now, before the
+    first batch needs them: compiling one cost 6-80 ms here, once per process (and engine), and a
+    load rising past sizes not seen yet paid them all at once, in p99."""
+    nowhere = ("", datetime(1970, 1, 1, tzinfo=UTC), "")
+    size = 1
+    while True:
+        conn.execute(_history_statement(size), _history_parameters([nowhere] * size, 1)).all()
+        if size >= min(targets, _TARGETS_PER_STATEMENT):
+            return
+        size = _statement_size(size + 1)
+
+
+def _statement_size(targets: int) -> int:
+    """Targets per history statement: the next power of two, so nine statements serve every group size."""
+    return min(1 << (targets - 1).bit_length(), _TARGETS_PER_STATEMENT)
+
+
+def _history_parameters(targets: Sequence[tuple[object, object, object]], history_length: int) -> dict[str, object]:
+    parameters: dict[str, object] = {"history_length": history_length}
+    for index, (account_id, moment, transaction_id) in enumerate(targets):
+        parameters |= {f"account_{index}": account_id, f"moment_{index}": moment, f"before_{index}": transaction_id}
+    return parameters
+
+
+@functools.lru_cache(maxsize=16)
 def _history_statement(targets: int) -> sa.Executable:
     """The history query for `targets` targets, built once per size with every value bound.
 

@@ -39,7 +39,7 @@ from inference.records import (
     hash_inputs,
     split_valid,
 )
-from inference.store import StoreHistory, make_engine
+from inference.store import StoreHistory, make_engine, warm_history_statements
 from tests.inference.support import DAY, frame_of, postgres_database, record
 
 SEEDS = (21, 22)
@@ -302,3 +302,21 @@ def test_records_sent_together_online_each_read_the_store_alone(stores: dict[int
         build_features(last_day, stored_history, k, targets_read_each_other=False),
         build_features(last_day, stored_history, k),
     )
+
+
+def test_a_group_of_any_size_reads_exactly_its_own_targets_history(stores: dict[int, Engine]) -> None:
+    """History statements come in power-of-two sizes, a group padded with its last target: each
+    group still reads exactly the rows its targets read alone, warmed statements or not."""
+    seed, k = SEEDS[0], 8
+    store = StoreHistory(stores[seed])
+    targets = partition_valid(seed).tail(13)
+    alone = [store.history_for(targets.slice(i, 1), k) for i in range(targets.height)]
+
+    def rows_of(frame: pl.DataFrame) -> list[tuple[object, ...]]:
+        return sorted(frame.rows())
+
+    with stores[seed].connect() as conn:
+        warm_history_statements(conn, 8)  # sizes 1, 2, 4 and 8 compiled; 16 is not
+    for size in (1, 2, 3, 5, 8, 13):
+        expected = pl.concat(alone[:size]).unique("transaction_id")
+        assert rows_of(store.history_for(targets.head(size), k)) == rows_of(expected), f"{size} targets"
