@@ -189,7 +189,7 @@ class ConcurrencyLimit:
         target_s: float,
         *,
         max_limit: int,
-        min_limit: int = 8,
+        min_limit: int = 16,
         window_s: float = 0.1,
         burst_interval_s: float = 0.25,
         headroom: float = 0.8,

@@ -37,10 +37,11 @@ class ServingSettings(BaseSettings):
         default=1024, ge=1, description="Hard bound on queued items, whatever the predicted wait says."
     )
     min_concurrency: int = Field(
-        default=8,
+        default=16,
         ge=1,
         description="The floor of the adaptive limit on admitted requests in flight (admission.ConcurrencyLimit), "
-        "which shrinks past capacity when admitted requests miss the target.",
+        "which shrinks past capacity when admitted requests miss the target. About capacity x latency at the "
+        "target (Little's law): lower floors starved goodput here when contention, not queueing, set latency.",
     )
     concurrency_window_ms: float = Field(
         default=100.0, gt=0, description="How often the adaptive concurrency limit is corrected from latency."
