@@ -212,8 +212,9 @@ class OnlineScorer:
         holding one of the concurrency limit's slots (give it back with `finished`)."""
         decision = self.batcher.decide(1, deadline, waited_s=waited_s) if self.batcher is not None else None
         if decision is None or decision.admitted:
-            self.metrics.concurrency_limit.set(self.concurrency.current())
-            if self.concurrency.acquire():
+            admitted = self.concurrency.acquire()  # closes an ended window first, so the limit is current
+            self.metrics.concurrency_limit.set(self.concurrency.limit)
+            if admitted:
                 return None
             waited = decision.predicted_wait_s if decision is not None else waited_s
             decision = Decision(False, waited, self.concurrency.target_s, "concurrency_limit")
