@@ -109,13 +109,20 @@ def _send(server: Server, indexes: range) -> tuple[list[int], int]:
     return statuses, sum(len(_request(index)) for index in indexes)
 
 
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process under `pid`; a helper that exits (or is a zombie
+    not yet reaped) while it is listed is skipped, not an error."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            found.append((child.pid, " ".join(child.cmdline())))
+        except psutil.Error:
+            continue
+    return found
+
+
 def test_two_workers_answer_and_metrics_add_up(server: Server) -> None:
-    arbiter = psutil.Process(server.process.pid)
-    workers = {
-        child.pid
-        for child in arbiter.children(recursive=True)
-        if "_bentoml_impl.worker.service" in " ".join(child.cmdline())
-    }
+    workers = {pid for pid, cmdline in _descendants(server.process.pid) if "_bentoml_impl.worker.service" in cmdline}
     assert len(workers) == WORKERS, f"server processes under `bentoml serve`: {workers}"
 
     statuses, items = _send(server, range(REQUESTS))
