@@ -77,7 +77,15 @@ def _copy_to_staging(conn: Connection, table: sa.Table, frame: pl.DataFrame) -> 
     )
     conn.exec_driver_sql(f"TRUNCATE {staging}")
     buffer = io.BytesIO()
-    frame.write_csv(buffer, include_header=False, null_value="\\N", datetime_format="%Y-%m-%dT%H:%M:%S.%6f%z")
+    # Every non-null text quoted: a value that spells the NULL marker (the text \N) must arrive as
+    # text, and polars leaves it unquoted otherwise.
+    frame.write_csv(
+        buffer,
+        include_header=False,
+        null_value="\\N",
+        quote_style="non_numeric",
+        datetime_format="%Y-%m-%dT%H:%M:%S.%6f%z",
+    )
     driver_cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
         with driver_cursor.copy(f"COPY {staging} ({quoted}) FROM STDIN WITH (FORMAT csv, NULL '\\N')") as copy:

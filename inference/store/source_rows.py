@@ -9,6 +9,7 @@ from datetime import UTC, date, datetime
 
 import polars as pl
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, hash_inputs
@@ -165,7 +166,17 @@ def prior_history(conn: Connection, account_ids: Sequence[str], before: date, hi
     schema = HISTORY_SCHEMA
     t = transactions.c
     frames = []
-    for chunk in _chunks(list(account_ids), 1000):
+    # PostgreSQL takes every account as one array parameter: an IN list of a thousand bound values
+    # cost this process twice the CPU of the query's result. SQLite caps bound values per statement.
+    groups = [list(account_ids)] if conn.dialect.name == "postgresql" else list(_chunks(list(account_ids), 1000))
+    for group in groups:
+        if not group:
+            continue
+        wanted = (
+            t.account_id == sa.any_(sa.bindparam("accounts", group, type_=postgresql.ARRAY(sa.Text)))
+            if conn.dialect.name == "postgresql"
+            else t.account_id.in_(group)
+        )
         ranked = (
             sa.select(
                 *(t[name] for name in RAW_COLUMNS),
@@ -175,7 +186,7 @@ def prior_history(conn: Connection, account_ids: Sequence[str], before: date, hi
                 .over(partition_by=t.account_id, order_by=(t.event_ts.desc(), t.transaction_id.desc()))
                 .label("recency"),
             )
-            .where(t.account_id.in_(chunk), t.partition_date < before, t.reject_reason.is_(None))
+            .where(wanted, t.partition_date < before, t.reject_reason.is_(None))
             .subquery()
         )
         stmt = sa.select(*(ranked.c[name] for name in HISTORY_SCHEMA)).where(ranked.c.recency <= history_length)
@@ -198,20 +209,76 @@ class StoreHistory:
 def stream_partition_rows(engine: Engine, partition_date: date, chunk_rows: int) -> Iterator[pl.DataFrame]:
     """A day's stored rows in chunks, ordered by account so each account's rows are contiguous.
 
-    A server-side cursor keeps memory flat in the partition size (PostgreSQL); SQLite's cursor is
-    lazy already.
+    PostgreSQL: one `COPY ... TO STDOUT` whose CSV polars parses, chunk by chunk, off a stream that
+    the socket paces, so memory is flat in the partition size; building the chunks from Python
+    row tuples cost 2.5x the CPU (bench/findings.md). SQLite's cursor is lazy already.
     """
     t = transactions.c
+    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16(), "input_hash": pl.String()}
+    order = (t.account_id, t.event_ts, t.transaction_id)
+    if engine.dialect.name == "postgresql":
+        yield from _copy_partition_rows(engine, partition_date, chunk_rows, schema, order)
+        return
     stmt = (
         sa.select(*(t[name] for name in RAW_COLUMNS), t.event_ts, t.label_fraud, t.input_hash)
         .where(t.partition_date == partition_date)
-        .order_by(t.account_id, t.event_ts, t.transaction_id)
+        .order_by(*order)
     )
-    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16(), "input_hash": pl.String()}
     with engine.connect() as conn:
         result = conn.execution_options(stream_results=True, yield_per=chunk_rows).execute(stmt)
         for rows in result.partitions(chunk_rows):
             yield _frame_from_rows(rows, schema)
+
+
+def _copy_partition_rows(
+    engine: Engine,
+    partition_date: date,
+    chunk_rows: int,
+    schema: dict[str, pl.DataType],
+    order: tuple[sa.ColumnElement[object], ...],
+) -> Iterator[pl.DataFrame]:
+    t = transactions.c
+    text_columns = [name for name, dtype in schema.items() if dtype == pl.String()]
+    # The instant as integer microseconds since the epoch: exact, and free of the session's time
+    # zone and DateStyle, which would otherwise decide how the CSV spells a timestamp.
+    event_us = sa.cast(sa.extract("epoch", t.event_ts) * 1_000_000, sa.BigInteger).label("event_ts")
+    select = (
+        sa.select(*(event_us if name == "event_ts" else t[name] for name in schema))
+        .where(t.partition_date == partition_date)
+        .order_by(*order)
+    )
+    # SQLAlchemy writes the query and its bound parameters; psycopg binds them into the COPY.
+    query = select.compile(dialect=engine.dialect)
+    # Every text value quoted, so a NULL (unquoted, empty) cannot be read back as the empty string.
+    copy_sql = f"COPY ({query}) TO STDOUT WITH (FORMAT csv, FORCE_QUOTE ({', '.join(text_columns)}))"
+    read_schema = {**schema, "event_ts": pl.Int64()}
+
+    def parsed(lines: list[bytes]) -> pl.DataFrame:
+        frame = pl.read_csv(
+            b"".join(lines),
+            has_header=False,
+            new_columns=list(read_schema),
+            schema=read_schema,
+            # An unquoted empty field is null; a quoted one ("") stays the empty string.
+            empty_string_is_null=True,
+        )
+        return frame.with_columns(pl.col("event_ts").cast(EVENT_TS_DTYPE))
+
+    with engine.connect() as conn:
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            with cursor.copy(copy_sql, query.params) as copy:
+                lines: list[bytes] = []
+                # PostgreSQL sends COPY TO's output one row per message.
+                for line in copy:
+                    lines.append(bytes(line))
+                    if len(lines) == chunk_rows:
+                        yield parsed(lines)
+                        lines = []
+                if lines:
+                    yield parsed(lines)
+        finally:
+            cursor.close()
 
 
 def stored_partition_dates(conn: Connection) -> list[date]:

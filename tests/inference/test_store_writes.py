@@ -27,6 +27,7 @@ from inference.store import (
     quarantine,
     read_partition_rows,
     rejected_records,
+    stream_partition_rows,
     transactions,
     upsert_transactions,
 )
@@ -263,3 +264,36 @@ def test_upsert_transactions_changes_only_what_changed(engine: Engine) -> None:
     assert stored.filter(pl.col("transaction_id") == target)["amount"].to_list() == [
         checked.filter(pl.col("transaction_id") == target)["amount"][0] + 1.0
     ]
+
+
+def test_a_streamed_partition_reads_back_every_stored_value_exactly(engine: Engine) -> None:
+    """The batch path's chunked read (COPY's CSV on PostgreSQL) against the row-by-row read: text
+    that CSV must quote, NULL against the empty string and against the text NULL, non-finite
+    amounts, microseconds, and an account spread over several chunks."""
+    awkward_text = ["a,b", 'say "hi"', "line\nbreak", "cr\rlf", "\\N", "NULL", "", "  padded  ", "naïve ☃"]
+    records = [
+        record(transaction_id=f"tx-{i:02d}", account_id="acct-1", merchant_category=text, event_time=None)
+        for i, text in enumerate(awkward_text)
+    ]
+    records += [
+        record(transaction_id="tx-20", account_id="acct-2", amount=math.nan),
+        record(transaction_id="tx-21", account_id="acct-2", amount=math.inf),
+        record(transaction_id="tx-22", account_id="acct-2", amount=-math.inf, currency=None),
+        record(transaction_id="tx-23", account_id="acct-2", amount=5e-324, event_time="2026-11-01T12:00:00.000001Z"),
+        record(transaction_id="tx-24", account_id="acct-2", amount=None, event_time="not a time"),
+        record(transaction_id="tx-25", account_id="acct-3", amount=0.1, event_time="1969-12-31T23:59:59.999999Z"),
+    ]
+    with engine.begin() as conn:
+        upsert_transactions(conn, validate(frame_of(*records)), DAY)
+
+    chunks = list(stream_partition_rows(engine, DAY, chunk_rows=4))
+    with engine.connect() as conn:
+        row_by_row = read_partition_rows(conn, DAY)
+        stored_hashes = dict(conn.execute(sa.select(transactions.c.transaction_id, transactions.c.input_hash)).all())
+
+    assert [chunk.height for chunk in chunks] == [4, 4, 4, 3]
+    streamed = pl.concat(chunks)
+    assert streamed.drop("input_hash").equals(row_by_row, null_equal=True)
+    assert dict(zip(streamed["transaction_id"], streamed["input_hash"], strict=True)) == stored_hashes
+    texts = streamed.filter(pl.col("account_id") == "acct-1")["merchant_category"].to_list()
+    assert sorted(texts) == sorted(awkward_text)

@@ -34,6 +34,9 @@ ALLOWED_DYNAMIC_SQL = {
     # COPY into a temporary staging twin: the table name comes from our SQLAlchemy metadata and
     # columns are quoted by the dialect's identifier preparer; values travel through COPY.
     ("inference/store/merge.py", "_copy_to_staging"),
+    # COPY (a SQLAlchemy select) TO STDOUT: its values stay bound parameters, and the FORCE_QUOTE
+    # columns are names from our own schema.
+    ("inference/store/source_rows.py", "_copy_partition_rows"),
     # The benchmark harness creates and drops its own scratch database, named from a uuid.
     ("bench/run.py", "_fresh_database"),
 }
