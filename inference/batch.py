@@ -8,7 +8,6 @@ new one and a rerun never duplicates.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -20,7 +19,6 @@ from typing import Any
 import polars as pl
 import torch
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import FrameHistory, Predictor, StagedPredictor
 from inference.pipeline import END, Aborted, End, Pipeline
@@ -36,7 +34,6 @@ from inference.store import (
     predictions,
     prior_history,
     quarantine,
-    refresh_statistics_after_ingest,
     resolve_superseded_rejections,
     stream_partition_rows,
     upsert_challenger_predictions,
@@ -44,8 +41,6 @@ from inference.store import (
     upsert_transactions,
     utc_now,
 )
-
-logger = logging.getLogger(__name__)
 
 # Rows that cannot be stored as a source record at all (no key, or the key already taken in this
 # batch) are quarantined at ingest; everything else is stored as received and judged at scoring.
@@ -70,11 +65,6 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
     with engine.begin() as conn:
         changed = upsert_transactions(conn, storable, day)
         quarantine(conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=day.isoformat())
-    try:
-        refresh_statistics_after_ingest(engine, changed)
-    except SQLAlchemyError as error:
-        # The day is stored; only the planner's statistics wait for autovacuum.
-        logger.warning("ANALYZE after ingesting %s failed: %s", day, error)
     return IngestReport(frame.height, storable.height, changed, rejected.height)
 
 

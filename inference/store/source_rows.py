@@ -49,27 +49,6 @@ def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date:
     )
 
 
-def refresh_statistics_after_ingest(engine: Engine, changed_rows: int) -> bool:
-    """ANALYZE `transactions` once an ingest has changed a tenth of it (PostgreSQL); True if it did.
-
-    Autovacuum would too, but up to a minute later, and the day's scoring starts at once: planned
-    on the statistics of a table a tenth its size, the history query ANDs two bitmap index scans
-    for every chunk, and a 1M-row day scored at 15% less (bench/findings.md). The threshold is
-    autovacuum's own default (50 rows + 10%), so this only brings its ANALYZE forward.
-    """
-    if engine.dialect.name != "postgresql" or changed_rows == 0:
-        return False
-    with engine.begin() as conn:
-        # reltuples is -1 before the first ANALYZE (PostgreSQL 14+).
-        estimated = conn.execute(
-            sa.text("SELECT reltuples FROM pg_class WHERE oid = to_regclass('transactions')")
-        ).scalar()
-        if changed_rows < 50 + 0.1 * max(float(estimated or 0), 0.0):
-            return False
-        conn.execute(sa.text("ANALYZE transactions"))
-    return True
-
-
 # ------------------------------------------------------------------ reads: partitions and training
 def read_partition_rows(conn: Connection, partition_date: date) -> pl.DataFrame:
     """The stored source rows of one day, in a stable order (RAW + event_ts + label + hash)."""

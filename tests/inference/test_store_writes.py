@@ -15,7 +15,6 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from inference.batch import ingest_day
 from inference.demo import DemoConfig, generate_day
 from inference.migrate import upgrade
 from inference.records import validate
@@ -27,7 +26,6 @@ from inference.store import (
     make_engine,
     quarantine,
     read_partition_rows,
-    refresh_statistics_after_ingest,
     rejected_records,
     stream_partition_rows,
     transactions,
@@ -299,27 +297,3 @@ def test_a_streamed_partition_reads_back_every_stored_value_exactly(engine: Engi
     assert dict(zip(streamed["transaction_id"], streamed["input_hash"], strict=True)) == stored_hashes
     texts = streamed.filter(pl.col("account_id") == "acct-1")["merchant_category"].to_list()
     assert sorted(texts) == sorted(awkward_text)
-
-
-@pytest.mark.postgres
-def test_an_ingest_that_grows_transactions_by_a_tenth_refreshes_its_statistics(postgres_url: str) -> None:
-    """The day's scoring is planned on statistics of the table it reads, not of a tenth of it."""
-    engine = make_engine(postgres_url)
-    upgrade(engine)
-
-    def estimated_rows() -> float:
-        with engine.connect() as conn:
-            return float(
-                conn.execute(sa.text("SELECT reltuples FROM pg_class WHERE oid = to_regclass('transactions')")).scalar()
-            )
-
-    assert estimated_rows() == -1  # never analyzed
-    day = generate_day(DAY, DemoConfig(seed=3, rows_per_day=400, poison_rate=0.0))
-    stored = ingest_day(engine, day, DAY).rows_changed
-    assert estimated_rows() == stored
-
-    # Below a tenth of the table (and autovacuum's 50 rows), the statistics are left to autovacuum.
-    assert not refresh_statistics_after_ingest(engine, 50 + stored // 10 - 1)
-    assert not refresh_statistics_after_ingest(engine, 0)
-    assert refresh_statistics_after_ingest(engine, 50 + stored // 10)
-    engine.dispose()
