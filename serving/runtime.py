@@ -97,6 +97,7 @@ class OnlineScorer:
             metrics,
             drain_interval_s=settings.outbox_drain_interval_s,
             drain_chunk=settings.outbox_drain_chunk,
+            coalesce_s=settings.write_coalesce_ms / 1000,
         )
         self.keys = IdempotencyKeys(
             engine,

@@ -63,6 +63,14 @@ class ServingSettings(BaseSettings):
     breaker_reset_s: float = Field(default=2.0, gt=0, description="How long an open breaker skips the database.")
     db_connect_timeout_s: int = Field(default=2, ge=1)
     db_statement_timeout_ms: int = Field(default=2000, ge=1)
+    write_coalesce_ms: float = Field(
+        default=50.0,
+        ge=0,
+        le=1000,
+        description="How long the result writer gathers later batches' answers into the write it is about to "
+        "make: fewer, larger writes beside the event loop. The answers are with their clients already; "
+        "only their row in the store waits this long. 0 writes each batch on its own.",
+    )
     outbox_drain_interval_s: float = Field(default=0.5, gt=0)
     outbox_drain_chunk: int = Field(default=2000, ge=1)
     shutdown_drain_s: float = Field(

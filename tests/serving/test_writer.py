@@ -43,10 +43,12 @@ def rows(count: int, *, refused: frozenset[int] = frozenset()) -> list[dict[str,
     ]
 
 
-def writer_for(engine: Engine, tmp_path: Path, drain_chunk: int = 50) -> ResultWriter:
+def writer_for(engine: Engine, tmp_path: Path, drain_chunk: int = 50, coalesce_s: float = 0.0) -> ResultWriter:
     breaker = CircuitBreaker(failure_threshold=1, reset_s=0.01)
     outbox = Outbox(tmp_path / "outbox.sqlite3")
-    return ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=0.01, drain_chunk=drain_chunk)
+    return ResultWriter(
+        engine, breaker, outbox, ServingMetrics(), drain_interval_s=0.01, drain_chunk=drain_chunk, coalesce_s=coalesce_s
+    )
 
 
 def drained(writer: ResultWriter) -> None:
@@ -77,6 +79,36 @@ def test_a_refused_row_is_quarantined_alone_and_the_breaker_stays_closed(engine:
         assert rejection["detail"]
     assert writer.outbox_depth == 0
     assert writer.breaker.state is BreakerState.CLOSED
+
+
+def test_batches_submitted_within_the_gathering_window_are_one_write(engine: Engine, tmp_path: Path) -> None:
+    """Five adaptive batches' answers are one transaction; an answer given twice keeps its first
+    row, as two writes in a row would; a quarantine job between them still lands."""
+    commits: list[int] = []
+    sa.event.listen(engine, "commit", lambda _conn: commits.append(1))
+    writer = writer_for(engine, tmp_path, coalesce_s=0.5)
+    writer.start()
+    batches = [rows(30)[i * 6 : (i + 1) * 6] for i in range(5)]
+    repeated = {**batches[0][0], "request_id": "second-request"}
+    for batch in batches:
+        writer.submit_rows(batch)
+    writer.submit_rows([repeated])
+    writer.flush()
+    assert len(commits) == 1
+
+    rejection = {**rows(1)[0], "transaction_id": "bad", "reject_reason": "bad_currency", "request_id": "r"}
+    writer.submit_rows(rows(32)[30:])
+    writer.submit_rejections([rejection])
+    writer.submit_rows(rows(34)[32:])
+    writer.flush()
+    writer.close()
+
+    ids, rejections = stored(engine)
+    assert ids == {f"w{i}" for i in range(34)}
+    assert [r["transaction_id"] for r in rejections] == ["bad"]
+    with engine.connect() as conn:
+        kept = conn.execute(sa.select(predictions.c.request_id).where(predictions.c.transaction_id == "w0")).scalars()
+        assert list(kept) == ["r"]
 
 
 def test_a_refused_row_in_the_outbox_no_longer_holds_back_the_rows_behind_it(engine: Engine, tmp_path: Path) -> None:
