@@ -7,6 +7,7 @@ reason code, the first rule it breaks in `REASON_ORDER`, so a quarantine row say
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import math
 from datetime import UTC, datetime
@@ -221,7 +222,15 @@ def validate(frame: pl.DataFrame) -> pl.DataFrame:
     Duplicated ids: the first occurrence is kept, every later one is rejected, so a frame's valid
     rows always have unique ids.
     """
-    checked = frame.with_columns(event_ts=parse_event_time(pl.col("event_time")))
+    return frame.with_columns(event_ts=parse_event_time(pl.col("event_time"))).with_columns(
+        reject_reason=_reject_reason()
+    )
+
+
+@functools.cache
+def _reject_reason() -> pl.Expr:
+    """validate()'s rules as one expression, built once: building it cost a sixth of validating
+    one online batch. Polars expressions are immutable, so every caller may share it."""
     amount = pl.col("amount")
     rules: dict[RejectReason, pl.Expr] = {
         RejectReason.MISSING_FIELD: pl.col("transaction_id").is_null()
@@ -249,7 +258,7 @@ def validate(frame: pl.DataFrame) -> pl.DataFrame:
     reason: pl.Expr = pl.lit(None, dtype=pl.String)
     for code in reversed(REASON_ORDER):
         reason = pl.when(rules[code].fill_null(False)).then(pl.lit(code.value)).otherwise(reason)
-    return checked.with_columns(reject_reason=reason)
+    return reason
 
 
 def split_valid(frame: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -260,6 +269,7 @@ def split_valid(frame: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     return valid, rejected
 
 
+@functools.cache
 def input_hash_expr() -> pl.Expr:
     """The canonical text of a record's RAW contents, hashed by `hash_inputs`.
 
