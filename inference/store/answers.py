@@ -222,11 +222,19 @@ def read_predictions(conn: Connection, **equal_to: Any) -> pl.DataFrame:
 
 def online_answers(conn: Connection, *, model_version: str, transaction_ids: Sequence[str]) -> list[dict[str, Any]]:
     """Stored online answers of these transactions under one model version (for replays)."""
+    parameters = {"model_version": model_version, "transaction_ids": list(transaction_ids)}
+    return [dict(row._mapping) for row in conn.execute(_online_answers_statement(), parameters)]
+
+
+@functools.cache
+def _online_answers_statement() -> sa.Select[Any]:
+    """Built once with its values bound: the service runs it for every adaptive batch."""
     p = predictions.c
-    stmt = sa.select(predictions).where(
-        p.model_version == model_version, p.path == ResultPath.ONLINE.value, p.transaction_id.in_(list(transaction_ids))
+    return sa.select(predictions).where(
+        p.model_version == sa.bindparam("model_version", type_=p.model_version.type),
+        p.path == ResultPath.ONLINE.value,
+        p.transaction_id.in_(sa.bindparam("transaction_ids", expanding=True, type_=p.transaction_id.type)),
     )
-    return [dict(row._mapping) for row in conn.execute(stmt)]
 
 
 def lineage_rows(conn: Connection, transaction_id: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
