@@ -57,7 +57,10 @@ def _first_per_answer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     seen: set[tuple[Any, ...]] = set()
     first = []
     for row in rows:
-        answer = (row["transaction_id"], row["model_version"], row["path"], row["input_hash"], row.get("history_hash"))
+        # .get: a malformed row must reach the write (and its quarantine), not fail the gathering.
+        answer = tuple(
+            row.get(name) for name in ("transaction_id", "model_version", "path", "input_hash", "history_hash")
+        )
         if answer not in seen:
             seen.add(answer)
             first.append(row)
@@ -185,8 +188,9 @@ class ResultWriter:
     def _gather(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, object | None]:
         """`rows` and the row jobs submitted within `coalesce_s` after them, as one write: one
         transaction and one frame for many adaptive batches. One write per batch took the server
-        process about 4 ms, most of it CPU under the GIL its event loop needs (bench/findings.md). Returns the
-        rows, the jobs merged in, and a job of another kind that ended the gathering (or None).
+        process about 4 ms, most of it CPU under the GIL its event loop needs (bench/findings.md).
+        Returns the rows, the jobs merged in, and a job of another kind that ended the gathering
+        (or None).
 
         An answer key met twice keeps its first row, as two writes in a row would: an online
         answer is never rewritten.
