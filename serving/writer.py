@@ -195,6 +195,8 @@ class ResultWriter:
         An answer key met twice keeps its first row, as two writes in a row would: an online
         answer is never rewritten.
         """
+        if self.coalesce_s <= 0:
+            return rows, 0, None
         gathered: list[dict[str, Any]] = list(rows)
         merged = 0
         deadline = time.monotonic() + self.coalesce_s
