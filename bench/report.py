@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; this machine has no display
-import matplotlib.pyplot as plt
+if TYPE_CHECKING:
+    from types import ModuleType
 
 from bench import online_targets
+
+
+def _pyplot() -> ModuleType:
+    """matplotlib, imported when a plot is drawn: it is a bench extra, and the verdicts in this
+    module are tested where only the dev extras are installed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; this machine has no display
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _max_goodput(service: dict[str, Any], target_ms: float) -> float | None:
@@ -382,6 +391,7 @@ def _workers_reading(workers: dict[str, Any]) -> str:
 
 
 def _plot_workers(out: Path, workers: dict[str, Any], target_ms: float) -> None:
+    plt = _pyplot()
     figure, axis = plt.subplots(figsize=(8, 5))
     rates = workers["offered_rps"]
     axis.plot(rates, rates, color="grey", linestyle=":", label="every request within target")
@@ -411,6 +421,7 @@ def _plot_workers(out: Path, workers: dict[str, Any], target_ms: float) -> None:
 
 
 def _plot_latency(out: Path, online: dict[str, Any], target_ms: float) -> None:
+    plt = _pyplot()
     figure, axis = plt.subplots(figsize=(8, 5))
     for service in online.values():
         sweep = service.get("sweep")
@@ -440,6 +451,7 @@ def _plot_latency(out: Path, online: dict[str, Any], target_ms: float) -> None:
 
 
 def _plot_batch(out: Path, raw: dict[str, Any], batch: dict[str, Any]) -> None:
+    plt = _pyplot()
     figure, axis = plt.subplots(figsize=(9, 4))
     sequential = batch.get("sequential", {})
     labels = [
