@@ -238,6 +238,13 @@ class ConcurrencyLimit:
             return
         if self._samples:
             self._adjust(now, _quantile(self._samples, 0.9))
+        elif self.in_flight == 0:
+            # Idle windows are evidence of no overload, as windows within the target are: without
+            # this, a limit cut during an overload (or an outage) stayed cut through any idle
+            # stretch, and the next burst after it was shed down to the floor.
+            idle_windows = int((now - self._window_started) / self.window_s)
+            self.limit = min(self.max_limit, self.limit * 1.25 ** min(idle_windows, 64))
+            self._over_since = None
         self._window_started = now
         self._samples = []
         self._peak = self.in_flight

@@ -235,6 +235,21 @@ def test_the_limit_grows_back_once_latency_is_within_the_target() -> None:
     assert limit.limit == 1024, "not binding: a past overload is forgotten"
 
 
+def test_an_idle_second_after_an_overload_lets_the_next_burst_in_whole() -> None:
+    """A limit cut during an overload (or a database outage) is not kept through an idle stretch:
+    nothing in flight and no latency is no evidence of overload, and the next burst is served."""
+    clock = FakeClock()
+    limit = limit_with(clock)
+    for _ in range(10):
+        run_window(limit, clock, in_flight=60, latency_s=0.5)
+    assert limit.limit == 4
+    clock.now += 0.05  # shorter than a window: nothing is known yet
+    assert run_window(limit, clock, in_flight=50, latency_s=0.01) < 50
+    clock.now += 1.0
+    assert run_window(limit, clock, in_flight=50, latency_s=0.01) == 50
+    assert limit.acquire() and limit.in_flight == 1
+
+
 def test_a_request_refused_for_its_body_gives_its_slot_back_without_a_sample() -> None:
     clock = FakeClock()
     limit = limit_with(clock, burst_interval_s=0.0)
