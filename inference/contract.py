@@ -143,14 +143,16 @@ class TorchPredictor:
         unseen: list[str | None] = [None] * checked.height
         reasons: list[str | None] = checked["reject_reason"].to_list()
         details: list[str | None] = [None] * checked.height
+        rejected = np.array([reason is not None for reason in reasons], dtype=bool)
         # Only rejected rows need a sentence, so only they are materialised as Python rows.
-        for position in np.flatnonzero(checked["reject_reason"].is_not_null().to_numpy()).tolist():
+        for position in np.flatnonzero(rejected).tolist():
             row = checked.row(position, named=True)
             details[position] = describe_rejection(row["reject_reason"], row)
-        valid_positions = np.flatnonzero(checked["reject_reason"].is_null().to_numpy())
+        valid_positions = np.flatnonzero(~rejected)
         features = None
         if valid_positions.size:
-            valid = checked[valid_positions]
+            # Selecting rows is a polars query of its own: skipped when every row is valid.
+            valid = checked if valid_positions.size == checked.height else checked[valid_positions]
             features = build_features(
                 valid,
                 history.history_for(valid, self.history_length),
@@ -190,21 +192,26 @@ class TorchPredictor:
                     reasons[position] = failure[0].value
                     details[position] = failure[1]
                 scores[valid_positions[start : start + len(part)]] = part_scores
+        # A failed item (rejected, or failed in the model) has no score, history hash or unseen fields.
+        failed = [reason is not None for reason in reasons]
+        scores[np.array(failed, dtype=bool)] = np.nan
         return pl.DataFrame(
             {
                 "transaction_id": prepared.transaction_ids,
-                "score": pl.Series(scores).fill_nan(None),
+                "score": pl.Series(scores, nan_to_null=True),
                 "reject_reason": pl.Series(reasons, dtype=pl.String),
                 "reject_detail": pl.Series(details, dtype=pl.String),
                 "input_hash": prepared.input_hashes,
-                "history_hash": pl.Series(prepared.history_hashes, dtype=pl.String),
-                "unseen_fields": pl.Series(prepared.unseen, dtype=pl.String),
+                "history_hash": pl.Series(
+                    [None if no else digest for no, digest in zip(failed, prepared.history_hashes, strict=True)],
+                    dtype=pl.String,
+                ),
+                "unseen_fields": pl.Series(
+                    [None if no else fields for no, fields in zip(failed, prepared.unseen, strict=True)],
+                    dtype=pl.String,
+                ),
             },
             schema=RESULT_SCHEMA,
-        ).with_columns(
-            score=pl.when(pl.col("reject_reason").is_null()).then(pl.col("score")),
-            history_hash=pl.when(pl.col("reject_reason").is_null()).then(pl.col("history_hash")),
-            unseen_fields=pl.when(pl.col("reject_reason").is_null()).then(pl.col("unseen_fields")),
         )
 
     def score_isolated(self, features: FeatureBatch) -> tuple[np.ndarray, dict[int, tuple[RejectReason, str]]]:

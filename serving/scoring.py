@@ -123,7 +123,7 @@ class ScoringCore:
 
     def _score_round(self, items: list[ItemSpec], outcome: BatchResult, *, lookup: bool) -> list[ItemResult]:
         checked = validate(raw_frame([item.raw for item in items]))
-        checked = checked.with_columns(hash_inputs(checked))
+        checked = checked.hstack([hash_inputs(checked)])  # not with_columns: that is a polars query of its own
         history = GuardedHistory(self.engine, self.breaker)
         scored = self.predictor.predict(checked, history)
         outcome.degraded = outcome.degraded or history.degraded

@@ -14,7 +14,7 @@ import polars as pl
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from inference.records import EVENT_TS_DTYPE
+from inference.records import EVENT_TS_DTYPE, run_query
 from inference.store.engine import _as_utc, _chunks, _frame_from_rows
 from inference.store.merge import _merge
 from inference.store.schema import (
@@ -168,8 +168,9 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame, *, table: sa.Table 
         for name, default in _DERIVED_OR_DEFAULTED.items()
         if name not in rows.columns
     ]
-    frame = (
-        rows.with_columns(*missing)
+    frame = run_query(
+        rows.lazy()
+        .with_columns(*missing)
         .with_columns(answer_key_expr(), pl.col("degraded").cast(pl.Boolean).fill_null(False))
         .select(PREDICTION_COLUMNS)
         .unique(["transaction_id", "model_version", "path", "answer_key"], keep="last")

@@ -86,10 +86,15 @@ def is_missing_schema(error: BaseException) -> bool:
 
 # ------------------------------------------------------------------ shared helpers
 def _frame_from_rows(rows: Sequence[Any], schema: dict[str, pl.DataType]) -> pl.DataFrame:
-    frame = pl.DataFrame([tuple(r) for r in rows], schema=schema, orient="row")
+    frame = _rows_frame(rows, schema)
     if "event_ts" in frame.columns:
         frame = frame.with_columns(_as_utc(pl.col("event_ts")))
     return frame
+
+
+def _rows_frame(rows: Sequence[Any], schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    """Rows as the driver returned them; instants still as the dialect hands them back (see _as_utc)."""
+    return pl.DataFrame([tuple(r) for r in rows], schema=schema, orient="row")
 
 
 def _as_utc(column: pl.Expr) -> pl.Expr:

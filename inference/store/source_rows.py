@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
-from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, hash_inputs
-from inference.store.engine import _chunks, _frame_from_rows, utc_now
+from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, hash_inputs, run_query
+from inference.store.engine import _as_utc, _chunks, _frame_from_rows, _rows_frame, utc_now
 from inference.store.merge import _merge, _overwrite_when_changed
 from inference.store.schema import HISTORY_SCHEMA, transactions
 
@@ -89,7 +89,15 @@ def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) 
     schema = HISTORY_SCHEMA
     if targets.is_empty():
         return pl.DataFrame(schema=schema)
-    rows = targets.select("account_id", "event_ts", "transaction_id").rows()
+    # Column by column: a `select` would be a polars query of its own, more than this batch's reads.
+    rows = list(
+        zip(
+            targets["account_id"].to_list(),
+            targets["event_ts"].to_list(),
+            targets["transaction_id"].to_list(),
+            strict=True,
+        )
+    )
     frames = []
     # SQLite refuses a compound SELECT of more than 500 terms, so large target sets go in groups.
     for group in _chunks(rows, _TARGETS_PER_STATEMENT):
@@ -98,8 +106,12 @@ def fetch_history(conn: Connection, targets: pl.DataFrame, history_length: int) 
         # `unique` below drops them: the answer is the group's own.
         padded = group + [group[-1]] * (size - len(group))
         result = conn.execute(_history_statement(size), _history_parameters(padded, history_length))
-        frames.append(_frame_from_rows(result.all(), schema))
-    return pl.concat(frames).unique("transaction_id", keep="first", maintain_order=True)
+        frames.append(_rows_frame(result.all(), schema).lazy())
+    return run_query(
+        pl.concat(frames)
+        .with_columns(_as_utc(pl.col("event_ts")))
+        .unique("transaction_id", keep="first", maintain_order=True)
+    )
 
 
 def warm_history_statements(conn: Connection, targets: int) -> None:
