@@ -24,7 +24,7 @@ import pytest
 
 from tests.reliability.support import StartSuiteServer, SuiteServer, raw_exchange, response_json
 from tests.serving.support import DUPLICATES, check_one_answer_per_key
-from tests.shared import set_connections_allowed, until
+from tests.shared import heap_frozen, set_connections_allowed, until
 
 pytestmark = [pytest.mark.reliability, pytest.mark.live, pytest.mark.postgres]
 
@@ -130,7 +130,8 @@ def test_database_outage_under_steady_load_holds_deadlines_and_loses_nothing(ser
             tasks, _ = await asyncio.gather(load(), outage())
             await asyncio.gather(*tasks)
 
-    asyncio.run(run())
+    with heap_frozen():
+        asyncio.run(run())
 
     statuses = [status for status, _, _ in outcomes]
     elapsed = [seconds for _, seconds, _ in outcomes]

@@ -7,7 +7,6 @@ that country is a model-breaking poison that passes the schema.
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from inference.model import ModelConfig, RiskModel
 from inference.records import COUNTRIES, RAW_COLUMNS
 from inference.store import make_engine, read_predictions
 from tests.serving.support import DemoServer, StartDemoServer
-from tests.shared import register_model, until
+from tests.shared import heap_frozen, register_model, until
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
@@ -207,16 +206,8 @@ def test_overload_is_shed_fast_with_retry_after(server: Server) -> None:
 
             return await asyncio.gather(*(one(i) for i in range(600)))
 
-    # The client shares the two cores with the server. Late in a full run this process's heap holds
-    # every module the suite imported, and once there every request of the flood was shed (never
-    # when the module runs alone); collecting that heap mid-flood is the likely cost. Frozen, the
-    # collector skips it, as in a fresh client process.
-    gc.collect()
-    gc.freeze()
-    try:
+    with heap_frozen():  # the client shares the two cores with the server
         answers = asyncio.run(flood())
-    finally:
-        gc.unfreeze()
     statuses = [answer.status for answer in answers]
     assert set(statuses) <= {200, 503}, set(statuses)
     shed = [answer for answer in answers if answer.status == 503]
