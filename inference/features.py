@@ -220,6 +220,9 @@ def build_features(
     target_order = timeline["target_order"].to_numpy()
     rows = np.flatnonzero(target_order >= 0)
     rows = rows[np.argsort(target_order[rows])]  # back to target order
+    if rows.size != targets.height:
+        # The ids below are the targets' own, so every target must be on the timeline exactly once.
+        raise ValueError(f"{rows.size} timeline rows for {targets.height} targets")
     account = timeline["account_run"].to_numpy()
     category = timeline["category_idx"].to_numpy()
     country = timeline["country_idx"].to_numpy()
