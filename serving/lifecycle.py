@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from serving.backends import ScoringBackend, warm_up_backend
 from serving.background import BackgroundTask
@@ -28,12 +28,25 @@ from serving.shadow import ShadowScorer
 logger = logging.getLogger(__name__)
 
 SwapOutcome = Literal["succeeded", "failed"]
+T = TypeVar("T")
 LoadFn = Callable[[str], ScoringBackend]
 
 
 def shutdown_now(executor: Executor) -> None:
     """Discard a pool nobody waits for; its pending work is cancelled."""
     executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _to_the_end(work: Awaitable[T]) -> T:
+    """Await `work`; if the caller is cancelled meanwhile (the service closing mid-swap), still
+    wait for `work` to end before passing the cancellation on, so that a close returns only once
+    the old pool's process has exited rather than leaving that to a thread nobody waits for."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 async def bring_up(
@@ -181,7 +194,7 @@ class ModelWatcher(_PointerFollower):
         self.scorer.metrics.model_swaps.labels(outcome="succeeded").inc()
         # The swap took effect between batches, so nothing is running on the old pool: shutting
         # it down only waits for its process to exit.
-        await asyncio.to_thread(previous.executor.shutdown, True)
+        await _to_the_end(asyncio.to_thread(previous.executor.shutdown, True))
         largest = max(n for n, _ in samples)
         logger.info(
             "serving model %s (was %s): loaded, warmed up and swapped in %.1f s; batch of %d in %.0f ms",

@@ -91,13 +91,21 @@ class FakeVersion:
 
 
 class RecordingPool(ThreadPoolExecutor):
+    """A pool that records its shutdown; with `exit_gate` set, its shutdown waits for the gate, as
+    a scoring process slow to exit would."""
+
     def __init__(self) -> None:
         super().__init__(max_workers=1)
         self.shut_down = False
+        self.exited = False
+        self.exit_gate: threading.Event | None = None
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.shut_down = True
+        if self.exit_gate is not None:
+            self.exit_gate.wait(WAIT_S)
         super().shutdown(wait, cancel_futures=cancel_futures)
+        self.exited = True
 
 
 class FakeStore:
@@ -314,6 +322,36 @@ def test_polling_follows_promotion_and_rollback(sqlite_engine: Engine, tmp_path:
         scorer.executor.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_closing_mid_swap_returns_only_once_the_old_pool_has_exited(sqlite_engine: Engine, tmp_path: Path) -> None:
+    v1, v2 = FakeVersion("v1", 0.25), FakeVersion("v2", 0.75)
+    store = FakeStore(v1, v2)
+    store.pointer = "v1"
+    slow_exit = threading.Event()
+
+    async def scenario() -> None:
+        scorer = await serving(store, sqlite_engine, tmp_path)
+        old_pool = store.pools["v1"][0]
+        old_pool.exit_gate = slow_exit
+        watcher = watcher_for(scorer, store, FakeClock(1000.0))
+        watcher.start()
+        store.pointer = "v2"
+        await until_async(lambda: old_pool.shut_down)
+        closing = asyncio.create_task(watcher.close())
+        await asyncio.sleep(0.05)  # room for the close to return before the old pool has exited
+        assert not closing.done(), "the close waits for the old pool's process"
+        slow_exit.set()
+        await bounded(closing)
+        assert old_pool.exited
+        assert scorer.model_version == "v2"
+        await scorer.close()
+        scorer.executor.shutdown()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        slow_exit.set()
 
 
 def _running(pid: int | None) -> bool:
