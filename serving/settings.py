@@ -5,6 +5,15 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# BentoML's own per-request timeout (`traffic.timeout`), a backstop behind the requests' deadlines.
+# It schedules a timer per request that lives this long, and the server's full garbage collections
+# walk every live one: 30 s left ~230,000 objects at 1,200 rps and 30 ms collections, 10 s ~90,000
+# and 20 ms (bench/findings.md, 2026-12-03). It cannot be switched off (BentoML requires > 0).
+BACKSTOP_TIMEOUT_S = 10
+# The longest deadline a request gets; a longer one asked for is cut to this, so that the service
+# always answers with its own 504 before BentoML's backstop does.
+MAX_DEADLINE_MS = BACKSTOP_TIMEOUT_S * 1000 - 1000.0
+
 
 class ServingSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_SERVING_", extra="ignore")
@@ -48,7 +57,10 @@ class ServingSettings(BaseSettings):
     )
     max_transactions_per_request: int = Field(default=256, ge=1)
     request_timeout_ms: float = Field(
-        default=2000.0, gt=0, description="Deadline of a request that sends no X-Deadline-Ms header."
+        default=2000.0,
+        gt=0,
+        le=MAX_DEADLINE_MS,
+        description="Deadline of a request that sends no X-Deadline-Ms header.",
     )
     cost_decay: float = Field(
         default=0.9, gt=0, lt=1, description="Per-batch forgetting factor of the batch cost estimate."
