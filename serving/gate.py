@@ -34,7 +34,6 @@ from serving.metrics import target_seconds
 from serving.runtime import OnlineScorer
 from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, PARSED_REQUEST, REQUEST_ID_HEADER, ScoreRequest
 from serving.security import BearerAuth, BodyRefused, Refusal, SecuritySettings, read_body
-from serving.settings import MAX_DEADLINE_MS
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +215,7 @@ class ScoreGate:
         refusal = self.edge.auth.check(request.headers.get("authorization"))
         if refusal is not None:
             raise Refused.at_edge(refusal)
-        deadline_ms, key = _headers(request, scorer.settings.request_timeout_ms)
+        deadline_ms, key = _headers(request, scorer.settings.request_timeout_ms, scorer.settings.max_deadline_ms)
         early = scorer.refuse_early(arrived + deadline_ms / 1000, waited_s=time.monotonic() - arrived)
         if early is not None:
             raise Refused.overloaded(early, items=1)  # at least one item; the body is never read
@@ -250,7 +249,7 @@ class ScoreGate:
             raise _too_many(limit)
         key = _one_key(key, parsed.idempotency_key, count)
         if parsed.deadline_ms is not None and request.headers.get(DEADLINE_HEADER) is None:
-            deadline_ms = min(parsed.deadline_ms, MAX_DEADLINE_MS)
+            deadline_ms = min(parsed.deadline_ms, scorer.settings.max_deadline_ms)
         problems = _request_problems(parsed)
         if problems:
             raise Refused(422, "invalid_request", problems, outcome="rejected", items=count)
@@ -297,9 +296,9 @@ def _epoch_seconds(stamp: str) -> float | None:
     return value
 
 
-def _headers(request: Request, default_deadline_ms: float) -> tuple[float, str | None]:
+def _headers(request: Request, default_deadline_ms: float, max_deadline_ms: float) -> tuple[float, str | None]:
     """(deadline in ms, idempotency key), or a 400 for a malformed one. A deadline longer than
-    MAX_DEADLINE_MS is cut to it: past that, BentoML's backstop would answer in Tandem's place."""
+    `max_deadline_ms` is cut to it: past that, BentoML's backstop would answer in Tandem's place."""
     deadline_ms = default_deadline_ms
     if (raw_deadline := request.headers.get(DEADLINE_HEADER)) is not None:
         try:
@@ -308,7 +307,7 @@ def _headers(request: Request, default_deadline_ms: float) -> tuple[float, str |
             deadline_ms = math.nan
         if not math.isfinite(deadline_ms) or deadline_ms <= 0:
             raise Refused(400, "bad_header", f"{DEADLINE_HEADER} must be a positive number of ms")
-        deadline_ms = min(deadline_ms, MAX_DEADLINE_MS)
+        deadline_ms = min(deadline_ms, max_deadline_ms)
     key = request.headers.get(IDEMPOTENCY_HEADER)
     if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
         raise Refused(400, "bad_header", f"{IDEMPOTENCY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY} chars")

@@ -36,7 +36,7 @@ from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
 from serving.schemas import ScoreRequest, ScoreResponse
 from serving.security import SecuritySettings
-from serving.settings import BACKSTOP_TIMEOUT_S, ServingSettings
+from serving.settings import ServingSettings
 from tandem import modelstore
 from tandem.version import code_version
 
@@ -77,9 +77,10 @@ def current_scorer() -> OnlineScorer:
     # share on this hardware; /metrics is served by the scoring app instead.
     metrics={"enabled": False},
     logging={"access": {"enabled": False}},
-    # Only a backstop: requests carry their own deadlines (at most MAX_DEADLINE_MS) and are
+    # Only a backstop: requests carry their own deadlines (at most max_deadline_ms) and are
     # answered 504 by the scorer. Its length is what each request's timer lives (settings.py).
-    traffic={"timeout": BACKSTOP_TIMEOUT_S},
+    # Read when the module loads, as `workers` is.
+    traffic={"timeout": ServingSettings().backstop_timeout_s},
     # No trace exporter is configured; BentoML's OpenTelemetry middleware still cost ~0.2 ms of
     # event-loop CPU per request (9% of the server process at 200 rps). Drop this to trace /score.
     tracing={"excluded_urls": ["/score"]},

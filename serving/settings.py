@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# BentoML's own per-request timeout (`traffic.timeout`), a backstop behind the requests' deadlines.
+# BentoML's own per-request timeout (`traffic.timeout`) is a backstop behind the requests' deadlines.
 # It schedules a timer per request that lives this long, and the server's full garbage collections
 # walk every live one: 30 s left ~230,000 objects at 1,200 rps and 30 ms collections, 10 s ~90,000
 # and 20 ms (bench/findings.md, 2026-12-03). It cannot be switched off (BentoML requires > 0).
-BACKSTOP_TIMEOUT_S = 10
-# The longest deadline a request gets; a longer one asked for is cut to this, so that the service
-# always answers with its own 504 before BentoML's backstop does.
-MAX_DEADLINE_MS = BACKSTOP_TIMEOUT_S * 1000 - 1000.0
+MIN_BACKSTOP_TIMEOUT_S = 10
 
 
 class ServingSettings(BaseSettings):
@@ -59,8 +58,8 @@ class ServingSettings(BaseSettings):
     request_timeout_ms: float = Field(
         default=2000.0,
         gt=0,
-        le=MAX_DEADLINE_MS,
-        description="Deadline of a request that sends no X-Deadline-Ms header.",
+        description="Deadline of a request that sends no X-Deadline-Ms header; a client's own deadline may be "
+        "longer, up to max_deadline_ms.",
     )
     cost_decay: float = Field(
         default=0.9, gt=0, lt=1, description="Per-batch forgetting factor of the batch cost estimate."
@@ -141,3 +140,14 @@ class ServingSettings(BaseSettings):
         gt=0,
         description="Longest wait before retrying a version that failed to load (doubling from the poll interval).",
     )
+
+    @property
+    def backstop_timeout_s(self) -> int:
+        """BentoML's timeout: a second past the longest deadline, and no shorter than 10 s."""
+        return max(MIN_BACKSTOP_TIMEOUT_S, math.ceil(self.request_timeout_ms / 1000) + 1)
+
+    @property
+    def max_deadline_ms(self) -> float:
+        """The longest deadline a request gets; a longer one asked for is cut to this, so that the
+        service always answers with its own 504 before BentoML's backstop does."""
+        return self.backstop_timeout_s * 1000 - 1000.0
