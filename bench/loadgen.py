@@ -136,13 +136,14 @@ async def _run(
 
 
 @contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """Run the load without collecting what the generator's process held before it: its imports
+def heap_frozen() -> Iterator[None]:
+    """Run a timed client without collecting what its process held before it: its imports
     (torch, polars, BentoML), the request bodies and earlier levels' results. Unfrozen, full
     collections of that heap paused the generator for 25-114 ms here at 1,200 rps against Tandem,
     and every request in flight was charged the pause. The do-nothing ceiling never shows it: its
     requests finish before they survive a collection, so the full collections that hit the
-    generator come only with a slow service's requests in flight."""
+    generator come only with a slow service's requests in flight. The live tests' clients run
+    under it too: late in a full test run, a collection of the suite's imports took 350 ms."""
     gc.collect()
     gc.freeze()
     try:
@@ -166,7 +167,7 @@ def run_load(
     timeout_s: float = 10.0,
 ) -> LoadResult:
     """Send `rate * duration_s` POSTs on a fixed schedule; `body_for(i)` -> (json body, is_poison)."""
-    with _heap_frozen():
+    with heap_frozen():
         return asyncio.run(
             _run(url, rate, duration_s, body_for, {"Content-Type": "application/json", **(headers or {})}, timeout_s)
         )
@@ -190,5 +191,5 @@ def run_burst_under_load(
         spike = await _run(url, burst * 1000, 0.001, body_for, headers, timeout_s, start_delay_s=background_s / 2)
         return await background, spike
 
-    with _heap_frozen():
+    with heap_frozen():
         return asyncio.run(both())

@@ -8,7 +8,6 @@ Plain functions without pytest, so child processes started by tests can import t
 from __future__ import annotations
 
 import asyncio
-import gc
 import socket
 import subprocess
 import time
@@ -110,21 +109,6 @@ def service_env(*, database_url: str, data_dir: Path, model_name: str) -> dict[s
     starts needs: the database it records to, its data folder, the model it serves. A test adds
     its own settings with `|` (BENTOML_HOME, TANDEM_SERVING_...), each beside why it has its value."""
     return {"DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir), "TANDEM_MODEL_NAME": model_name}
-
-
-@contextmanager
-def heap_frozen() -> Iterator[None]:
-    """Run a timed client without collecting the test process's heap. Late in a full run that heap
-    holds every module the suite imported: a full collection of the imports alone took 350 ms
-    here, more later, and such a pause mid-load is the likely cause of a flood shed whole and of a
-    request at 20 rps that took 1.9 s in a CI run (0.05-0.08 s when its module runs alone). Frozen,
-    the collector skips that heap, as in a fresh client process."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 @contextmanager

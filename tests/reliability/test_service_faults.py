@@ -22,9 +22,10 @@ import numpy as np
 import psycopg
 import pytest
 
+from bench.loadgen import heap_frozen
 from tests.reliability.support import StartSuiteServer, SuiteServer, raw_exchange, response_json
 from tests.serving.support import DUPLICATES, check_one_answer_per_key
-from tests.shared import heap_frozen, set_connections_allowed, until
+from tests.shared import set_connections_allowed, until
 
 pytestmark = [pytest.mark.reliability, pytest.mark.live, pytest.mark.postgres]
 

@@ -24,12 +24,13 @@ import pytest
 import torch
 from bentoml.exceptions import BentoMLException
 
+from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
 from inference.model import ModelConfig, RiskModel
 from inference.records import COUNTRIES, RAW_COLUMNS
 from inference.store import make_engine, read_predictions
 from tests.serving.support import DemoServer, StartDemoServer
-from tests.shared import heap_frozen, register_model, until
+from tests.shared import register_model, until
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
