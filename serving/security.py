@@ -7,6 +7,8 @@ The token is a `SecretStr`, so neither its repr nor a settings dump in a log sho
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 from dataclasses import dataclass
 
@@ -16,6 +18,10 @@ from starlette.requests import ClientDisconnect, Request
 
 MIB = 1024 * 1024
 BEARER_PREFIX = "bearer "
+# How much of a refused body is read and dropped, and for how long, before the 413 goes to a
+# client that asked to close the connection (see _drain_before_close).
+DRAIN_LIMIT_BYTES = 64 * MIB
+DRAIN_TIMEOUT_S = 5.0
 
 
 class SecuritySettings(BaseSettings):
@@ -90,16 +96,41 @@ async def read_body(request: Request, limit: int) -> bytes:
         if length < 0:
             raise BodyRefused(Refusal(400, "bad_header", "Content-Length must be a non-negative integer"))
         if length > limit:
+            if length <= DRAIN_LIMIT_BYTES:
+                await _drain_before_close(request)
             raise BodyRefused(_too_large(limit))
     received = bytearray()
     try:
         async for chunk in request.stream():
             received += chunk
             if len(received) > limit:
+                await _drain_before_close(request, already=len(received))
                 raise BodyRefused(_too_large(limit))
     except ClientDisconnect as gone:
         raise BodyRefused(Refusal(400, "client_disconnected", "the body ended before it was complete")) from gone
     return bytes(received)
+
+
+async def _drain_before_close(request: Request, *, already: int = 0) -> None:
+    """Read and drop the rest of a refused body when the client asked for `Connection: close`.
+
+    uvicorn closes such a connection as soon as the answer is written, and a close with unsent
+    body still arriving makes the kernel reset the connection: a client that sends its whole body
+    before reading (Python's urllib does, with Connection: close) got "connection reset" instead of
+    its 413. On a kept-alive connection uvicorn drops the rest of the body itself, and a client
+    waiting on `Expect: 100-continue` sends none, so both are answered at once. Bounded in bytes
+    and time (nginx's lingering close does the same), and nothing read is kept.
+    """
+    connection = request.headers.get("connection", "").lower()
+    if "close" not in connection or "expect" in request.headers:
+        return
+    drained = already
+    with contextlib.suppress(ClientDisconnect, TimeoutError):
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for chunk in request.stream():
+                drained += len(chunk)
+                if drained > DRAIN_LIMIT_BYTES:
+                    return
 
 
 def _too_large(limit: int) -> Refusal:

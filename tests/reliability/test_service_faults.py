@@ -8,9 +8,12 @@ Observed: deadlines held, nothing lost, one row per key, 4xx (never 5xx) for bad
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from datetime import date
@@ -236,6 +239,24 @@ def test_chunked_body_is_counted_while_streaming_and_cut_at_the_limit(server: Su
     assert response_json(response)["error"] == "payload_too_large"
     assert sent < total, "the server answered before the (endless) body ended"
     MEASURED["oversized_chunked"] = {"status": status, "client_bytes_sent_before_answer": sent}
+
+
+@pytest.mark.parametrize("framing", ["declared", "chunked"])
+def test_oversized_body_from_a_client_that_closes_the_connection_gets_its_413(
+    server: SuiteServer, framing: str
+) -> None:
+    """urllib sends the whole body, asking for Connection: close, before it reads the answer. The
+    server used to close right after its 413, with megabytes still arriving, and the kernel reset
+    the connection: the client saw "connection reset", not the reason."""
+    piece = b" " * (256 * 1024)
+    body: bytes | Iterator[bytes] = piece * 20 if framing == "declared" else iter([piece] * 20)  # 5 MiB
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}/score", data=body, headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 413
+    assert json.loads(refused.value.read())["error"] == "payload_too_large"
 
 
 def test_too_many_items_is_413(server: SuiteServer) -> None:
