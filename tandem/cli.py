@@ -10,7 +10,8 @@ import uuid
 from datetime import date
 
 import bentoml
-from sqlalchemy.engine import Engine
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Engine, make_url
 
 from inference.batch import FORWARD_BATCH_SIZE, BatchProducer, ChunkProgress, ingest_day, score_partition
 from inference.contract import TorchPredictor
@@ -165,6 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, get_settings())
     except (LookupError, ValueError, PromotionRefused, bentoml.exceptions.BentoMLException) as error:
         print(f"tandem: {error}", file=sys.stderr)
+        return 1
+    except sa_exc.ArgumentError:
+        # Not echoed: a URL that does not parse may still hold a password.
+        print("tandem: DATABASE_URL is not a SQLAlchemy URL (e.g. postgresql://user@host:5432/db)", file=sys.stderr)
+        return 1
+    except sa_exc.OperationalError as error:
+        # The driver's own first line says why (refused, no such database, bad password, no disk).
+        reason = str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
+        where = make_url(get_settings().resolved_database_url()).render_as_string(hide_password=True)
+        print(f"tandem: the database at {where} is unavailable: {reason}", file=sys.stderr)
         return 1
 
 

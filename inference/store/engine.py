@@ -16,10 +16,28 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 
-
 # ------------------------------------------------------------------ engines and the clock
+SUPPORTED_BACKENDS = ("postgresql", "sqlite")
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
-    """An engine with the settings each backend needs for concurrent writers."""
+    """An engine with the settings each backend needs for concurrent writers.
+
+    ValueError for a backend the store has no writes for, or whose driver is not installed;
+    sqlalchemy's ArgumentError for text that is no URL at all.
+    """
+    parsed = sa.engine.make_url(url)
+    if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"the store runs on PostgreSQL (postgresql://) or SQLite (sqlite://), not {parsed.drivername}://"
+        )
+    try:
+        return _make_engine(url, **kwargs)
+    except ModuleNotFoundError as missing:
+        raise ValueError(f"{parsed.drivername}:// needs the module {missing.name!r}, not installed") from missing
+
+
+def _make_engine(url: str, **kwargs: Any) -> Engine:
     if url.startswith("sqlite"):
         database = sa.engine.make_url(url).database
         if database and database != ":memory:":
