@@ -78,9 +78,41 @@ def has_scheme(location: str) -> bool:
 
 
 def _missing(columns: Iterable[str], where: str) -> None:
-    absent = [name for name in RAW_COLUMNS if name not in set(columns)]
+    names = list(columns)
+    absent = [name for name in RAW_COLUMNS if name not in set(names)]
     if absent:
-        raise SourceError(f"{where}: column {absent[0]!r}: missing (required: {', '.join(RAW_COLUMNS)})")
+        # A header read as one column holding the separators: the file is not comma-separated.
+        hint = next(
+            (
+                f"; the header reads as one column, {names[0][:80]!r}: CSV is read comma-separated, "
+                f"and this looks separated by {separator!r}"
+                for separator in (";", "\t", "|")
+                if len(names) == 1 and separator in names[0]
+            ),
+            "",
+        )
+        raise SourceError(f"{where}: column {absent[0]!r}: missing (required: {', '.join(RAW_COLUMNS)}){hint}")
+
+
+# polars' name for the second and later columns of a CSV header that repeats a name.
+_REPEATED_CSV_NAME = re.compile(r"^(?P<name>.*)_duplicated_\d+$")
+
+
+def _named(frame: pl.DataFrame, where: str) -> pl.DataFrame:
+    """Column names without surrounding blanks (`id, amount` as written by hand); a required or
+    label column given twice is the file's error, since either copy could be the one meant."""
+    meant = [name.strip() for name in frame.columns]
+    for name in meant:
+        match = _REPEATED_CSV_NAME.match(name)
+        repeated = match["name"] if match is not None and match["name"] in meant else name
+        if repeated in (*RAW_COLUMNS, LABEL) and (repeated != name or meant.count(name) > 1):
+            raise SourceError(f"{where}: column {repeated!r}: given more than once")
+    if meant == frame.columns:
+        return frame
+    if len(set(meant)) < len(meant):  # blanks apart, two extra columns share a name: keep the first of each
+        keep = [index for index, name in enumerate(meant) if meant.index(name) == index]
+        frame, meant = frame[:, keep], [meant[index] for index in keep]
+    return frame.rename(dict(zip(frame.columns, meant, strict=True)))
 
 
 def conform(frame: pl.DataFrame, where: str, *, typed: bool) -> pl.DataFrame:
@@ -90,6 +122,7 @@ def conform(frame: pl.DataFrame, where: str, *, typed: bool) -> pl.DataFrame:
     an unparsable one to NaN, as `raw_frame` does, so validation rejects that row alone. `typed`
     True (Parquet, NDJSON): a column of the wrong type is the file's error.
     """
+    frame = _named(frame, where)
     _missing(frame.columns, where)
     exprs = [_column(name, frame.schema[name], where, typed) for name in RAW_COLUMNS]
     if LABEL in frame.columns:

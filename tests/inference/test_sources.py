@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from inference.demo import DemoConfig, generate_day
 from inference.records import RAW_COLUMNS, RAW_SCHEMA, RejectReason, validate
 from inference.sources import FileSource, SourceError, SqlSource, demo_path, write_demo_day
+from inference.sources.common import LABEL
 
 DAY = date(2026, 11, 3)
 ROWS: list[dict[str, Any]] = [
@@ -149,6 +150,39 @@ def test_a_missing_day_is_an_error_not_an_empty_day(tmp_path: Path) -> None:
 def test_a_missing_column_names_the_file_and_the_column(tmp_path: Path) -> None:
     path = _write_csv(tmp_path / "2026-11-03.csv", ROWS, columns=[c for c in RAW_COLUMNS if c != "currency"])
     _raises(FileSource(str(tmp_path)), str(path), "'currency'", "missing")
+
+
+def _read_as_written(folder: Path, header: list[str]) -> pl.DataFrame:
+    """ROWS under this header, a column per name, each name's cells those of its stripped name."""
+    path = _write_csv(folder / "2026-11-03.csv", ROWS, columns=[name.strip() for name in header])
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(",".join(header) + "\r\n" + "".join(lines[1:]))
+    return FileSource(str(folder)).read(DAY).frame
+
+
+def test_blanks_around_header_names_are_not_part_of_the_names(tmp_path: Path) -> None:
+    padded = [f" {name} " if i % 2 else name for i, name in enumerate([*RAW_COLUMNS, LABEL])]
+    read = _read_as_written(tmp_path / "padded", padded)
+    assert read.equals(_read_as_written(tmp_path / "plain", [*RAW_COLUMNS, LABEL]))
+    assert read.columns == [*RAW_COLUMNS, LABEL] and read.height == len(ROWS)
+
+
+@pytest.mark.parametrize("header", ["amount", "amount ", "label_fraud"])
+def test_a_required_column_given_twice_is_the_files_error(tmp_path: Path, header: str) -> None:
+    """Either copy could be the one meant: reading the first would be a silent guess."""
+    path = _write_csv(tmp_path / "2026-11-03.csv", ROWS, columns=[*RAW_COLUMNS, LABEL, header])
+    _raises(FileSource(str(tmp_path)), str(path), repr(header.strip()), "given more than once")
+
+
+def test_two_extra_columns_of_one_name_are_ignored_like_any_extra_column(tmp_path: Path) -> None:
+    read = _read_as_written(tmp_path / "extra", [*RAW_COLUMNS, LABEL, "note", " note"])
+    assert read.equals(_read_as_written(tmp_path / "plain", [*RAW_COLUMNS, LABEL]))
+
+
+def test_a_file_separated_by_semicolons_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "2026-11-03.csv"
+    path.write_text(";".join(RAW_COLUMNS) + "\n" + ";".join(str(ROWS[0][c]) for c in RAW_COLUMNS) + "\n")
+    _raises(FileSource(str(tmp_path)), str(path), "'transaction_id': missing", "looks separated by ';'")
 
 
 @pytest.mark.parametrize(
