@@ -33,7 +33,7 @@ from serving.admission import Decision
 from serving.metrics import target_seconds
 from serving.runtime import OnlineScorer
 from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, PARSED_REQUEST, REQUEST_ID_HEADER, ScoreRequest
-from serving.security import BearerAuth, BodyRefused, Refusal, SecuritySettings, read_body
+from serving.security import BearerAuth, BodyRefused, Refusal, SecuritySettings, drain_before_close, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,10 @@ class Refused(Exception):
         outcome: str | None = None,
         items: int = 1,
         headers: dict[str, str] | None = None,
+        drain_body: bool = False,
     ) -> None:
         super().__init__(error)
+        self.drain_body = drain_body  # a body refused for its size, the rest of it still arriving
         self.status = status
         self.error = error
         self.detail = detail
@@ -66,9 +68,9 @@ class Refused(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def at_edge(cls, refusal: Refusal) -> Refused:
+    def at_edge(cls, refusal: Refusal, *, drain_body: bool = False) -> Refused:
         headers = {"WWW-Authenticate": 'Bearer realm="tandem"'} if refusal.status == 401 else {}
-        return cls(refusal.status, refusal.error, refusal.detail, headers=headers)
+        return cls(refusal.status, refusal.error, refusal.detail, headers=headers, drain_body=drain_body)
 
     @classmethod
     def overloaded(cls, decision: Decision, *, items: int) -> Refused:
@@ -177,6 +179,8 @@ class ScoreGate:
         try:
             call, body = await self._admit(request, scorer, request_id)
         except Refused as refused:
+            if refused.drain_body:  # after _admit let go of its place: a slow sender holds none
+                await drain_before_close(request)
             response = refused.response(scorer, request_id)
             await response(scope, receive, send)
             return response.status_code
@@ -237,7 +241,7 @@ class ScoreGate:
         try:
             body = await read_body(request, self.edge.settings.max_body_bytes)
         except BodyRefused as refused:
-            raise Refused.at_edge(refused.refusal) from refused
+            raise Refused.at_edge(refused.refusal, drain_body=refused.body_left) from refused
         cpu_started = time.thread_time()
         limit = scorer.settings.max_transactions_per_request
         try:

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 MIB = 1024 * 1024
 BEARER_PREFIX = "bearer "
 # How much of a refused body is read and dropped, and for how long, before the 413 goes to a
-# client that asked to close the connection (see _drain_before_close).
+# client that asked to close the connection (see drain_before_close).
 DRAIN_LIMIT_BYTES = 64 * MIB
 DRAIN_TIMEOUT_S = 5.0
 
@@ -76,9 +76,10 @@ class BearerAuth:
 
 
 class BodyRefused(Exception):
-    def __init__(self, refusal: Refusal) -> None:
+    def __init__(self, refusal: Refusal, *, body_left: bool = False) -> None:
         super().__init__(refusal.detail)
         self.refusal = refusal
+        self.body_left = body_left  # refused for its size, with the rest still on its way
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -96,35 +97,35 @@ async def read_body(request: Request, limit: int) -> bytes:
         if length < 0:
             raise BodyRefused(Refusal(400, "bad_header", "Content-Length must be a non-negative integer"))
         if length > limit:
-            if length <= DRAIN_LIMIT_BYTES:
-                await _drain_before_close(request)
-            raise BodyRefused(_too_large(limit))
+            raise BodyRefused(_too_large(limit), body_left=True)
     received = bytearray()
     try:
         async for chunk in request.stream():
             received += chunk
             if len(received) > limit:
-                await _drain_before_close(request, already=len(received))
-                raise BodyRefused(_too_large(limit))
+                raise BodyRefused(_too_large(limit), body_left=True)
     except ClientDisconnect as gone:
         raise BodyRefused(Refusal(400, "client_disconnected", "the body ended before it was complete")) from gone
     return bytes(received)
 
 
-async def _drain_before_close(request: Request, *, already: int = 0) -> None:
-    """Read and drop the rest of a refused body when the client asked for `Connection: close`.
+async def drain_before_close(request: Request) -> None:
+    """Read and drop the rest of a body refused for its size when the client asked for
+    `Connection: close`, before answering.
 
-    uvicorn closes such a connection as soon as the answer is written, and a close with unsent
-    body still arriving makes the kernel reset the connection: a client that sends its whole body
+    uvicorn closes such a connection as soon as the answer is written, and a close with body
+    still arriving makes the kernel reset the connection: a client that sends its whole body
     before reading (Python's urllib does, with Connection: close) got "connection reset" instead of
     its 413. On a kept-alive connection uvicorn drops the rest of the body itself, and a client
     waiting on `Expect: 100-continue` sends none, so both are answered at once. Bounded in bytes
     and time (nginx's lingering close does the same), and nothing read is kept.
     """
-    connection = request.headers.get("connection", "").lower()
-    if "close" not in connection or "expect" in request.headers:
+    if "close" not in request.headers.get("connection", "").lower() or "expect" in request.headers:
         return
-    drained = already
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
+        return
+    drained = 0
     with contextlib.suppress(ClientDisconnect, TimeoutError):
         async with asyncio.timeout(DRAIN_TIMEOUT_S):
             async for chunk in request.stream():
@@ -137,4 +138,4 @@ def _too_large(limit: int) -> Refusal:
     return Refusal(413, "payload_too_large", f"request body over {limit} bytes")
 
 
-__all__ = ["BearerAuth", "BodyRefused", "Refusal", "SecuritySettings", "read_body"]
+__all__ = ["BearerAuth", "BodyRefused", "Refusal", "SecuritySettings", "drain_before_close", "read_body"]
