@@ -92,7 +92,10 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
 
 
 def _migrated_engine(settings: TandemSettings) -> Engine:
-    engine = make_engine(settings.resolved_database_url())
+    try:
+        engine = make_engine(settings.resolved_database_url())
+    except ValueError as unusable:
+        raise ValueError(f"DATABASE_URL: {unusable}") from unusable
     upgrade(engine)
     return engine
 
@@ -166,10 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, get_settings())
     except (LookupError, ValueError, PromotionRefused, bentoml.exceptions.BentoMLException) as error:
         print(f"tandem: {error}", file=sys.stderr)
-        return 1
-    except sa_exc.ArgumentError:
-        # Not echoed: a URL that does not parse may still hold a password.
-        print("tandem: DATABASE_URL is not a SQLAlchemy URL (e.g. postgresql://user@host:5432/db)", file=sys.stderr)
         return 1
     except sa_exc.OperationalError as error:
         # The driver's own first line says why (refused, no such database, bad password, no disk).

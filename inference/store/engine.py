@@ -23,10 +23,14 @@ SUPPORTED_BACKENDS = ("postgresql", "sqlite")
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine with the settings each backend needs for concurrent writers.
 
-    ValueError for a backend the store has no writes for, or whose driver is not installed;
-    sqlalchemy's ArgumentError for text that is no URL at all.
+    ValueError for text that is no URL, a backend the store has no writes for, or a driver that
+    is not installed.
     """
-    parsed = sa.engine.make_url(url)
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa_exc.ArgumentError:
+        # Not echoed: a URL that does not parse may still hold a password.
+        raise ValueError("not a database URL (e.g. postgresql://user@host:5432/db or sqlite:///path)") from None
     if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
         raise ValueError(
             f"the store runs on PostgreSQL (postgresql://) or SQLite (sqlite://), not {parsed.drivername}://"

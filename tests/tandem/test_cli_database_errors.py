@@ -49,7 +49,7 @@ def test_text_that_is_no_url_is_one_line_and_not_echoed(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str
 ) -> None:
     said = _one_line_error(capsys, monkeypatch, url)
-    assert "DATABASE_URL is not a SQLAlchemy URL" in said
+    assert "DATABASE_URL: not a database URL" in said
     assert url not in said
 
 
@@ -57,9 +57,15 @@ def test_a_backend_the_store_does_not_write_is_refused_by_name(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     said = _one_line_error(capsys, monkeypatch, "mysql://root@127.0.0.1:3306/test")
-    assert "PostgreSQL" in said and "SQLite" in said and "mysql://" in said
+    assert said.startswith("tandem: DATABASE_URL: ") and "PostgreSQL" in said and "mysql://" in said
 
 
 def test_make_engine_refuses_a_missing_driver_as_a_value_error() -> None:
     with pytest.raises(ValueError, match="not installed"):
         make_engine("postgresql+pg8000://user@127.0.0.1/db")
+
+
+def test_make_engine_refuses_text_that_is_no_url_without_echoing_it() -> None:
+    with pytest.raises(ValueError, match="not a database URL") as refused:
+        make_engine("user:s3cret@nowhere")
+    assert "s3cret" not in str(refused.value) and refused.value.__cause__ is None
