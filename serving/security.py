@@ -128,10 +128,13 @@ async def drain_before_close(request: Request) -> None:
     drained = 0
     with contextlib.suppress(ClientDisconnect, TimeoutError):
         async with asyncio.timeout(DRAIN_TIMEOUT_S):
-            async for chunk in request.stream():
-                drained += len(chunk)
-                if drained > DRAIN_LIMIT_BYTES:
-                    return
+            try:
+                async for chunk in request.stream():
+                    drained += len(chunk)
+                    if drained > DRAIN_LIMIT_BYTES:
+                        return
+            except RuntimeError:  # starlette's "Stream consumed": the chunk refused was the last one
+                return
 
 
 def _too_large(limit: int) -> Refusal:
