@@ -79,7 +79,8 @@ def has_scheme(location: str) -> bool:
 
 def _missing(columns: Iterable[str], where: str) -> None:
     names = list(columns)
-    absent = [name for name in RAW_COLUMNS if name not in set(names)]
+    present = set(names)
+    absent = [name for name in RAW_COLUMNS if name not in present]
     if absent:
         # A header read as one column holding the separators: the file is not comma-separated.
         hint = next(

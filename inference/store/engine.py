@@ -36,14 +36,14 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             f"the store runs on PostgreSQL (postgresql://) or SQLite (sqlite://), not {parsed.drivername}://"
         )
     try:
-        return _make_engine(url, **kwargs)
+        return _make_engine(parsed, **kwargs)
     except ModuleNotFoundError as missing:
         raise ValueError(f"{parsed.drivername}:// needs the module {missing.name!r}, not installed") from missing
 
 
-def _make_engine(url: str, **kwargs: Any) -> Engine:
-    if url.startswith("sqlite"):
-        database = sa.engine.make_url(url).database
+def _make_engine(url: sa.engine.URL, **kwargs: Any) -> Engine:
+    if url.get_backend_name() == "sqlite":
+        database = url.database
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(url, connect_args={"timeout": 30}, **kwargs)
