@@ -11,11 +11,12 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from inference.records import MERCHANT_CATEGORIES, Transaction
 from serving.batcher import ProcessFn
 from serving.scoring import BatchResult, ItemSpec
+from serving.scoring_process import run_on
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ class _BatchDispatch(Executor):
     def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
         self.busy = True
         return self.target.submit(fn, *args, **kwargs)
+
+    async def run_on_loop(self, fn: Callable[..., _T], /, *args: Any) -> _T:
+        self.busy = True
+        return await run_on(self.target, fn, *args)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.target.shutdown(wait, cancel_futures=cancel_futures)

@@ -25,6 +25,7 @@ from serving.background import BackgroundTask
 from serving.metrics import ServingMetrics
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
+from serving.scoring_process import run_on
 
 logger = logging.getLogger(__name__)
 # The reason on items whose batch was lost with the scoring process: a server fault, never an
@@ -203,7 +204,6 @@ class AdaptiveBatcher:
         return batch
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
                 self._wakeup.clear()
@@ -217,7 +217,7 @@ class AdaptiveBatcher:
             self._in_flight_since, self._in_flight_size = started, len(batch)
             specs = [item.spec for item in batch]
             try:
-                outcome = await self._process_isolated(loop, specs)
+                outcome = await self._process_isolated(specs)
             finally:
                 self._in_flight_since = None
             elapsed = self.clock() - started
@@ -233,9 +233,9 @@ class AdaptiveBatcher:
                 except Exception:  # bookkeeping must never stop the batcher
                     logger.exception("batch hook failed")
 
-    async def _process_isolated(self, loop: asyncio.AbstractEventLoop, specs: list[ItemSpec]) -> BatchResult:
+    async def _process_isolated(self, specs: list[ItemSpec]) -> BatchResult:
         try:
-            return await loop.run_in_executor(self.executor, self.process, specs)
+            return await run_on(self.executor, self.process, specs)
         except BrokenExecutor:
             self.broken = True
             logger.exception("the scoring process died; a new one will be started")
@@ -249,7 +249,7 @@ class AdaptiveBatcher:
         merged = BatchResult(results=[])
         for spec in specs:
             try:
-                single = await loop.run_in_executor(self.executor, self.process, [spec])
+                single = await run_on(self.executor, self.process, [spec])
             except Exception as error:  # noqa: BLE001 - reported on this item only
                 merged.results.append(_internal_error(spec, f"{type(error).__name__}: {error}", self.model_version))
                 continue

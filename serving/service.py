@@ -192,7 +192,7 @@ class RiskScorer:
         return await answer(call, self.scorer)  # type: ignore[return-value]
 
     def load_version(self, tag: str, nice: int = 0) -> ScoringBackend:
-        """A scoring pool for another stored version; its process starts on the first (warm-up) call."""
+        """A scoring process for another stored version, started at once (its model loads before the first call)."""
         stored = bentoml.models.get(tag)
         config = dataclasses.replace(
             self.worker_config, model_dir=str(stored.path), model_version=str(stored.tag), nice=nice

@@ -12,7 +12,7 @@ import gc
 import logging
 import multiprocessing
 import os
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,11 @@ from inference.model import load_model
 from inference.store import make_engine, warm_history_statements
 from serving.breaker import CircuitBreaker
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
+from serving.scoring_process import ScoringProcess
 
 logger = logging.getLogger(__name__)
 
-# A process pool calls plain functions; this is the one piece of per-process state they share.
+# The scoring process calls plain functions; this is the one piece of per-process state they share.
 _core: ScoringCore | None = None
 
 
@@ -78,7 +79,7 @@ def score(specs: list[ItemSpec]) -> BatchResult:
     return _core.score(specs)
 
 
-def start_pool(config: WorkerConfig) -> ProcessPoolExecutor:
+def start_pool(config: WorkerConfig) -> ScoringProcess:
     # Read by polars when the fork server imports it (the server process's own polars is already
     # up). One thread: a batch is many small polars operations, and waking a second thread for
     # each cost more CPU for no less latency (bench/findings.md), CPU the event loop needs.
@@ -89,19 +90,13 @@ def start_pool(config: WorkerConfig) -> ProcessPoolExecutor:
     # on imports beside the pool that is answering requests (spawn did, and p99 showed it).
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    return ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=initialize, initargs=(config,))
+    return ScoringProcess(context, initializer=initialize, initargs=(config,))
 
 
 def discard_pool(pool: Executor) -> None:
     """Dispose of a pool that failed to come up, waiting for nothing: its process may be stuck in
     a load that never returns, so it is terminated rather than asked to finish."""
-    # Python 3.11 has no public way to stop a busy worker (3.14 adds terminate_workers).
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-        process.join(timeout=5)
-        if process.is_alive():  # SIGTERM can land before the child's interpreter is up; SIGKILL cannot miss
-            process.kill()
-            process.join(timeout=5)
+    if isinstance(pool, ScoringProcess):
+        pool.terminate()
+    else:  # a thread pool (tests): nothing to terminate
+        pool.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,7 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Awaitable
-from concurrent.futures import CancelledError, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TypeVar
@@ -31,6 +31,7 @@ from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
+from serving.scoring_process import ScoringProcess
 from serving.settings import ServingSettings
 from serving.worker import discard_pool
 from tests.serving.support import FakeClock, scored_batch, transaction
@@ -362,17 +363,14 @@ def _running(pid: int | None) -> bool:
 
 
 def test_discarding_a_pool_stops_a_process_stuck_in_its_load() -> None:
-    pool = ProcessPoolExecutor(
-        max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=time.sleep, initargs=(600,)
-    )
+    pool = ScoringProcess(multiprocessing.get_context("spawn"), initializer=time.sleep, initargs=(600,))
     pending = pool.submit(math.sqrt, 4.0)
-    processes = list(pool._processes.values())
+    processes = [pool.process]
     assert processes and all(process.is_alive() for process in processes)
     started = time.monotonic()
     discard_pool(pool)
     assert time.monotonic() - started < 12
-    # By pid, not is_alive(): the pool's manager thread may reap the child first, and then
-    # Process.is_alive() still says True for a process that no longer exists.
+    # By pid, not is_alive(): a process reaped elsewhere still says is_alive() True.
     assert not any(_running(process.pid) for process in processes)
     # Cancelled if the pool had not yet handed it to the process, else failed with the process.
     with pytest.raises((BrokenProcessPool, CancelledError)):

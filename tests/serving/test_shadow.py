@@ -11,10 +11,11 @@ tests/scenario/test_challenger_rollout.py.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from serving.lifecycle import ChallengerWatcher
 from serving.metrics import ServingMetrics
 from serving.runtime import OnlineScorer
 from serving.scoring import BatchResult, ItemSpec
+from serving.scoring_process import ScoringProcess
 from serving.settings import ServingSettings
 from serving.shadow import ShadowScorer, sampled
 from tests.serving.support import scored_batch, started_scorer, transaction
@@ -182,11 +184,10 @@ def test_a_failing_challenger_is_counted_and_changes_no_answer(sqlite_engine: En
 
 def test_a_dead_challenger_process_is_let_go(sqlite_engine: Engine, tmp_path: Path) -> None:
     async def body(scorer: OnlineScorer) -> None:
-        pool = ProcessPoolExecutor(max_workers=1)
+        pool = ScoringProcess(multiprocessing.get_context("forkserver"))
         pool.submit(abs, 1).result()  # its process is up
-        for process in list(pool._processes.values()):
-            process.kill()
-            process.join()
+        pool.process.kill()
+        pool.process.join()
         scorer.shadow.set_backend(ScoringBackend(CHALLENGER, pool, champion_step))
         assert await score(scorer, ids_sampled(0.5, 2)) == [0.25] * 2
         await until_async(lambda: scorer.shadow.backend is None)
