@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import cached_property
 
@@ -30,7 +29,7 @@ from inference.lineage import explain
 from inference.records import ID_MAX_LENGTH
 from inference.settings import TandemSettings
 from serving.batcher import SCORING_PROCESS_DIED
-from serving.gate import CURRENT_CALL, Edge, Refused, ScoreCall, ScoreGate
+from serving.gate import CURRENT_CALL, Edge, Refused, ScoreCall, ScoreGate, new_request_id
 from serving.idempotency import IDEMPOTENCY_IN_PROGRESS, IDEMPOTENCY_REUSED, KeyInProgress, KeyReused
 from serving.metrics import ServingMetrics
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
@@ -61,7 +60,7 @@ def build_app(
         return await answer(call, get_scorer())
 
     async def lineage(request: Request) -> Response:
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         try:
             return await _lineage(request, request_id)
         except Refused as refused:
@@ -173,4 +172,4 @@ def _count_answers(metrics: ServingMetrics, results: list[ItemResult]) -> None:
             metrics.unseen_values.labels(field=name).inc()
     for outcome, count in outcomes.items():
         if count:
-            metrics.items.labels(outcome=outcome).inc(count)
+            metrics.items_by_outcome[outcome].inc(count)

@@ -13,11 +13,12 @@ own 400. Every refusal is a `Refused`, rendered and counted in one place.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
+import os
 import time
-import uuid
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ class Refused(Exception):
     def response(self, scorer: OnlineScorer | None, request_id: str) -> JSONResponse:
         """The one rendering of a refusal: JSON `{"error", "detail"}`, and its items counted."""
         if scorer is not None and self.outcome is not None:
-            scorer.metrics.items.labels(outcome=self.outcome).inc(self.items)
+            scorer.metrics.items_by_outcome[self.outcome].inc(self.items)
         return JSONResponse(
             {"error": self.error, "detail": self.detail},
             status_code=self.status,
@@ -123,6 +124,26 @@ class ScoreCall:
     arrived: float  # monotonic: when the request began to wait (see `_arrival`)
     parse_cpu: float = 0.0
 
+
+class _RequestIds:
+    """Request ids unique across processes and restarts: 64 random bits drawn once per process,
+    then a counter. `uuid4` reads the OS's randomness for every request, 1.6 us against 0.2 us,
+    paid by every refusal past capacity. A forked child draws its own prefix."""
+
+    def __init__(self) -> None:
+        self._draw()
+        os.register_at_fork(after_in_child=self._draw)
+
+    def _draw(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._counter):016x}"
+
+
+# 32 hex digits, as uuid4().hex was: lineage rows and the Idempotency-Key's owner carry them.
+new_request_id = _RequestIds()
 
 # The call the gate admitted, for the API method (the same task: BentoML runs the endpoint inside
 # this middleware's call).
@@ -168,13 +189,13 @@ class ScoreGate:
         finally:
             metrics.in_flight.dec()
             elapsed = time.perf_counter() - started
-            metrics.latency.labels(status=str(status)).observe(elapsed)
+            metrics.latency_by_status[str(status)].observe(elapsed)
             # The latency SLI without depending on bucket boundaries: 200s slower than the enforced target.
             if status == 200 and elapsed > target_seconds(scorer.settings.p99_target_ms):
                 metrics.over_target.inc()
 
     async def _score(self, scope: Scope, receive: Receive, send: Send, scorer: OnlineScorer) -> int:
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         request = Request(scope, receive)
         try:
             call, body = await self._admit(request, scorer, request_id)

@@ -219,7 +219,7 @@ class OnlineScorer:
                 return None
             waited = decision.predicted_wait_s if decision is not None else waited_s
             decision = Decision(False, waited, self.concurrency.target_s, "concurrency_limit")
-        self.metrics.shed.labels(reason=decision.reason or "unknown").inc()
+        self.metrics.shed_by_reason[decision.reason or "unknown"].inc()
         return decision
 
     def finished(self, latency_s: float | None) -> None:
@@ -332,7 +332,7 @@ class OnlineScorer:
             if not decision.admitted:
                 for item in fresh:
                     item.future.cancel()  # and so out of in_flight
-                self.metrics.shed.labels(reason=decision.reason or "unknown").inc()
+                self.metrics.shed_by_reason[decision.reason or "unknown"].inc()
                 raise Shed(decision)
             batcher.enqueue(fresh)
         for item in plan:
