@@ -37,6 +37,10 @@ class LoadResult:
     collateral_failures: int = 0  # good requests that failed (only counted when poison is mixed in)
     shed_without_retry_after: int = 0  # 503/429 answers that carried no Retry-After header
     connection_errors: int = 0
+    # The generator process's CPU over the run (all it ran meantime): on a shared machine it comes out
+    # of the service's cores, a share the do-nothing ceiling cannot show (beside it the generator has a
+    # core to itself).
+    generator_cpu_s: float = 0.0
 
     def summary(self, target_ms: float) -> dict[str, Any]:
         within = int(np.sum(np.array(self.latencies_ms) <= target_ms)) if self.latencies_ms else 0
@@ -55,6 +59,7 @@ class LoadResult:
             "client_timeouts": self.client_timeouts,
             "connection_errors": self.connection_errors,
             "collateral_failures": self.collateral_failures,
+            "generator_cores": self.generator_cpu_s / self.duration_s,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -81,6 +86,7 @@ async def _run(
     collateral = 0
     no_retry_after = 0
     connection_errors = 0
+    cpu_started = time.process_time()
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     client_timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
@@ -131,7 +137,17 @@ async def _run(
         if in_flight:
             await asyncio.gather(*in_flight)
     return LoadResult(
-        rate, duration_s, count, latencies, statuses, shed, timeouts, collateral, no_retry_after, connection_errors
+        rate,
+        duration_s,
+        count,
+        latencies,
+        statuses,
+        shed,
+        timeouts,
+        collateral,
+        no_retry_after,
+        connection_errors,
+        generator_cpu_s=time.process_time() - cpu_started,
     )
 
 

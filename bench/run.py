@@ -593,7 +593,7 @@ def _sweep(
             f"goodput {summary['goodput_rps']:.0f}, shed {summary['shed']}, "
             f"timeouts {summary['client_timeouts']}, conn errors {summary['connection_errors']}, "
             f"CPU {summary['cpu_ms_per_request']:.2f} ms/req, "
-            f"RSS {summary['rss_mb']:.0f} MB"
+            f"RSS {summary['rss_mb']:.0f} MB, generator {summary['generator_cores']:.2f} cores"
         )
     return sweep
 
@@ -752,7 +752,8 @@ def _past_capacity(
         _say(
             f"overload {factor} @ {rate} rps: accepted p99 {o['p99_ms']:.1f} ms, goodput {o['goodput_rps']:.0f}, "
             f"shed {o['shed']} (p99 {o['shed_p99_ms']:.1f} ms, {o['shed_without_retry_after']} no Retry-After), "
-            f"timeouts {o['client_timeouts']}, conn errors {o['connection_errors']}"
+            f"timeouts {o['client_timeouts']}, conn errors {o['connection_errors']}, "
+            f"generator {o['generator_cores']:.2f} cores"
         )
     return {"capacity_rps": capacity, "burst_64": burst_64, "overload": overload}
 

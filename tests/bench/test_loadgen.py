@@ -30,3 +30,10 @@ def test_requests_are_made_with_the_generators_earlier_heap_frozen_and_it_is_tha
     assert len(frozen_while_sending) == 10
     assert min(frozen_while_sending) >= frozen_before + len(held_before)
     assert gc.get_freeze_count() == frozen_before
+
+
+def test_the_generator_reports_its_own_cpu() -> None:
+    result = run_load(f"http://127.0.0.1:{_closed_port()}/score", 200, 0.05, lambda _: ({"transactions": []}, False))
+    summary = result.summary(50.0)
+    assert result.generator_cpu_s > 0
+    assert summary["generator_cores"] == result.generator_cpu_s / result.duration_s
