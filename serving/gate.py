@@ -1,9 +1,11 @@
-"""The gate in front of `POST /score`: an ASGI middleware (BentoML's `add_asgi_middleware`) that
-refuses what it can before BentoML reads the request, cheapest first.
+"""The gate in front of `POST /score`: an ASGI middleware (BentoML's `add_asgi_middleware`, served
+outside BentoML's own: `serving.middleware_order`) that refuses what it can before BentoML sees
+the request, cheapest first.
 
 Bearer token (401), headers (400), overload from the headers alone (503, before the body is read:
 reading and parsing are most of what a refusal costs, and an event loop spending them lets the
-socket backlog grow where admission cannot see it), body size (413), JSON and schema (422, with
+socket backlog grow where admission cannot see it), body size (413), a body slower than the
+request's deadline (408), JSON and schema (422, with
 the field and the reason; the invalid items are quarantined), item count (413), a dead scoring
 process (503). What passes is parsed once and handed to the `@bentoml.api` method through
 `schemas.PARSED_REQUEST`, so BentoML neither parses it again nor answers a schema error with its
@@ -145,8 +147,8 @@ class _RequestIds:
 # 32 hex digits, as uuid4().hex was: lineage rows and the Idempotency-Key's owner carry them.
 new_request_id = _RequestIds()
 
-# The call the gate admitted, for the API method (the same task: BentoML runs the endpoint inside
-# this middleware's call).
+# The call the gate admitted, for the API method (BentoML's timeout runs the endpoint in a task of
+# its own, started inside the gate's call, and a task starts with a copy of this context).
 CURRENT_CALL: ContextVar[ScoreCall | None] = ContextVar("tandem_score_call", default=None)
 
 
@@ -260,9 +262,19 @@ class ScoreGate:
         key: str | None,
     ) -> tuple[ScoreCall, bytes]:
         try:
-            body = await read_body(request, self.edge.settings.max_body_bytes)
+            # BentoML's timeout starts only once the gate passes the request on (middleware_order.py):
+            # without this bound a body that never ends would hold a concurrency slot for good.
+            async with asyncio.timeout(max(arrived + deadline_ms / 1000 - time.monotonic(), 0.0)):
+                body = await read_body(request, self.edge.settings.max_body_bytes)
         except BodyRefused as refused:
             raise Refused.at_edge(refused.refusal, drain_body=refused.body_left) from refused
+        except TimeoutError as late:
+            raise Refused(
+                408,
+                "body_timeout",
+                f"the body did not arrive within the request's deadline ({deadline_ms:.0f} ms)",
+                headers={"Connection": "close"},
+            ) from late
         cpu_started = time.thread_time()
         limit = scorer.settings.max_transactions_per_request
         try:

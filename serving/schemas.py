@@ -152,6 +152,7 @@ def openapi_document(*, bearer_auth: bool = False) -> dict[str, Any]:
                             "idempotency_key_in_progress: another request with this key is still being answered.",
                             retry_after,
                         ),
+                        "408": body(ErrorBody, "body_timeout: the body did not arrive within the request's deadline."),
                         "413": body(ErrorBody, "The body is over the size limit, or too many transactions."),
                         "422": body(
                             ErrorBody,

@@ -265,6 +265,30 @@ def test_oversized_body_from_a_client_that_closes_the_connection_gets_its_413(
     assert json.loads(refused.value.read())["error"] == "payload_too_large"
 
 
+def test_a_body_slower_than_its_deadline_is_refused_408_and_the_server_serves_on(server: SuiteServer) -> None:
+    """The gate answers before BentoML's own timeout starts (serving/middleware_order.py), so it
+    bounds the body itself: a client that sends its headers and then stalls holds an admission slot
+    for the request's deadline, not forever."""
+    head = (
+        b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"X-Deadline-Ms: 500\r\nContent-Length: 100\r\n\r\n"
+    )
+
+    def stalls() -> Iterator[bytes]:
+        yield b'{"transactions": ['
+        time.sleep(2.0)  # past the deadline; the answer is read as soon as it is there
+
+    started = time.perf_counter()
+    status, response, _ = raw_exchange(server.port, head, stalls())
+    answered_s = time.perf_counter() - started
+    assert status == 408, response[:300]
+    assert response_json(response)["error"] == "body_timeout"
+    assert b"connection: close" in response.lower()
+    assert answered_s < 0.5 + 1.5 + DEADLINE_SLACK_S
+    after = server.score(server.take(1))
+    assert after.status_code == 200, after.text
+
+
 def test_too_many_items_is_413(server: SuiteServer) -> None:
     row = server.take(1)[0]
     rows = [{**row, "transaction_id": f"many-{uuid.uuid4().hex[:8]}-{i}"} for i in range(257)]
