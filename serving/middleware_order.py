@@ -4,8 +4,7 @@ BentoML 1.4 puts every `add_asgi_middleware` inside its OpenTelemetry and timeou
 has no setting for the order. Its `TimeoutMiddleware` runs each request in a task of its own and
 starts a timer that lives the backstop's length (10 s): two more event-loop iterations, the
 task's and the timer's CPU, and 10 s x rate timers alive for every collection to walk. Paid by every
-request the gate refuses, and past capacity most are refused: with the gate outside, goodput at
-1,000 / 1,400 rps went from 384 / 112 and 107 / 130 to 453 / 556 and 464 / 422 (bench/findings.md).
+request the gate refuses, and past capacity most are refused (measured: docs/decisions/0004).
 
 The gate keeps a backstop of its own for what it does before BentoML's starts: the body must
 arrive within the request's deadline (serving/gate.py). Requests the gate admits still pass
