@@ -29,7 +29,7 @@ from inference.lineage import explain
 from inference.records import ID_MAX_LENGTH
 from inference.settings import TandemSettings
 from serving.batcher import SCORING_PROCESS_DIED
-from serving.gate import CURRENT_CALL, Edge, Refused, ScoreCall, ScoreGate, new_request_id
+from serving.gate import Edge, Refused, ScoreCall, ScoreGate, current_call, new_request_id
 from serving.idempotency import IDEMPOTENCY_IN_PROGRESS, IDEMPOTENCY_REUSED, KeyInProgress, KeyReused
 from serving.metrics import ServingMetrics
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
@@ -55,7 +55,7 @@ def build_app(
     edge = _Edge(security)
 
     async def score(_: Request) -> Response:
-        call = CURRENT_CALL.get()
+        call = current_call()
         assert call is not None, "the gate admits every /score request"
         return await answer(call, get_scorer())
 

@@ -35,7 +35,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serving.admission import Decision
 from serving.metrics import target_seconds
 from serving.runtime import OnlineScorer
-from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, PARSED_REQUEST, REQUEST_ID_HEADER, ScoreRequest
+from serving.schemas import (
+    DEADLINE_HEADER,
+    IDEMPOTENCY_HEADER,
+    PARSED_REQUEST,
+    REQUEST_ID_HEADER,
+    Handoff,
+    ScoreRequest,
+)
 from serving.security import BearerAuth, BodyRefused, Refusal, SecuritySettings, drain_before_close, read_body
 
 logger = logging.getLogger(__name__)
@@ -149,7 +156,13 @@ new_request_id = _RequestIds()
 
 # The call the gate admitted, for the API method (BentoML's timeout runs the endpoint in a task of
 # its own, started inside the gate's call, and a task starts with a copy of this context).
-CURRENT_CALL: ContextVar[ScoreCall | None] = ContextVar("tandem_score_call", default=None)
+CURRENT_CALL: ContextVar[Handoff[ScoreCall] | None] = ContextVar("tandem_score_call", default=None)
+
+
+def current_call() -> ScoreCall | None:
+    """The call the gate admitted and is answering now, in the code the gate called."""
+    handoff = CURRENT_CALL.get()
+    return handoff.value if handoff is not None else None
 
 
 class Edge:
@@ -226,12 +239,14 @@ class ScoreGate:
                 status = int(message["status"])
             await send(message)
 
-        call_token, parsed_token = CURRENT_CALL.set(call), PARSED_REQUEST.set(call.request)
+        call_handoff, parsed_handoff = Handoff(call), Handoff(call.request)
+        call_token, parsed_token = CURRENT_CALL.set(call_handoff), PARSED_REQUEST.set(parsed_handoff)
         try:
             await self.app(scope, replay, sending)
         finally:
             CURRENT_CALL.reset(call_token)
             PARSED_REQUEST.reset(parsed_token)
+            call_handoff.value = parsed_handoff.value = None
             # The whole wait, the time before the service read the request included: what the
             # client saw, and what the concurrency limit must keep within the target.
             scorer.finished(time.monotonic() - call.arrived)

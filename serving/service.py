@@ -30,7 +30,7 @@ from inference.store import make_engine
 from serving import worker
 from serving.app import answer, build_app
 from serving.backends import ScoringBackend
-from serving.gate import CURRENT_CALL, ScoreGate
+from serving.gate import ScoreGate, current_call
 from serving.lifecycle import ChallengerWatcher, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
 from serving.middleware_order import serve_outermost
@@ -190,7 +190,7 @@ class RiskScorer:
         size, 422 schema or a reused Idempotency-Key, 409 key in flight, 503 overload or no scoring
         process (Retry-After), 504 deadline. Send the key and the deadline as headers
         (Idempotency-Key, X-Deadline-Ms) or, from a BentoML client, as the fields of the same names."""
-        call = CURRENT_CALL.get()
+        call = current_call()
         # The gate admitted this request and parsed it (ScoreRequest.from_http_request hands
         # BentoML the gate's parse), so the arguments are already in `call`.
         assert call is not None, "POST /score always passes the gate"
