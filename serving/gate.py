@@ -154,8 +154,8 @@ class _RequestIds:
 # 32 hex digits, as uuid4().hex was: lineage rows and the Idempotency-Key's owner carry them.
 new_request_id = _RequestIds()
 
-# The call the gate admitted, for the API method (BentoML's timeout runs the endpoint in a task of
-# its own, started inside the gate's call, and a task starts with a copy of this context).
+# The call the gate admitted, for the API method, which runs inside the gate's call (and any task
+# started meanwhile starts with a copy of this context).
 CURRENT_CALL: ContextVar[Handoff[ScoreCall] | None] = ContextVar("tandem_score_call", default=None)
 
 

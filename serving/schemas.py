@@ -48,9 +48,9 @@ class ScoreRequest(bentoml.IODescriptor):
 
 class Handoff(Generic[T]):
     """A value the gate hands to the code it calls through a context variable, emptied once the
-    request is answered. BentoML's timeout keeps a copy of the request's context alive with its
-    timer (10 s), and the context with the value in it: a whole parsed request per admitted
-    request, 10 s x the rate of them, for every full garbage collection to walk."""
+    request is answered: whatever keeps a copy of the request's context alive past its answer
+    (BentoML's own timeout kept one for 10 s with its timer, before middleware_order.Backstop
+    took its place) then holds no parsed request for the full garbage collections to walk."""
 
     __slots__ = ("value",)
 

@@ -82,7 +82,8 @@ def current_scorer() -> OnlineScorer:
     metrics={"enabled": False},
     logging={"access": {"enabled": False}},
     # Only a backstop: requests carry their own deadlines (at most max_deadline_ms) and are
-    # answered 504 by the scorer. Its length is what each request's timer lives (settings.py).
+    # answered 504 by the scorer. Served as middleware_order.Backstop, whose timer ends with the
+    # response (BentoML's own outlived it by the whole timeout).
     # Read when the module loads, as `workers` is.
     traffic={"timeout": ServingSettings().backstop_timeout_s},
     # No trace exporter is configured; BentoML's OpenTelemetry middleware still cost ~0.2 ms of

@@ -8,9 +8,10 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # BentoML's own per-request timeout (`traffic.timeout`) is a backstop behind the requests' deadlines.
-# It schedules a timer per request that lives this long, and the server's full garbage collections
-# walk every live one: 30 s left ~230,000 objects at 1,200 rps and 30 ms collections, 10 s ~90,000
-# and 20 ms (bench/findings.md, 2026-12-03). It cannot be switched off (BentoML requires > 0).
+# It cannot be switched off (BentoML requires > 0). It is served as serving.middleware_order.Backstop,
+# whose timer ends when the response starts; BentoML's own left every request's timer alive this
+# long for the server's full garbage collections to walk (30 s: ~230,000 objects at 1,200 rps,
+# 10 s: ~90,000; bench/findings.md, 2026-12-03).
 MIN_BACKSTOP_TIMEOUT_S = 10
 
 
