@@ -4,6 +4,7 @@ coalescing, per-item isolation, deadlines, the outbox and its drain, a dead scor
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -264,3 +265,28 @@ def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_ro
         "new-category": "merchant_category",
         "new-everything": "country,currency,merchant_category",
     }
+
+
+def test_an_answer_replayed_from_the_scoring_process_memory_is_the_one_given_and_costs_the_collector_nothing(
+    sqlite_engine: Engine,
+) -> None:
+    """Before the writer has stored an answer, a replay of the same input comes from the scoring
+    process's memory: the same answer, field for field. That memory holds plain tuples, which the
+    garbage collector stops tracking, so its full collections do not walk 50,000 answers."""
+    torch.manual_seed(0)
+    config = ModelConfig(history_length=4, embedding_dim=4, history_dim=16, hidden_dim=32, head_tail_dim=8)
+    predictor = TorchPredictor(model=RiskModel(config).eval(), model_version=MODEL)
+    core = ScoringCore(predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
+    drifted = transaction("drifted").model_copy(update={"country": "KR", "currency": "KRW"})
+    sent = [transaction("known"), drifted]
+
+    first = core.score([ItemSpec(raw=tx.to_raw(), request_id="first") for tx in sent])
+    again = core.score([ItemSpec(raw=tx.to_raw(), request_id="again") for tx in sent])
+
+    assert [r.status for r in first.results] == ["scored", "scored"]
+    assert first.results[1].unseen_fields == ["country", "currency"]
+    assert again.results == first.results
+    assert [r.model_dump_json() for r in again.results] == [r.model_dump_json() for r in first.results]
+    assert again.rows == [], "a replay writes nothing"
+    gc.collect()
+    assert not any(gc.is_tracked(remembered) for remembered in core._recent.values())
