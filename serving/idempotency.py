@@ -77,8 +77,16 @@ def request_fingerprint(transactions: Sequence[Transaction]) -> str:
 
 @dataclass(eq=False)
 class _LocalKey:
+    """A key this process is answering now: duplicates wait for `answered`."""
+
     fingerprint: str
     answered: asyncio.Future[list[ItemResult]] = field(default_factory=_new_future)
+
+
+# A key this process has answered: (fingerprint, the answer as JSON). A tuple of a str and bytes,
+# which the garbage collector stops tracking: 100,000 answered keys kept as futures holding lists
+# of models made every full collection of the server walk them all (bench/findings.md).
+_Answered = tuple[str, bytes]
 
 
 @dataclass(frozen=True)
@@ -97,11 +105,17 @@ class IdempotencyKeys:
         self.breaker = breaker
         self.size = size
         self.stale_after_s = stale_after_s
-        self._local: collections.OrderedDict[str, _LocalKey] = collections.OrderedDict()
+        self._local: collections.OrderedDict[str, _LocalKey | _Answered] = collections.OrderedDict()
 
     async def admit(self, key: str, fingerprint: str, *, request_id: str, deadline: float) -> Admission:
         """Raises KeyReused, KeyInProgress, or asyncio.TimeoutError past `deadline`."""
         local = self._local.get(key)
+        if isinstance(local, tuple):
+            answered_fingerprint, answer = local
+            if answered_fingerprint != fingerprint:
+                raise KeyReused(key)
+            self._local.move_to_end(key)
+            return Admission(_RESULTS.validate_json(answer), None, False)
         if local is not None:
             if local.fingerprint != fingerprint:
                 raise KeyReused(key)
@@ -115,7 +129,7 @@ class IdempotencyKeys:
             if claim is not None and not claim.owned_by(request_id):
                 replay = await self._answer_of_other(key, fingerprint, claim, request_id, deadline)
                 if replay is not None:
-                    owner.answered.set_result(replay)
+                    self._answered(key, owner, replay)
                     return Admission(replay, None, False)
         except BaseException:
             self._forget(key, owner)
@@ -131,8 +145,8 @@ class IdempotencyKeys:
             self._forget(key, admission.owner)
             admission.owner.answered.set_result(results)
             return None
-        admission.owner.answered.set_result(results)
-        return _RESULTS.dump_json(results).decode() if admission.claimed_in_store else None
+        answer = self._answered(key, admission.owner, results)
+        return answer.decode() if admission.claimed_in_store else None
 
     def release(self, key: str, admission: Admission, error: BaseException) -> None:
         """The request got no answer (shed, expired, failed): waiters get the same error, and the
@@ -210,3 +224,12 @@ class IdempotencyKeys:
     def _forget(self, key: str, entry: _LocalKey) -> None:
         if self._local.get(key) is entry:
             del self._local[key]
+
+    def _answered(self, key: str, owner: _LocalKey, results: list[ItemResult]) -> bytes:
+        """Hand `results` to the duplicates waiting on `owner`, and keep the key (in its place)
+        as its answer's JSON from now on; returns that JSON."""
+        owner.answered.set_result(results)
+        answer = _RESULTS.dump_json(results)
+        if self._local.get(key) is owner:
+            self._local[key] = (owner.fingerprint, answer)
+        return answer

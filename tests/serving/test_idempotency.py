@@ -5,6 +5,7 @@ store) agree because the store decides."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from pathlib import Path
@@ -101,6 +102,24 @@ def test_the_same_key_and_body_replays_and_another_body_is_refused(engine: Engin
     assert fake.scored == [("demo-1", 42.5)], "neither the replay nor the refused body was scored"
     (stored,) = key_rows(engine)
     assert stored["idempotency_key"] == "key-1" and stored["request_id"] == "r1" and stored["response"]
+
+
+def test_answered_keys_are_kept_as_their_answer_and_cost_the_collector_nothing(engine: Engine, tmp_path: Path) -> None:
+    """After the answer, this process keeps a key as (fingerprint, answer JSON): the replay is the
+    same answer, and 100,000 keys kept so are not walked by every full garbage collection."""
+
+    async def scenario() -> tuple[list[ItemResult], list[ItemResult], list[object]]:
+        scorer = await scorer_on(engine, tmp_path, AmountScoring(), "a")
+        firsts = [await ask(scorer, f"r{i}", f"key-{i}", body(f"demo-{i}", 10.0 + i)) for i in range(3)]
+        replays = [await ask(scorer, f"again-{i}", f"key-{i}", body(f"demo-{i}", 10.0 + i)) for i in range(3)]
+        kept = list(scorer.keys._local.values())
+        await settle(engine, scorer)
+        return firsts, replays, kept
+
+    firsts, replays, kept = asyncio.run(scenario())
+    assert replays == firsts and [r.request_id for r in replays] == ["r0", "r1", "r2"]
+    gc.collect()
+    assert len(kept) == 3 and not any(gc.is_tracked(entry) for entry in kept)
 
 
 def test_without_a_key_a_changed_body_is_scored_afresh(engine: Engine, tmp_path: Path) -> None:
