@@ -33,7 +33,7 @@ from serving.backends import ScoringBackend
 from serving.gate import ScoreGate, current_call
 from serving.lifecycle import ChallengerWatcher, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
-from serving.middleware_order import serve_outermost
+from serving.middleware_order import bind_api_methods, serve_outermost
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
 from serving.schemas import ScoreRequest, ScoreResponse
@@ -178,6 +178,7 @@ class RiskScorer:
             load_timeout_s=serving.model_load_timeout_s,
             discard=worker.discard_pool,
         )
+        bind_api_methods(self)
 
     @bentoml.api(route="/score", input_spec=ScoreRequest, output_spec=ScoreResponse)
     async def score(

@@ -15,9 +15,10 @@ import httpx
 import pytest
 from _bentoml_impl.server.app import ServiceAppFactory
 from bentoml._internal.server.http.traffic import TimeoutMiddleware
+from starlette.testclient import TestClient
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.middleware_order import Backstop, serve_outermost
+from serving.middleware_order import Backstop, bind_api_methods, serve_outermost
 
 
 class Refuses:
@@ -49,6 +50,9 @@ class Inner:
 
 @bentoml.service(traffic={"timeout": 10})
 class Toy:
+    def __init__(self) -> None:
+        bind_api_methods(self)
+
     @bentoml.api
     def echo(self, text: str) -> str:
         return text
@@ -102,7 +106,7 @@ async def _answers(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def _live_timers() -> int:
-    return sum(1 for o in gc.get_objects() if isinstance(o, asyncio.TimerHandle) and not o.cancelled())
+    return sum(1 for o in gc.get_objects() if type(o) is asyncio.TimerHandle and not o.cancelled())
 
 
 def _get(app: ASGIApp, path: str = "/") -> httpx.Response:
@@ -176,3 +180,18 @@ def test_an_error_before_any_response_is_raised_at_once_not_held_for_the_timeout
     with pytest.raises(TimeoutError, match="the endpoint's own timeout"):  # not the backstop's: no 504
         _get(Backstop(times_out_itself, timeout=10))
     assert time.perf_counter() - started < 5
+
+
+def test_api_methods_are_bound_once_and_still_served(ordered: list[type]) -> None:
+    """BentoML's descriptor builds a new caller on every lookup (every request); bound, the
+    instance answers with one caller, and BentoML's endpoint still serves through it."""
+    service_class = typing.cast("type[typing.Any]", toy.inner)
+    unbound = object.__new__(service_class)
+    assert unbound.echo is not unbound.echo
+    bound = service_class()
+    assert bound.echo is bound.echo
+    assert bound.echo("hi") == bound.echo.local("hi") == "hi"
+    with TestClient(toy.to_asgi()) as client:  # runs the lifespan: BentoML builds the instance
+        response = client.post("/echo", json={"text": "hello"})
+    assert response.status_code == 200
+    assert response.text == "hello"
