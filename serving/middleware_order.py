@@ -98,8 +98,12 @@ class Backstop:
         except TimeoutError:
             if not backstop.expired() or responding:
                 raise
-            message = f"Not able to process the request in {self.timeout} seconds"
-            await JSONResponse({"error": message}, status_code=504)(scope, receive, send)
+        else:
+            # Returned normally: answered, or it swallowed its cancellation without answering.
+            if not backstop.expired() or responding:
+                return
+        message = f"Not able to process the request in {self.timeout} seconds"
+        await JSONResponse({"error": message}, status_code=504)(scope, receive, send)
 
 
 def bind_api_methods(service_instance: object) -> None:

@@ -6,6 +6,7 @@ same, and no timer outlives its request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 import typing
@@ -148,12 +149,17 @@ def test_a_request_with_no_response_by_the_timeout_is_cancelled_and_answered_504
             cancelled.append(True)
             raise
 
+    async def swallows_its_cancellation(scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(30)
+
     started = time.perf_counter()
     response = _get(Backstop(stuck, timeout=0.2))
     assert time.perf_counter() - started < 5
     assert response.status_code == 504
     assert response.json() == {"error": "Not able to process the request in 0.2 seconds"}
     assert cancelled == [True]
+    assert _get(Backstop(swallows_its_cancellation, timeout=0.2)).status_code == 504
 
 
 def test_a_response_started_in_time_is_not_cut_off() -> None:
