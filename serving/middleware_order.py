@@ -65,8 +65,8 @@ class Backstop:
 
     BentoML's runs the request in a task of its own and leaves its timer, a future and a copy of
     the request's context alive for the whole timeout (10 s), answered or not: at 500 rps that is
-    ~5,000 timers for the server's full collections to walk, which took 34-45 ms each, every ~4 s
-    (bench/findings.md). This one times the request in its own task and cancels the timer at the
+    ~5,000 timers for the server's full collections to walk, which took 10-42 ms each (median ~31),
+    every ~4 s (bench/findings.md). This one times the request in its own task and cancels the timer at the
     first message sent. What a client sees is BentoML's: a request with no response started within
     `timeout` seconds is cancelled and answered 504 with BentoML's message; a response once started
     is not cut off. An exception before any response reaches Starlette's error middleware at once

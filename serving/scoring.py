@@ -40,8 +40,8 @@ _RECENT_ANSWERS = 50_000
 # A remembered answer is these fields of a scored ItemResult, then its unseen fields joined by
 # commas: a tuple of plain values, which the collector stops tracking, so the 50,000 cost a full
 # collection nothing. Kept as models (each tracked, with a dict and a set of its own), they made
-# the scoring process's full collections take 45 ms, a pause every queued batch waits behind
-# (bench/findings.md).
+# the scoring process's full collections take 45-57 ms under load, 66-74 ms with all 50,000, a
+# pause every queued batch waits behind (bench/findings.md).
 _REMEMBERED_FIELDS = (
     "transaction_id",
     "score",

@@ -11,7 +11,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # It cannot be switched off (BentoML requires > 0). It is served as serving.middleware_order.Backstop,
 # whose timer ends when the response starts; BentoML's own left every request's timer alive this
 # long for the server's full garbage collections to walk (30 s: ~230,000 objects at 1,200 rps,
-# 10 s: ~90,000; bench/findings.md, 2026-12-03).
+# 10 s: ~90,000; bench/findings.md, 2026-12-03). The floor stays 10 s, and with it the longest
+# deadline a request may ask for, 9 s (README).
 MIN_BACKSTOP_TIMEOUT_S = 10
 
 
