@@ -37,11 +37,11 @@ logger = logging.getLogger(__name__)
 
 # Answers this process gave, for replays that arrive before the result writer has stored them.
 _RECENT_ANSWERS = 50_000
-# A remembered answer is these fields of a scored ItemResult, then its unseen fields joined by
-# commas: a tuple of plain values, which the collector stops tracking, so the 50,000 cost a full
-# collection nothing. Kept as models (each tracked, with a dict and a set of its own), they made
-# the scoring process's full collections take 45-57 ms under load, 66-74 ms with all 50,000, a
-# pause every queued batch waits behind (bench/findings.md).
+# A remembered answer is a tuple of these columns as a stored row holds them (unseen fields joined
+# by commas), so `_replayed` rebuilds either. Plain values, which the collector stops tracking, so
+# the 50,000 cost a full collection nothing; kept as models (each tracked, with a dict and a set
+# of its own), they made the scoring process's full collections take 45-57 ms under load, 66-74 ms
+# with all 50,000, a pause every queued batch waits behind (bench/findings.md).
 _REMEMBERED_FIELDS = (
     "transaction_id",
     "score",
@@ -52,6 +52,7 @@ _REMEMBERED_FIELDS = (
     "produced_at",
     "input_hash",
     "degraded",
+    "unseen_fields",
 )
 
 
@@ -182,20 +183,18 @@ class ScoringCore:
 
     def _remember(self, answer_id: tuple[str, str], answer: ItemResult) -> None:
         """Only scored answers: an error is never replayed."""
-        self._recent[answer_id] = (
-            *(getattr(answer, name) for name in _REMEMBERED_FIELDS),
-            ",".join(answer.unseen_fields),
-        )
+        # getattr, not model_dump: this runs for every scored item.
+        values = [
+            ",".join(answer.unseen_fields) if name == "unseen_fields" else getattr(answer, name)
+            for name in _REMEMBERED_FIELDS
+        ]
+        self._recent[answer_id] = tuple(values)
         while len(self._recent) > _RECENT_ANSWERS:
             self._recent.popitem(last=False)
 
     def _recall(self, answer_id: tuple[str, str]) -> ItemResult | None:
         remembered = self._recent.get(answer_id)
-        if remembered is None:
-            return None
-        *values, unseen = remembered
-        fields = dict(zip(_REMEMBERED_FIELDS, values, strict=True))
-        return ItemResult(status="scored", unseen_fields=[name for name in unseen.split(",") if name], **fields)
+        return None if remembered is None else _replayed(dict(zip(_REMEMBERED_FIELDS, remembered, strict=True)))
 
     def _answer(
         self,
