@@ -212,13 +212,20 @@ class ConcurrencyLimit:
 
     def acquire(self) -> bool:
         """Take a slot for a request about to be admitted; False: refuse it (the limit is full)."""
-        self._roll(self.clock())
-        if self.in_flight >= max(int(self.limit), 1):
-            self._refused = True
+        if self.full():
             return False
         self.in_flight += 1
         self._peak = max(self._peak, self.in_flight)
         return True
+
+    def full(self) -> bool:
+        """True: a request arriving now is refused (and the window counts as binding), as by
+        `acquire`, but no slot is taken when there is room."""
+        self._roll(self.clock())
+        if self.in_flight >= max(int(self.limit), 1):
+            self._refused = True
+            return True
+        return False
 
     def release(self, latency_s: float | None) -> None:
         """Give the slot back; `latency_s` is the request's latency, None when it never reached

@@ -208,12 +208,15 @@ class OnlineScorer:
         return True
 
     # ------------------------------------------------------------------ requests
-    def refuse_early(self, deadline: float, *, waited_s: float = 0.0) -> Decision | None:
+    def refuse_early(self, deadline: float, *, waited_s: float = 0.0, take_slot: bool = True) -> Decision | None:
         """The refusal a single item would get now, before its request is even read; None to go on,
-        holding one of the concurrency limit's slots (give it back with `finished`)."""
+        holding one of the concurrency limit's slots (give it back with `finished`). With
+        `take_slot=False` only a refusal is decided, and None holds nothing: for a caller that can
+        refuse but not admit (the headers screen, `serving.http_protocol`)."""
         decision = self.batcher.decide(1, deadline, waited_s=waited_s) if self.batcher is not None else None
         if decision is None or decision.admitted:
-            admitted = self.concurrency.acquire()  # closes an ended window first, so the limit is current
+            # Either closes an ended window first, so the limit is current.
+            admitted = self.concurrency.acquire() if take_slot else not self.concurrency.full()
             self.metrics.concurrency_limit.set(self.concurrency.limit)
             if admitted:
                 return None
