@@ -28,11 +28,13 @@ from functools import cached_property
 from typing import Any
 
 from pydantic import ValidationError
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.admission import Decision
+from serving.http_protocol import RawHeaders, screen_on_headers
 from serving.metrics import target_seconds
 from serving.runtime import OnlineScorer
 from serving.schemas import (
@@ -189,6 +191,7 @@ class ScoreGate:
         self.app = app
         self.get_scorer = get_scorer
         self.edge = Edge(security)
+        screen_on_headers(SCORE_PATH, self.refusal_on_headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != SCORE_PATH or scope["method"] != "POST":
@@ -252,12 +255,42 @@ class ScoreGate:
             scorer.finished(time.monotonic() - call.arrived)
         return status
 
-    async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:
-        arrived = _arrival(request, scorer.loop_lag.lag_s)
-        refusal = self.edge.auth.check(request.headers.get("authorization"))
+    def refusal_on_headers(self, raw_headers: RawHeaders) -> tuple[int, RawHeaders, bytes] | None:
+        """The 503 `_admit` would give this request for overload, decided from its headers alone
+        (status, headers, body), or None: every other request, admitted or refused for anything
+        else, is left for `__call__` to answer as always. Called by the HTTP protocol before it
+        starts the request's task (`serving.http_protocol`): past capacity most requests are
+        refused, and the task, the ASGI stack and Starlette's response were most of their cost."""
+        started = time.perf_counter()
+        scorer = self.get_scorer()
+        try:
+            # Without the loop's lag: this runs in the parser's callback, and right after a stall
+            # the lag sampler has not run yet, so the lag reads the whole stall, which a burst
+            # arriving at its end never waited. The gate reads the lag once the sampler has caught
+            # up; a proxy's X-Request-Start still counts here.
+            arrived, deadline_ms, _ = self._screen(Headers(raw=raw_headers), scorer, loop_lag_s=0.0)
+        except Refused:
+            return None
+        early = scorer.refuse_early(arrived + deadline_ms / 1000, waited_s=time.monotonic() - arrived, take_slot=False)
+        if early is None:
+            return None
+        response = Refused.overloaded(early, items=1).response(scorer, new_request_id())
+        scorer.metrics.shed_on_headers.inc()
+        scorer.metrics.latency_by_status[str(response.status_code)].observe(time.perf_counter() - started)
+        return response.status_code, response.raw_headers, bytes(response.body)
+
+    def _screen(self, headers: Headers, scorer: OnlineScorer, *, loop_lag_s: float) -> tuple[float, float, str | None]:
+        """(arrived, deadline in ms, idempotency key) from a /score request's headers; Refused
+        for its token (401) or a malformed header (400)."""
+        arrived = _arrival(headers, loop_lag_s)
+        refusal = self.edge.auth.check(headers.get("authorization"))
         if refusal is not None:
             raise Refused.at_edge(refusal)
-        deadline_ms, key = _headers(request, scorer.settings.request_timeout_ms, scorer.settings.max_deadline_ms)
+        deadline_ms, key = _headers(headers, scorer.settings.request_timeout_ms, scorer.settings.max_deadline_ms)
+        return arrived, deadline_ms, key
+
+    async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:
+        arrived, deadline_ms, key = self._screen(request.headers, scorer, loop_lag_s=scorer.loop_lag.lag_s)
         early = scorer.refuse_early(arrived + deadline_ms / 1000, waited_s=time.monotonic() - arrived)
         if early is not None:
             raise Refused.overloaded(early, items=1)  # at least one item; the body is never read
@@ -319,14 +352,14 @@ class ScoreGate:
         return call, body
 
 
-def _arrival(request: Request, loop_lag_s: float) -> float:
+def _arrival(headers: Headers, loop_lag_s: float) -> float:
     """When the request began to wait (monotonic): the earlier of a proxy's X-Request-Start stamp
     and now less the event loop's lag, whichever says it waited longer. Both see the time before
     Python read the request, which the queue cannot. A stamp in the future, unparsable, or more
     than a minute old (clock skew) is ignored."""
     now = time.monotonic()
     waited = loop_lag_s
-    stamp = request.headers.get(REQUEST_START_HEADER)
+    stamp = headers.get(REQUEST_START_HEADER)
     if stamp is not None:
         started = _epoch_seconds(stamp)
         if started is not None and 0.0 <= time.time() - started <= MAX_PROXY_WAIT_S:
@@ -348,11 +381,11 @@ def _epoch_seconds(stamp: str) -> float | None:
     return value
 
 
-def _headers(request: Request, default_deadline_ms: float, max_deadline_ms: float) -> tuple[float, str | None]:
+def _headers(headers: Headers, default_deadline_ms: float, max_deadline_ms: float) -> tuple[float, str | None]:
     """(deadline in ms, idempotency key), or a 400 for a malformed one. A deadline longer than
     `max_deadline_ms` is cut to it: past that, BentoML's backstop would answer in Tandem's place."""
     deadline_ms = default_deadline_ms
-    if (raw_deadline := request.headers.get(DEADLINE_HEADER)) is not None:
+    if (raw_deadline := headers.get(DEADLINE_HEADER)) is not None:
         try:
             deadline_ms = float(raw_deadline)
         except ValueError:
@@ -360,7 +393,7 @@ def _headers(request: Request, default_deadline_ms: float, max_deadline_ms: floa
         if not math.isfinite(deadline_ms) or deadline_ms <= 0:
             raise Refused(400, "bad_header", f"{DEADLINE_HEADER} must be a positive number of ms")
         deadline_ms = min(deadline_ms, max_deadline_ms)
-    key = request.headers.get(IDEMPOTENCY_HEADER)
+    key = headers.get(IDEMPOTENCY_HEADER)
     if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
         raise Refused(400, "bad_header", f"{IDEMPOTENCY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY} chars")
     return deadline_ms, key

@@ -144,6 +144,11 @@ class ServingMetrics:
         )
         self.shed = counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"])
         self.shed_by_reason = Children(self.shed, "reason")
+        self.shed_on_headers = counter(
+            "tandem_serving_shed_on_headers_total",
+            "Of tandem_serving_shed_total, the requests refused from their headers by the HTTP protocol, "
+            "before any task or ASGI call was made for them (serving/http_protocol.py).",
+        )
         self.concurrency_limit = gauge(
             "tandem_serving_concurrency_limit",
             "The adaptive limit on admitted /score requests in flight; at queue_capacity until overload.",

@@ -31,6 +31,7 @@ from serving import worker
 from serving.app import answer, build_app
 from serving.backends import ScoringBackend
 from serving.gate import ScoreGate, current_call
+from serving.http_protocol import serve_screening
 from serving.lifecycle import ChallengerWatcher, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
 from serving.middleware_order import bind_api_methods, serve_outermost
@@ -241,3 +242,5 @@ class RiskScorer:
 # own middlewares, so that a refusal costs none of them.
 typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(ScoreGate, get_scorer=current_scorer)
 serve_outermost(ScoreGate)
+# Overloaded /score requests refused from uvicorn's headers callback, before any task or ASGI call.
+serve_screening()

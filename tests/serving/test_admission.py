@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import pytest
-from starlette.requests import Request
+from starlette.datastructures import Headers
 
 from serving.admission import BatchCostModel, ConcurrencyLimit, Decision, LoopLag, admit, predicted_wait
 from serving.breaker import BreakerState, CircuitBreaker
@@ -166,12 +166,12 @@ def test_loop_lag_measures_a_blocked_event_loop() -> None:
 def test_a_proxy_request_start_stamp_moves_the_arrival_back() -> None:
     stamped = time.time() - 0.08
     for header in (f"t={stamped:.3f}", f"t={int(stamped * 1000)}", f"t={int(stamped * 1_000_000)}"):
-        request = Request({"type": "http", "headers": [(b"x-request-start", header.encode())]})
-        waited = time.monotonic() - _arrival(request, loop_lag_s=0.0)
+        headers = Headers(raw=[(b"x-request-start", header.encode())])
+        waited = time.monotonic() - _arrival(headers, loop_lag_s=0.0)
         assert 0.075 <= waited <= 0.2, header
     for bogus in ("t=later", f"t={time.time() + 30:.3f}", f"t={time.time() - 3600:.3f}", "t=nan"):
-        request = Request({"type": "http", "headers": [(b"x-request-start", bogus.encode())]})
-        assert time.monotonic() - _arrival(request, loop_lag_s=0.01) == pytest.approx(0.01, abs=0.005), bogus
+        headers = Headers(raw=[(b"x-request-start", bogus.encode())])
+        assert time.monotonic() - _arrival(headers, loop_lag_s=0.01) == pytest.approx(0.01, abs=0.005), bogus
 
 
 # ------------------------------------------------------------------ the adaptive concurrency limit
@@ -221,6 +221,23 @@ def test_the_cut_follows_how_far_latency_is_over_the_headroom() -> None:
     limit = limit_with(clock, burst_interval_s=0.0)
     run_window(limit, clock, in_flight=20, latency_s=0.05)  # 50 ms against 0.8 x 50 = 40 ms allowed
     assert limit.limit == pytest.approx(20 * 0.04 / 0.05)
+
+
+def test_full_refuses_as_acquire_does_but_takes_no_slot_when_there_is_room() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock, burst_interval_s=0.0)
+    run_window(limit, clock, in_flight=16, latency_s=1.0)
+    assert limit.limit == 8
+    assert not any(limit.full() for _ in range(20)), "room for 8: nothing refused"
+    assert limit.in_flight == 0, "and no slot taken"
+    assert sum(limit.acquire() for _ in range(8)) == 8
+    assert limit.full() and not limit.acquire()
+    clock.now += 0.05
+    for _ in range(8):
+        limit.release(0.01)
+    clock.now += 0.05
+    limit.current()
+    assert limit.limit == 8 + 8**0.5, "a window refused by full() counts as binding, as acquire's refusals do"
 
 
 def test_the_limit_grows_back_once_latency_is_within_the_target() -> None:

@@ -169,7 +169,7 @@ def test_a_burst_of_64_below_capacity_is_served(server: Server) -> None:
     shed_before = server.metric("tandem_serving_shed_total")
 
     responses = server.score_at_once([[row] for row in rows])
-    assert [r.status_code for r in responses] == [200] * 64
+    assert [r.status_code for r in responses] == [200] * 64, next(r.text for r in responses if r.status_code != 200)
     assert server.metric("tandem_serving_shed_total") == shed_before
 
 
@@ -234,6 +234,14 @@ def test_deadlines_are_honoured(server: Server) -> None:
     assert response.status_code in (503, 504)
     assert elapsed < 1.0
     assert server.score(rows, {"X-Deadline-Ms": "abc"}).status_code == 400
+    # A deadline over before the request could be read is refused from its headers by the server's
+    # HTTP protocol (serving/http_protocol.py), with the gate's own answer.
+    on_headers = server.metric("tandem_serving_shed_on_headers_total")
+    refused = server.score(rows, {"X-Deadline-Ms": "0.000001"})
+    assert refused.status_code == 503 and refused.json()["error"] == "overloaded"
+    assert refused.json()["detail"]["reason"] == "over_deadline"
+    assert int(refused.headers["Retry-After"]) >= 1 and len(refused.headers["X-Request-ID"]) == 32
+    assert server.metric("tandem_serving_shed_on_headers_total") == on_headers + 1
     assert server.score(rows, {"X-Deadline-Ms": "5000"}).status_code == 200
     assert server.score(rows, {"X-Deadline-Ms": "600000"}).status_code == 200  # cut to the cap, not refused
 
