@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import socket
+import threading
 from typing import Any
 
 from bench.loadgen import run_load
@@ -37,3 +38,88 @@ def test_the_generator_reports_its_own_cpu() -> None:
     summary = result.summary(50.0)
     assert result.generator_cpu_s > 0
     assert summary["generator_cores"] == result.generator_cpu_s / result.duration_s
+
+
+class CannedServer:
+    """Answers every request on a connection with `answer`, or never answers when it is None, and
+    counts the connections it accepted."""
+
+    def __init__(self, answer: bytes | None) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection:
+            pending = b""
+            while chunk := connection.recv(65536):
+                pending += chunk
+                while b"\r\n\r\n" in pending:
+                    head, _, rest = pending.partition(b"\r\n\r\n")
+                    length = int(
+                        next(
+                            line.split(b":")[1]
+                            for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length")
+                        )
+                    )
+                    if len(rest) < length:
+                        break
+                    pending = rest[length:]
+                    if self.answer is not None:
+                        connection.sendall(self.answer)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _response(status: str, *headers: str, body: bytes = b"{}") -> bytes:
+    lines = [f"HTTP/1.1 {status}", f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def test_answers_are_counted_by_status_on_reused_keep_alive_connections() -> None:
+    server = CannedServer(_response("200 OK"))
+    try:
+        result = run_load(f"http://127.0.0.1:{server.port}/score", 100, 0.5, lambda _: ({"transactions": []}, False))
+    finally:
+        server.close()
+    assert result.statuses == {"200": 50} and len(result.latencies_ms) == 50
+    assert server.connections < 10, "one request at a time per connection, idle ones reused"
+
+
+def test_shed_answers_without_retry_after_are_counted() -> None:
+    answers = _response("503 Service Unavailable") + _response("429 Too Many Requests", "Retry-After: 1")
+    server = CannedServer(answers)  # each request gets both: the second is stray bytes, and closes the connection
+    try:
+        result = run_load(f"http://127.0.0.1:{server.port}/score", 50, 0.2, lambda _: ({"transactions": []}, False))
+    finally:
+        server.close()
+    assert result.statuses.get("503", 0) == result.sent == 10
+    assert result.shed_without_retry_after == 10 and len(result.shed_latencies_ms) == 10
+    assert result.connection_errors == 0 and result.client_timeouts == 0
+    assert server.connections == 10, "a connection that brought an answer nobody asked for is not reused"
+
+
+def test_a_request_never_answered_is_a_timeout_and_its_connection_is_not_reused() -> None:
+    server = CannedServer(None)
+    try:
+        result = run_load(
+            f"http://127.0.0.1:{server.port}/score", 50, 0.1, lambda i: ({"transactions": []}, i == 0), timeout_s=0.3
+        )
+    finally:
+        server.close()
+    assert result.client_timeouts == result.sent == 5 and result.statuses == {"timeout": 5}
+    assert result.collateral_failures == 4, "the poison request's timeout is not collateral"
+    assert server.connections == 5
