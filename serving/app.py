@@ -88,7 +88,10 @@ def build_app(
         return JSONResponse(openapi_document(bearer_auth=edge.auth.enabled))
 
     async def metrics(_: Request) -> Response:
-        return Response(get_scorer().metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Off the event loop: in multiprocess mode it reads every worker's files (26 ms measured on
+        # the live test's server), which every request in flight waited out at each scrape.
+        exposition = await asyncio.to_thread(get_scorer().metrics.exposition)
+        return Response(exposition, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

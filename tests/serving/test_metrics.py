@@ -6,6 +6,7 @@ ASGI transport, so one event loop runs the app and the scorer."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -361,3 +362,25 @@ def test_every_request_let_in_early_gives_its_concurrency_slot_back_once() -> No
     answered_latency, *refused = scorer.finished_latencies
     assert answered_latency is not None and answered_latency > 0
     assert refused == [None, None]
+
+
+def test_metrics_are_rendered_off_the_event_loop() -> None:
+    """A scrape reads every worker's files in multiprocess mode; in the event loop's thread every
+    request in flight would wait it out."""
+    rendered_in: list[threading.Thread] = []
+
+    class Recording(ServingMetrics):
+        def exposition(self) -> bytes:
+            rendered_in.append(threading.current_thread())
+            return super().exposition()
+
+    class Scorer:
+        metrics = Recording(settings=ServingSettings())
+
+    async def scrape() -> tuple[httpx.Response, threading.Thread]:
+        async with client_for(Scorer()) as client:
+            return await client.get("/metrics"), threading.current_thread()
+
+    response, loop_thread = asyncio.run(scrape())
+    assert response.status_code == 200 and "tandem_serving_p99_target_seconds" in response.text
+    assert rendered_in and rendered_in[0] is not loop_thread
