@@ -57,7 +57,6 @@ class _Answered:
     response complete, and drop the rest of its body as they do for any finished response."""
 
     response_complete = True
-    keep_alive = False
 
     class message_event:
         @staticmethod

@@ -18,6 +18,7 @@ from uvicorn import config as uvicorn_config
 
 from serving import http_protocol
 from serving.http_protocol import RawHeaders, ScreeningProtocol, screen_on_headers, serve_screening
+from tests.serving.support import free_port
 
 
 @dataclass
@@ -53,9 +54,7 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, App]]:
     monkeypatch.setattr(http_protocol, "_screens", {})
     screen_on_headers("/score", refuse_when_asked)
     app = App()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=ScreeningProtocol, log_config=None, lifespan="off")
     running = uvicorn.Server(config)
     thread = threading.Thread(target=running.run, daemon=True)
