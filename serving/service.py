@@ -28,6 +28,7 @@ from inference.records import Transaction
 from inference.settings import TandemSettings
 from inference.store import make_engine
 from serving import worker
+from serving.accept import serve_accepting
 from serving.app import answer, build_app
 from serving.backends import ScoringBackend
 from serving.gate import ScoreGate, current_call
@@ -244,3 +245,5 @@ typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(Score
 serve_outermost(ScoreGate)
 # Overloaded /score requests refused from uvicorn's headers callback, before any task or ASGI call.
 serve_screening()
+# Every pending connection accepted per wake-up of the listening socket, where uvloop accepts one per iteration.
+serve_accepting()
