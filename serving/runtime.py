@@ -85,7 +85,7 @@ class OnlineScorer:
         self.loop_lag = LoopLag(window_s=settings.burst_interval_ms / 1000)
         self.concurrency = ConcurrencyLimit(
             settings.p99_target_ms / 1000,
-            max_limit=settings.queue_capacity,
+            max_limit=min(settings.max_concurrency, settings.queue_capacity),
             min_limit=settings.min_concurrency,
             window_s=settings.concurrency_window_ms / 1000,
             burst_interval_s=settings.burst_interval_ms / 1000,

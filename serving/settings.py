@@ -53,6 +53,14 @@ class ServingSettings(BaseSettings):
         "which shrinks past capacity when admitted requests miss the target. About capacity x latency at the "
         "target (Little's law): lower floors starved goodput here when contention, not queueing, set latency.",
     )
+    max_concurrency: int = Field(
+        default=128,
+        ge=1,
+        description="The adaptive limit's ceiling, where it starts and where an idle service returns to: the most "
+        "admitted requests in flight before latency has told it anything. A burst up to it is served whole; at the "
+        "step into overload, it is what is admitted before the first correction (with the queue's bound, 1,024, "
+        "the first 100 ms of a step to 1,400 rps were answered at p50 102-256 ms here; bench/findings.md).",
+    )
     concurrency_window_ms: float = Field(
         default=100.0, gt=0, description="How often the adaptive concurrency limit is corrected from latency."
     )

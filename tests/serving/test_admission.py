@@ -180,14 +180,16 @@ def limit_with(clock: FakeClock, **changes: Any) -> ConcurrencyLimit:
     return ConcurrencyLimit(0.05, max_limit=1024, min_limit=4, clock=clock, **changes)
 
 
-def run_window(limit: ConcurrencyLimit, clock: FakeClock, *, in_flight: int, latency_s: float) -> int:
-    """One 100 ms window: `in_flight` requests try to get in, those let in are answered in
-    `latency_s`. Returns how many were let in."""
+def run_window(
+    limit: ConcurrencyLimit, clock: FakeClock, *, in_flight: int, latency_s: float, window_s: float = 0.1
+) -> int:
+    """One window: `in_flight` requests try to get in, those let in are answered in `latency_s`.
+    Returns how many were let in."""
     admitted = sum(limit.acquire() for _ in range(in_flight))
-    clock.now += 0.05
+    clock.now += window_s / 2
     for _ in range(admitted):
         limit.release(latency_s)
-    clock.now += 0.05
+    clock.now += window_s / 2
     limit.current()  # the window is over: its correction is made
     return admitted
 
@@ -195,11 +197,38 @@ def run_window(limit: ConcurrencyLimit, clock: FakeClock, *, in_flight: int, lat
 def test_a_burst_shorter_than_the_interval_is_let_in_whole() -> None:
     clock = FakeClock()
     limit = limit_with(clock)
-    for _ in range(2):  # 200 ms over the target: less than the 250 ms interval
-        assert run_window(limit, clock, in_flight=64, latency_s=0.1) == 64
+    for _ in range(2):  # 200 ms over the headroom (40 ms), within the target: less than the 250 ms interval
+        assert run_window(limit, clock, in_flight=64, latency_s=0.045) == 64
     assert limit.limit == 1024
     run_window(limit, clock, in_flight=8, latency_s=0.01)
-    assert limit.limit == 1024, "a window within the target forgets the burst"
+    assert limit.limit == 1024, "a window within the headroom forgets the burst"
+
+
+def test_a_burst_that_arrives_at_once_is_let_in_whole_even_when_it_runs_past_the_target() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock)
+    assert run_window(limit, clock, in_flight=64, latency_s=0.1) == 64
+    assert limit.limit == 32, "beyond the target: cut at once, from the peak, by at most half"
+
+
+def test_an_overload_that_lets_up_for_a_window_is_cut_again_without_the_interval() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock, window_s=0.125)  # windows a float adds up exactly
+
+    def window(in_flight: int, latency_s: float) -> None:
+        run_window(limit, clock, in_flight=in_flight, latency_s=latency_s, window_s=0.125)
+
+    window(64, 0.1)
+    cut = limit.limit
+    window(8, 0.02)  # a lull: not binding, grows by a quarter
+    assert limit.limit == pytest.approx(cut * 1.25)
+    window(20, 0.045)  # over the headroom, within the target
+    assert limit.limit == pytest.approx(20 * 0.04 / 0.045), "cut within a second of the last: no interval"
+    for _ in range(16):  # two seconds within the target
+        window(8, 0.02)
+    before = limit.limit
+    window(20, 0.045)
+    assert limit.limit == before, "a second and more after the last cut, the interval is granted again"
 
 
 def test_standing_overload_cuts_the_limit_from_what_was_in_flight_and_it_binds() -> None:

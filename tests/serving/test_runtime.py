@@ -181,6 +181,25 @@ def test_a_dead_scoring_process_is_replaced_and_liveness_fails_only_when_that_ke
     assert attempts == [MODEL] * (RESTORE_ATTEMPTS_BEFORE_RESTART + 1)
 
 
+def test_no_more_than_max_concurrency_requests_are_let_in_before_latency_is_known(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """The step into overload: the adaptive limit starts at its ceiling, and its first correction
+    comes only once answers have latencies, so the ceiling is what is let in until then."""
+
+    async def scenario() -> None:
+        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path, max_concurrency=3, min_concurrency=1)
+        deadline = time.monotonic() + 5
+        assert [scorer.refuse_early(deadline) for _ in range(3)] == [None, None, None]
+        refusal = scorer.refuse_early(deadline)
+        assert refusal is not None and refusal.reason == "concurrency_limit"
+        scorer.finished(0.01)
+        assert scorer.refuse_early(deadline) is None, "a slot given back is taken again"
+        await scorer.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("burst_interval_ms", [0, 60])
 def test_a_request_is_refused_before_it_is_read_once_even_one_item_would_wait_too_long(
     sqlite_engine: Engine, tmp_path: Path, burst_interval_ms: float
