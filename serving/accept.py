@@ -1,4 +1,4 @@
-"""Every pending connection accepted at each wake-up of the listening socket, on uvloop too.
+"""Pending connections accepted by the batch at each wake-up of the listening socket, on uvloop too.
 
 libuv accepts one connection per event-loop iteration since 1.45 (libuv #3696: in the common case
 the second accept() only finds EAGAIN). At the step into overload a client without a bounded pool
@@ -39,7 +39,8 @@ ProtocolFactory = Callable[[], asyncio.Protocol]
 
 def serve_accepting() -> None:
     """uvicorn servers configured from now on in this process with the default `loop="auto"` (as
-    BentoML's worker configures them) accept every pending connection per wake-up. Idempotent.
+    BentoML's worker configures them) accept up to `MAX_ACCEPTS_PER_WAKE` pending connections per
+    wake-up of the listening socket. Idempotent.
     Raises RuntimeError where this uvicorn resolves its loop some other way, so that an upgrade
     fails the start instead of quietly going back to one accept per iteration."""
     factories = getattr(uvicorn_config, "LOOP_FACTORIES", None)
@@ -110,13 +111,15 @@ class GreedyServer:
                 connection, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionAbortedError:  # the peer gave up before we accepted: the next may not have
+                continue
             except OSError as error:
-                if error.errno not in _RESOURCE_ERRORS:
-                    # The peer gave up before we accepted (ECONNABORTED, EPROTO): the next may not have.
-                    continue
-                logger.error("accept() failed (%s); accepting again in %.0f s", error, RETRY_AFTER_RESOURCE_ERROR_S)
-                self._loop.remove_reader(self._sock.fileno())
-                self._loop.call_later(RETRY_AFTER_RESOURCE_ERROR_S, self._resume)
+                if error.errno in _RESOURCE_ERRORS:
+                    logger.error("accept() failed (%s); accepting again in %.0f s", error, RETRY_AFTER_RESOURCE_ERROR_S)
+                    self._loop.remove_reader(self._sock.fileno())
+                    self._loop.call_later(RETRY_AFTER_RESOURCE_ERROR_S, self._resume)
+                else:  # as asyncio's loop does: logged, and the next wake-up tries again
+                    logger.exception("accept() failed")
                 return
             connection.setblocking(False)
             handshake = self._loop.create_task(self._connect(connection))

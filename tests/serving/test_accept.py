@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import uvicorn
@@ -93,26 +93,22 @@ def test_other_servers_are_the_loops_own() -> None:
         loop.close()
 
 
-class OutOfDescriptorsOnce(socket.socket):
-    """A listening socket whose first accept() fails as when the process has no descriptor left."""
+class FailsOnce(socket.socket):
+    """A listening socket whose first accept() fails with `error`."""
 
-    failures = 0
+    error: ClassVar[OSError] = OSError(errno.EMFILE, "Too many open files")
+    failures: ClassVar[int] = 0
 
-    def accept(self) -> tuple[socket.socket, object]:
-        if OutOfDescriptorsOnce.failures == 0:
-            OutOfDescriptorsOnce.failures += 1
-            raise OSError(errno.EMFILE, "Too many open files")
+    def accept(self) -> tuple[socket.socket, Any]:
+        if FailsOnce.failures == 0:
+            FailsOnce.failures += 1
+            raise FailsOnce.error
         return super().accept()
 
 
-def test_running_out_of_descriptors_pauses_accepting_then_takes_the_waiting_connection(
-    counting: type[Counting], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(accept, "RETRY_AFTER_RESOURCE_ERROR_S", 0.2)
+def serve_until_connected(sock: socket.socket, counting: type[Counting]) -> float:
+    """Serve `sock` on an accepting loop until a connection is made (5 s at most); the seconds taken."""
     loop = accepting_loop_factory()()
-    sock = listening_socket(OutOfDescriptorsOnce)
-    OutOfDescriptorsOnce.failures = 0
-    clients = connect_many(sock, 1)
     try:
 
         async def serve() -> float:
@@ -124,15 +120,36 @@ def test_running_out_of_descriptors_pauses_accepting_then_takes_the_waiting_conn
             await server.wait_closed()
             return time.monotonic() - started
 
-        took = loop.run_until_complete(serve())
-        assert OutOfDescriptorsOnce.failures == 1
-        assert len(counting.made) == 1, "the connection waited in the listen queue, and was taken after the pause"
-        assert took >= 0.2, "no accept() spin while out of descriptors"
+        return loop.run_until_complete(serve())
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "pause_s"),
+    [(OSError(errno.EMFILE, "Too many open files"), 0.6), (ConnectionAbortedError(errno.ECONNABORTED, "aborted"), 0.0)],
+)
+def test_a_failed_accept_leaves_the_waiting_connection_to_be_taken(
+    counting: type[Counting], monkeypatch: pytest.MonkeyPatch, error: OSError, pause_s: float
+) -> None:
+    """Out of descriptors: accepting pauses (no accept() spin), then takes the connection that
+    waited in the listen queue. A connection aborted before it was accepted: the next is taken at once."""
+    monkeypatch.setattr(accept, "RETRY_AFTER_RESOURCE_ERROR_S", 0.6)
+    monkeypatch.setattr(FailsOnce, "error", error)
+    monkeypatch.setattr(FailsOnce, "failures", 0)
+    sock = listening_socket(FailsOnce)
+    clients = connect_many(sock, 1)
+    try:
+        took = serve_until_connected(sock, counting)
+        assert FailsOnce.failures == 1
+        assert len(counting.made) == 1
+        assert took >= pause_s
+        if not pause_s:
+            assert took < 0.5, "no pause for a connection the peer aborted"
     finally:
         for client in clients:
             client.close()
         sock.close()
-        loop.close()
 
 
 async def echo_path(scope: Scope, receive: Receive, send: Send) -> None:
