@@ -245,5 +245,5 @@ typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(Score
 serve_outermost(ScoreGate)
 # Overloaded /score requests refused from uvicorn's headers callback, before any task or ASGI call.
 serve_screening()
-# Every pending connection accepted per wake-up of the listening socket, where uvloop accepts one per iteration.
+# Up to 32 pending connections accepted per wake-up of the listening socket, where uvloop accepts one per iteration.
 serve_accepting()

@@ -59,7 +59,7 @@ class ServingSettings(BaseSettings):
         description="The adaptive limit's ceiling, where it starts and where an idle service returns to: the most "
         "admitted requests in flight before latency has told it anything. A burst up to it is served whole; at the "
         "step into overload, it is what is admitted before the first correction (with the queue's bound, 1,024, "
-        "the first 100 ms of a step to 1,400 rps were answered at p50 102-256 ms here; bench/findings.md).",
+        "the first 100 ms of a step to 1,400 rps were answered at p50 78-256 ms here; bench/findings.md).",
     )
     concurrency_window_ms: float = Field(
         default=100.0, gt=0, description="How often the adaptive concurrency limit is corrected from latency."
