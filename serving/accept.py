@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn import config as uvicorn_config
+from serving.uvicorn_defaults import replace_auto
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,7 @@ def serve_accepting() -> None:
     wake-up of the listening socket. Idempotent.
     Raises RuntimeError where this uvicorn resolves its loop some other way, so that an upgrade
     fails the start instead of quietly going back to one accept per iteration."""
-    factories = getattr(uvicorn_config, "LOOP_FACTORIES", None)
-    if not isinstance(factories, dict) or factories.get("auto") not in (_STOCK_AUTO, _THIS):
-        raise RuntimeError(
-            "uvicorn's LOOP_FACTORIES has no stock 'auto' entry to replace; serving/accept.py was "
-            "written against uvicorn 0.55"
-        )
-    factories["auto"] = _THIS
+    replace_auto("LOOP_FACTORIES", _STOCK_AUTO, _THIS, "serving/accept.py")
 
 
 def accepting_loop_factory(use_subprocess: bool = False) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -83,7 +77,7 @@ def install(loop: asyncio.AbstractEventLoop) -> None:
 
 
 class GreedyServer:
-    """What uvicorn uses of an `asyncio.Server` (close, wait_closed, sockets), accepting up to
+    """What uvicorn uses of an `asyncio.Server` given a socket (close, wait_closed), accepting up to
     `MAX_ACCEPTS_PER_WAKE` connections each time the listening socket is readable."""
 
     def __init__(
@@ -97,13 +91,6 @@ class GreedyServer:
         sock.setblocking(False)
         sock.listen(backlog)
         loop.add_reader(sock.fileno(), self._accept_pending)
-
-    @property
-    def sockets(self) -> tuple[socket.socket, ...]:
-        return (self._sock,) if self._serving else ()
-
-    def is_serving(self) -> bool:
-        return self._serving
 
     def _accept_pending(self) -> None:
         for _ in range(MAX_ACCEPTS_PER_WAKE):

@@ -17,8 +17,9 @@ import logging
 from collections.abc import Callable
 
 import httptools
-from uvicorn import config as uvicorn_config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from serving.uvicorn_defaults import replace_auto
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,7 @@ def serve_screening() -> None:
     BentoML's worker configures them) use `ScreeningProtocol`. Idempotent. Raises RuntimeError
     where this uvicorn resolves its protocol some other way, so that an upgrade fails the start
     instead of quietly dropping the screen."""
-    protocols = getattr(uvicorn_config, "HTTP_PROTOCOLS", None)
-    if not isinstance(protocols, dict) or protocols.get("auto") not in (_STOCK_AUTO, _THIS):
-        raise RuntimeError(
-            "uvicorn's HTTP_PROTOCOLS has no stock 'auto' entry to replace; serving/http_protocol.py was "
-            "written against uvicorn 0.55"
-        )
-    protocols["auto"] = _THIS
+    replace_auto("HTTP_PROTOCOLS", _STOCK_AUTO, _THIS, "serving/http_protocol.py")
 
 
 class _Answered:
