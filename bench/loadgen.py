@@ -26,6 +26,11 @@ import httptools
 import numpy as np
 import uvloop
 
+# The first half second of a level, reported apart: each load level starts from a settled service,
+# and the step into it, before any feedback has acted, is where past capacity the tail came from
+# (bench/findings.md).
+ONSET_S = 0.5
+
 
 def _percentile(values: list[float], q: float) -> float:
     # NaN when nothing was measured (no request shed, say), without numpy's all-NaN warning.
@@ -48,6 +53,10 @@ class LoadResult:
     # of the service's cores, a share the do-nothing ceiling cannot show (beside it the generator has a
     # core to itself).
     generator_cpu_s: float = 0.0
+    # When each answered request was due, in seconds from the level's start, in the order of
+    # latencies_ms and shed_latencies_ms: what splits the onset from the rest of the level.
+    latency_sent_s: list[float] = field(default_factory=list, repr=False)
+    shed_sent_s: list[float] = field(default_factory=list, repr=False)
 
     def summary(self, target_ms: float) -> dict[str, Any]:
         within = int(np.sum(np.array(self.latencies_ms) <= target_ms)) if self.latencies_ms else 0
@@ -67,13 +76,24 @@ class LoadResult:
             "connection_errors": self.connection_errors,
             "collateral_failures": self.collateral_failures,
             "generator_cores": self.generator_cpu_s / self.duration_s,
+            **_onset_split("", self.latencies_ms, self.latency_sent_s),
+            **_onset_split("shed_", self.shed_latencies_ms, self.shed_sent_s),
         }
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("latencies_ms")
         data.pop("shed_latencies_ms")
+        data.pop("latency_sent_s")
+        data.pop("shed_sent_s")
         return data
+
+
+def _onset_split(prefix: str, latencies_ms: list[float], sent_s: list[float]) -> dict[str, float]:
+    """p99 of the answers to requests due in the level's first ONSET_S, and of the rest."""
+    onset = [latency for latency, sent in zip(latencies_ms, sent_s, strict=True) if sent < ONSET_S]
+    after = [latency for latency, sent in zip(latencies_ms, sent_s, strict=True) if sent >= ONSET_S]
+    return {f"{prefix}onset_p99_ms": _percentile(onset, 99), f"{prefix}after_onset_p99_ms": _percentile(after, 99)}
 
 
 class _Request:
@@ -93,6 +113,9 @@ class _Tally:
     def __init__(self) -> None:
         self.latencies: list[float] = []
         self.shed: list[float] = []
+        self.started = 0.0  # when the level's first request was due (perf_counter)
+        self.latency_sent: list[float] = []
+        self.shed_sent: list[float] = []
         self.statuses: dict[str, int] = {}
         self.timeouts = 0
         self.collateral = 0
@@ -117,8 +140,10 @@ class _Tally:
         self._status(str(status))
         if status == 200 and not request.is_poison:
             self.latencies.append(elapsed_ms)
+            self.latency_sent.append(request.scheduled - self.started)
         elif status in (503, 429):
             self.shed.append(elapsed_ms)
+            self.shed_sent.append(request.scheduled - self.started)
             self.no_retry_after += not retry_after
         elif not request.is_poison:
             self.collateral += 1
@@ -263,6 +288,7 @@ async def _run(
     # them up front (each sleeping until its turn) made the event loop wake thousands of timers and
     # measured the generator itself from ~400 rps; a late send still counts from its scheduled time.
     start = time.perf_counter() + 0.05 + start_delay_s
+    tally.started = start
     for index in range(count):
         scheduled = start + index / rate
         delay = scheduled - time.perf_counter()
@@ -286,6 +312,8 @@ async def _run(
         tally.no_retry_after,
         tally.connection_errors,
         generator_cpu_s=time.process_time() - cpu_started,
+        latency_sent_s=tally.latency_sent,
+        shed_sent_s=tally.shed_sent,
     )
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from types import ModuleType
 
-from bench import online_targets
+from bench import loadgen, online_targets
 
 
 def _pyplot() -> ModuleType:
@@ -38,6 +38,12 @@ def _generator(level: dict[str, Any]) -> str:
 
 def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"
+
+
+def _onset(level: dict[str, Any], prefix: str) -> str:
+    """p99 of the level's first ONSET_S and of the rest (results written before they were kept: -)."""
+    nan = float("nan")
+    return f"{_ms(level.get(f'{prefix}onset_p99_ms', nan))} / {_ms(level.get(f'{prefix}after_onset_p99_ms', nan))}"
 
 
 def _client_timeout(overload: dict[str, dict[str, Any]]) -> float:
@@ -149,15 +155,21 @@ def write_report(
             f"Tandem past its capacity at the target ({tandem['capacity_rps']:,.0f} rps, measured in this run), "
             f"client timeout {_client_timeout(tandem['overload']):.0f} s:",
             "",
-            "| load | offered rps | accepted p99 ms | goodput rps | shed | shed p99 ms | shed without "
-            "Retry-After | timeouts | conn errors | RSS MB before -> after | ceiling p99 ms |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| load | offered rps | accepted p99 ms | first 0.5 s / after | goodput rps | shed | shed p99 ms | "
+            "first 0.5 s / after | shed without Retry-After | timeouts | conn errors | RSS MB before -> after | "
+            "ceiling p99 ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             *[
-                f"| {factor} capacity | {o['offered_rps']:,.0f} | {o['p99_ms']:.1f} | {o['goodput_rps']:,.0f} | "
-                f"{o['shed']} | {_ms(o['shed_p99_ms'])} | {o['shed_without_retry_after']} | {o['client_timeouts']} | "
-                f"{o['connection_errors']} | {o['rss_mb_before']:,.0f} -> {o['rss_mb_after']:,.0f} | {_generator(o)} |"
+                f"| {factor} capacity | {o['offered_rps']:,.0f} | {o['p99_ms']:.1f} | {_onset(o, '')} | "
+                f"{o['goodput_rps']:,.0f} | {o['shed']} | {_ms(o['shed_p99_ms'])} | {_onset(o, 'shed_')} | "
+                f"{o['shed_without_retry_after']} | {o['client_timeouts']} | {o['connection_errors']} | "
+                f"{o['rss_mb_before']:,.0f} -> {o['rss_mb_after']:,.0f} | {_generator(o)} |"
                 for factor, o in tandem["overload"].items()
             ],
+            "",
+            f"The first {loadgen.ONSET_S:g} s / after: the p99 of the answers to requests sent in the level's "
+            f"first {loadgen.ONSET_S:g} s, and of the rest. Each level starts from a settled service, so the "
+            "first part is the step into overload, before the concurrency limit has had any answer to learn from.",
             "",
         ]
     if "burst_64" in tandem:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import gc
+import math
 import socket
 import threading
 from typing import Any
 
-from bench.loadgen import run_load
+import pytest
+
+from bench.loadgen import ONSET_S, LoadResult, run_load
 
 
 def _closed_port() -> int:
@@ -123,3 +126,37 @@ def test_a_request_never_answered_is_a_timeout_and_its_connection_is_not_reused(
     assert result.client_timeouts == result.sent == 5 and result.statuses == {"timeout": 5}
     assert result.collateral_failures == 4, "the poison request's timeout is not collateral"
     assert server.connections == 5
+
+
+def test_the_onset_of_a_level_is_reported_apart_from_the_rest() -> None:
+    # Five slow answers to requests due in the first half second, 95 fast ones after: the level's
+    # p99 is the onset's, and the split shows it.
+    result = LoadResult(
+        offered_rps=100,
+        duration_s=1.0,
+        sent=110,
+        latencies_ms=[100.0] * 5 + [10.0] * 95,
+        statuses={"200": 100, "503": 10},
+        shed_latencies_ms=[30.0] * 10,
+        client_timeouts=0,
+        latency_sent_s=[0.1] * 5 + [ONSET_S + 0.2] * 95,
+        shed_sent_s=[0.0] * 10,
+    )
+    summary = result.summary(50.0)
+    assert summary["p99_ms"] > 90
+    assert summary["onset_p99_ms"] == 100.0 and summary["after_onset_p99_ms"] == 10.0
+    assert summary["shed_onset_p99_ms"] == 30.0 and math.isnan(summary["shed_after_onset_p99_ms"])
+    assert "latency_sent_s" not in result.to_json()
+
+
+def test_each_answer_is_placed_by_when_its_request_was_due() -> None:
+    server = CannedServer(_response("200 OK"))
+    try:
+        result = run_load(f"http://127.0.0.1:{server.port}/score", 40, 1.0, lambda _: ({"transactions": []}, False))
+    finally:
+        server.close()
+    assert len(result.latency_sent_s) == len(result.latencies_ms) == 40
+    assert sorted(result.latency_sent_s) == pytest.approx([index / 40 for index in range(40)])
+    summary = result.summary(50.0)
+    for part in ("onset_p99_ms", "after_onset_p99_ms"):  # 20 answers each side of the half second
+        assert 0 < summary[part] <= max(result.latencies_ms)
