@@ -169,7 +169,8 @@ def write_report(
             "",
             f"The first {loadgen.ONSET_S:g} s / after: the p99 of the answers to requests sent in the level's "
             f"first {loadgen.ONSET_S:g} s, and of the rest. Each level starts from a settled service, so the "
-            "first part is the step into overload, before the concurrency limit has had any answer to learn from.",
+            "first part is the step into overload: the concurrency limit starts from its ceiling there, and its first "
+            "correction waits for answers.",
             "",
         ]
     if "burst_64" in tandem:
