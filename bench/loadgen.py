@@ -27,8 +27,8 @@ import numpy as np
 import uvloop
 
 # The first half second of a level, reported apart: each load level starts from a settled service,
-# and the step into it, before any feedback has acted, is where past capacity the tail came from
-# (bench/findings.md).
+# so this is the step into it, where past capacity the concurrency limit starts from its ceiling and
+# its first correction waits for answers (bench/findings.md).
 ONSET_S = 0.5
 
 
