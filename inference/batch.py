@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from inference.contract import FrameHistory, Predictor, StagedPredictor
 from inference.pipeline import END, Aborted, End, Pipeline
-from inference.records import RAW_COLUMNS, RejectReason, validate
+from inference.records import RAW_COLUMNS, RejectReason, strip_text_fields, validate
 from inference.store import (
     HISTORY_SCHEMA,
     BatchProducer,
@@ -57,7 +57,7 @@ class IngestReport:
 
 def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
     """Store one source day idempotently; identical re-sends change nothing."""
-    checked = validate(frame)
+    checked = validate(strip_text_fields(frame))
     unstorable = (
         checked["reject_reason"].is_in(list(INGEST_REJECTIONS)).fill_null(False) | checked["transaction_id"].is_null()
     )

@@ -10,6 +10,7 @@ import enum
 import functools
 import hashlib
 import math
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -100,6 +101,23 @@ CATEGORY_MAX_LENGTH = 64
 # control characters or the debris of a mis-split CSV line. ASCII only, so a look-alike Unicode
 # letter cannot open a second spelling of one category.
 CATEGORY_PATTERN = rf"^[A-Za-z0-9 _&/.-]{{1,{CATEGORY_MAX_LENGTH}}}$"
+# RFC 3339 date-time text (a `T`, seconds, and `Z` or a numeric offset), checked alike by both
+# validators before their own parsers. Each parser alone takes forms the other refuses: pydantic an
+# epoch number or "2026-11-01 12:00:00Z", polars "2026-11-01T1:00:00Z", a leading space or a leap
+# second. A record is valid on both paths or on neither. ASCII digits only, and no year 0, which
+# polars would parse and Python's datetime cannot hold (Rust's regex has no look-ahead to say it).
+EVENT_TIME_PATTERN = (
+    r"^([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-[0-9]{2}-[0-9]{2}"
+    r"T[0-9]{2}:[0-9]{2}:[0-5][0-9](\.[0-9]+)?([Zz]|[+-][0-9]{2}:?[0-9]{2})$"
+)
+_EVENT_TIME = re.compile(EVENT_TIME_PATTERN)
+# The text fields, kept without surrounding whitespace wherever a record comes in (`Transaction`
+# with `str_strip_whitespace`, `raw_frame`, `strip_text_fields`): the stripped value is the one
+# stored, hashed and scored, so an id padded in a file is the same transaction as in a request.
+STRIPPED_COLUMNS: tuple[str, ...] = ("transaction_id", "account_id", "currency", "merchant_category", "country")
+# What pydantic's and polars' strips remove (Rust's `char::is_whitespace`). Python's own `strip()`
+# also removes the separators U+001C-U+001F, which the other two keep.
+WHITESPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace() and c not in "\x1c\x1d\x1e\x1f")
 # An amount above this is a unit or parsing error upstream, not a purchase.
 MAX_PLAUSIBLE_AMOUNT = 1_000_000.0
 ID_MAX_LENGTH = 64
@@ -165,12 +183,33 @@ class Transaction(BaseModel):
     country: str = Field(min_length=2, max_length=2, pattern=COUNTRY_PATTERN)
     event_time: datetime
 
+    @field_validator("amount", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any) -> Any:
+        # pydantic alone reads true as 1.0; a frame (`raw_frame`, a CSV cell) has no amount there.
+        if isinstance(value, bool):
+            raise ValueError("amount must be a number, not a boolean")
+        return value
+
+    @field_validator("event_time", mode="before")
+    @classmethod
+    def _rfc3339_text(cls, value: Any) -> Any:
+        if isinstance(value, datetime):  # a Python caller's own value; a request always sends text
+            return value
+        # fullmatch: `re`'s `$` alone would also accept a trailing newline, which polars refuses.
+        if not isinstance(value, str) or _EVENT_TIME.fullmatch(value) is None:
+            raise ValueError("event_time must be RFC 3339 text with seconds and an offset (e.g. 2026-11-01T12:00:00Z)")
+        return value
+
     @field_validator("event_time")
     @classmethod
     def _aware_utc(cls, value: datetime) -> datetime:
         if value.tzinfo is None:
             raise ValueError("event_time must carry a timezone offset (e.g. 2026-11-01T12:00:00Z)")
-        return value.astimezone(UTC)
+        try:
+            return value.astimezone(UTC)
+        except OverflowError:  # not a ValueError: pydantic would let it out of validation as a crash
+            raise ValueError("event_time is out of range in UTC (years 1-9999)") from None
 
     def to_raw(self) -> dict[str, Any]:
         raw = self.model_dump()
@@ -179,8 +218,9 @@ class Transaction(BaseModel):
 
 
 def format_event_time(moment: datetime) -> str:
-    """Canonical text form, so the same instant always hashes and sorts the same."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """Canonical text form, so the same instant always hashes and sorts the same. Not `strftime`:
+    its `%Y` writes the year 1 as "1", which is not RFC 3339."""
+    return moment.astimezone(UTC).isoformat(timespec="microseconds").removesuffix("+00:00") + "Z"
 
 
 def empty_raw_frame() -> pl.DataFrame:
@@ -197,7 +237,14 @@ def raw_frame(records: list[dict[str, Any]]) -> pl.DataFrame:
     for name in RAW_COLUMNS:
         if name != "amount":
             columns[name] = [None if value is None else str(value) for value in columns[name]]
+    for name in STRIPPED_COLUMNS:
+        columns[name] = [None if value is None else value.strip(WHITESPACE) for value in columns[name]]
     return pl.DataFrame(columns, schema=RAW_SCHEMA)
+
+
+def strip_text_fields(frame: pl.DataFrame) -> pl.DataFrame:
+    """`frame` with its text fields stripped, as a request's are (`STRIPPED_COLUMNS`)."""
+    return frame.with_columns(pl.col(STRIPPED_COLUMNS).str.strip_chars())
 
 
 def _as_float(value: Any) -> float | None:
@@ -223,8 +270,9 @@ def run_query(query: pl.LazyFrame) -> pl.DataFrame:
 
 
 def parse_event_time(column: pl.Expr) -> pl.Expr:
-    """ISO-8601 text with an offset to UTC datetime; anything else becomes null."""
-    return column.str.to_datetime(format="%Y-%m-%dT%H:%M:%S%.f%#z", strict=False, time_unit="us", time_zone="UTC")
+    """RFC 3339 text (`EVENT_TIME_PATTERN`) to UTC datetime; anything else becomes null."""
+    parsed = column.str.to_datetime(format="%Y-%m-%dT%H:%M:%S%.f%#z", strict=False, time_unit="us", time_zone="UTC")
+    return pl.when(column.str.contains(EVENT_TIME_PATTERN)).then(parsed)
 
 
 def validate(frame: pl.DataFrame) -> pl.DataFrame:
@@ -238,6 +286,11 @@ def validate(frame: pl.DataFrame) -> pl.DataFrame:
     return run_query(
         frame.lazy()
         .with_columns(event_ts=parse_event_time(pl.col("event_time")))
+        # Years 1-9999 in UTC, as `Transaction` checks: "0001-01-01T00:00:00+01:00" parses to the
+        # year 0, which no Python datetime holds (a rejected row is read as one, for its detail).
+        # A stage of its own: in `parse_event_time` the parse would run twice, and beside the
+        # reason a second output costs an online batch more than this stage does.
+        .with_columns(event_ts=pl.when(pl.col("event_ts").dt.year().is_between(1, 9999)).then(pl.col("event_ts")))
         .with_columns(reject_reason=_reject_reason())
     )
 

@@ -17,8 +17,17 @@ from inference.batch import BatchProducer, IngestReport, PartitionReport, ingest
 from inference.contract import TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, day_range, generate_day
 from inference.model import ModelConfig, RiskModel
-from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
-from inference.store import read_predictions, rejected_records
+from inference.records import (
+    COUNTRIES,
+    CURRENCIES,
+    MERCHANT_CATEGORIES,
+    RAW_COLUMNS,
+    Transaction,
+    hash_inputs,
+    raw_frame,
+    validate,
+)
+from inference.store import read_partition_rows, read_predictions, rejected_records, transactions
 from tests.inference.support import DAY
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -177,3 +186,41 @@ def test_unseen_values_are_scored_flagged_and_counted(engine: Engine) -> None:
     assert report.scored_with_unseen == len(flags)
     assert report.unseen_by_field == Counter(name for flag in flags for name in flag.split(","))
     assert set(report.unseen_by_field) == set(vocabularies)
+
+
+def test_a_padded_file_row_is_stored_and_scored_as_the_request_naming_it(engine: Engine) -> None:
+    """A file's cells arrive as written: ingest strips the text fields as a request's model does,
+    so the batch path stores, hashes and scores the transaction a request would name, under the
+    same account. A time that is the year 0 in UTC is quarantined and never stored as a time:
+    before, that one row failed the day's ingest on PostgreSQL (which has no year 0) and every
+    scoring of the day on SQLite."""
+    day = DAYS[0]
+    rows = generate_day(day, DemoConfig(seed=5, rows_per_day=40, poison_rate=0.0)).select(RAW_COLUMNS).head(3)
+    as_sent = rows.to_dicts()
+    padded = rows.with_columns(
+        transaction_id=" " + pl.col("transaction_id") + "\t",
+        account_id="\u00a0" + pl.col("account_id"),
+        currency=pl.col("currency") + " ",
+        country=" " + pl.col("country"),
+        merchant_category=pl.col("merchant_category") + "\n",
+    )
+    before_year_1 = rows.head(1).with_columns(
+        transaction_id=pl.lit("year-0"), event_time=pl.lit("0001-01-01T00:00:00+01:00")
+    )
+    ingest_day(engine, pl.concat([padded, before_year_1]), day)
+
+    with engine.connect() as conn:
+        stored = read_partition_rows(conn, day)
+        hashes = dict(conn.execute(sa.select(transactions.c.transaction_id, transactions.c.input_hash)).all())
+    assert sorted(stored["transaction_id"]) == sorted([*rows["transaction_id"], "year-0"])
+    assert stored.filter(pl.col("transaction_id") == "year-0")["event_ts"].to_list() == [None]
+    for sent in as_sent:
+        request = Transaction(**{**sent, "transaction_id": f" {sent['transaction_id']} "}).to_raw()
+        assert hashes[sent["transaction_id"]] == hash_inputs(validate(raw_frame([request])))[0]
+
+    report = score(engine, day)
+    assert (report.scored, report.rejected) == (3, 1)
+    answers = predictions_of(engine, partition_key=day.isoformat())
+    assert sorted(answers["transaction_id"]) == sorted(rows["transaction_id"])
+    quarantined = rejections(engine).filter(pl.col("transaction_id") == "year-0")
+    assert quarantined["reason"].to_list() == ["timestamp_unparsable"]

@@ -69,7 +69,8 @@ def test_split_valid_partitions_the_frame() -> None:
         ({"currency": "US$"}, RejectReason.BAD_CURRENCY),
         ({"currency": "EURO"}, RejectReason.BAD_CURRENCY),
         ({"currency": ""}, RejectReason.BAD_CURRENCY),
-        ({"currency": "USD\n"}, RejectReason.BAD_CURRENCY),
+        # Stripped first, as the request model strips it: the same value on both paths.
+        ({"currency": " USD\n"}, None),
         ({"currency": None}, RejectReason.BAD_CURRENCY),
         # Well-formed but outside the training vocabulary: scored, not refused.
         ({"currency": "KRW"}, None),
@@ -262,27 +263,92 @@ def test_well_formed_unseen_values_are_accepted_by_both_validators(changes: dict
     assert reasons_of(record(**changes)) == [None]
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+def _both_paths(changes: dict[str, Any]) -> tuple[dict[str, Any] | None, pl.DataFrame]:
+    """The record as a request reads it (its raw form, None if refused) and as a frame does."""
+    try:
+        online = Transaction(**record(**changes)).to_raw()
+    except ValidationError:
+        online = None
+    return online, validate(frame_of(record(**changes)))
+
+
+def _assert_one_meaning(changes: dict[str, Any]) -> None:
+    """Valid on both paths or on neither, and where valid, the same stored values and instant."""
+    online, frame = _both_paths(changes)
+    assert (online is not None) == (frame["reject_reason"][0] is None), changes
+    if online is not None:
+        as_request = validate(frame_of(online))
+        columns = [*RAW_COLUMNS[:-1], "event_ts"]  # event_time's text is canonical on one side only
+        assert as_request.select(columns).row(0) == frame.select(columns).row(0), changes
+
+
+# U+001C is whitespace to Python's `str.strip` alone; U+200B (zero width) is whitespace to none.
+_PADDING = st.sampled_from(["", " ", "\t", "\n", " \r\n", "\u00a0", "\u3000", "\x1c", "\u200b"])
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(
-    field=st.sampled_from(["merchant_category", "country", "currency"]),
+    field=st.sampled_from(["transaction_id", "account_id", "merchant_category", "country", "currency"]),
     value=st.one_of(
         st.text(max_size=70),
         st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 _-&/.\t$", max_size=70),
         st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=4),
     ),
+    before=_PADDING,
+    after=_PADDING,
 )
-def test_the_record_model_and_the_frame_validator_agree_on_every_value(field: str, value: str) -> None:
+def test_the_record_model_and_the_frame_validator_agree_on_every_value(
+    field: str, value: str, before: str, after: str
+) -> None:
     """One rule, two implementations (pydantic for a request, polars for a frame): a value one
-    accepts the other accepts, so the paths refuse the same inputs."""
-    try:
-        Transaction(**record(**{field: value}))
-    except ValidationError:
-        accepted_online = False
-    else:
-        accepted_online = True
-    # The model strips surrounding whitespace before checking; the frame is given the same stripped value.
-    accepted_in_batch = reasons_of(record(**{field: value.strip()})) == [None]
-    assert accepted_online == accepted_in_batch, (field, value)
+    accepts the other accepts, whitespace around it included, and both keep it stripped, so an
+    id padded in a file is the same transaction and account as in a request."""
+    _assert_one_meaning({field: before + value + after})
+
+
+_DIGITS = st.text(alphabet="0123456789", min_size=1, max_size=4)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(
+    parts=st.tuples(
+        st.sampled_from(["2026", "0001", "9999", "0000", "1970", "+2026", "202", "٢٠٢٦"]),
+        st.sampled_from(["-11-01", "-02-29", "-13-01", "-1-01", "-12-31"]),
+        st.sampled_from(["T", "t", " ", ""]),
+        st.sampled_from(["12:00:00", "00:00:00", "23:59:59", "23:59:60", "24:00:00", "1:00:00", "12:00", "120000"]),
+        st.one_of(st.just(""), st.just("."), st.just(",5"), _DIGITS.map(lambda digits: "." + digits)),
+        st.sampled_from(["Z", "z", "+02:00", "-0530", "+01", "+14:00", "-01:00", "+24:00", "", " +01:00", "UTC"]),
+        _PADDING,
+    )
+)
+def test_both_validators_read_the_same_event_times(parts: tuple[str, ...]) -> None:
+    """RFC 3339 text, near misses included: one answer on both paths, and the same instant.
+    Each parser alone took forms the other refused (an hour of one digit in polars, a space for
+    the `T` in pydantic), and "0001-01-01T00:00:00+01:00", before the year 1 in UTC, crashed
+    the request model's validation."""
+    *text, padding = parts
+    _assert_one_meaning({"event_time": "".join(text) + padding})
+
+
+@pytest.mark.parametrize("value", [1764590400, 1764590400.5, True, "1764590400"])
+def test_an_event_time_that_is_not_rfc_3339_text_is_refused_on_both_paths(value: object) -> None:
+    """An epoch number: pydantic alone would read it as one (in seconds or ms, by its size)."""
+    online, frame = _both_paths({"event_time": value})
+    assert online is None
+    assert frame["reject_reason"].to_list() == [RejectReason.TIMESTAMP_UNPARSABLE.value]
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_amount_is_refused_on_both_paths(value: bool) -> None:
+    """pydantic alone reads true as 1.0: a request would have been scored as a purchase of 1."""
+    online, frame = _both_paths({"amount": value})
+    assert online is None
+    assert frame["reject_reason"].to_list() == [RejectReason.AMOUNT_NOT_FINITE.value]
+
+
+def test_the_canonical_event_time_writes_four_digit_years() -> None:
+    assert format_event_time(datetime(1, 1, 1, tzinfo=UTC)) == "0001-01-01T00:00:00.000000Z"
+    assert reasons_of(record(event_time=format_event_time(datetime(1, 1, 1, tzinfo=UTC)))) == [None]
 
 
 def test_transaction_model_forbids_unknown_fields() -> None:

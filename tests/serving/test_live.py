@@ -125,6 +125,23 @@ def test_schema_errors_are_422_with_field_and_reason(server: Server) -> None:
     assert "greater than or equal to 0" in errors[("transactions", 0, "amount")]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        # Before the year 1 in UTC: the request model's conversion raised OverflowError, a 500.
+        ("event_time", "0001-01-01T00:00:00+01:00", "out of range"),
+        ("event_time", 1764590400, "RFC 3339"),  # pydantic alone read an epoch number
+        ("amount", True, "not a boolean"),  # pydantic alone read it as 1.0 and scored it
+    ],
+)
+def test_values_the_batch_path_quarantines_are_422_online(server: Server, field: str, value: Any, reason: str) -> None:
+    row = {**_rows(server, 21, 1)[0], field: value}
+    response = server.score([row])
+    assert response.status_code == 422
+    errors = {tuple(e["loc"]): e["msg"] for e in response.json()["detail"]}
+    assert reason in errors[("transactions", 0, field)]
+
+
 def test_poison_mixed_with_good_requests_fails_only_itself(server: Server) -> None:
     good = _rows(server, 40, 120)
     poison = _rows(server, 0, 8, poison=True)
