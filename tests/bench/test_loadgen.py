@@ -92,23 +92,31 @@ def _response(status: str, *headers: str, body: bytes = b"{}") -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-def test_answers_are_counted_by_status_on_reused_keep_alive_connections() -> None:
-    server = CannedServer(_response("200 OK"))
+def _load_against(
+    answer: bytes | None, rate: float, seconds: float, *, poison_first: bool = False, **options: Any
+) -> tuple[LoadResult, CannedServer]:
+    """`run_load` against a server that answers every request with `answer` (None: never)."""
+
+    def body(index: int) -> tuple[dict[str, Any], bool]:
+        return {"transactions": []}, poison_first and index == 0
+
+    server = CannedServer(answer)
     try:
-        result = run_load(f"http://127.0.0.1:{server.port}/score", 100, 0.5, lambda _: ({"transactions": []}, False))
+        return run_load(f"http://127.0.0.1:{server.port}/score", rate, seconds, body, **options), server
     finally:
         server.close()
+
+
+def test_answers_are_counted_by_status_on_reused_keep_alive_connections() -> None:
+    result, server = _load_against(_response("200 OK"), 100, 0.5)
     assert result.statuses == {"200": 50} and len(result.latencies_ms) == 50
     assert server.connections < 10, "one request at a time per connection, idle ones reused"
 
 
 def test_shed_answers_without_retry_after_are_counted() -> None:
     answers = _response("503 Service Unavailable") + _response("429 Too Many Requests", "Retry-After: 1")
-    server = CannedServer(answers)  # each request gets both: the second is stray bytes, and closes the connection
-    try:
-        result = run_load(f"http://127.0.0.1:{server.port}/score", 50, 0.2, lambda _: ({"transactions": []}, False))
-    finally:
-        server.close()
+    # Each request gets both: the second is stray bytes, and closes the connection.
+    result, server = _load_against(answers, 50, 0.2)
     assert result.statuses.get("503", 0) == result.sent == 10
     assert result.shed_without_retry_after == 10 and len(result.shed_latencies_ms) == 10
     assert result.connection_errors == 0 and result.client_timeouts == 0
@@ -116,13 +124,7 @@ def test_shed_answers_without_retry_after_are_counted() -> None:
 
 
 def test_a_request_never_answered_is_a_timeout_and_its_connection_is_not_reused() -> None:
-    server = CannedServer(None)
-    try:
-        result = run_load(
-            f"http://127.0.0.1:{server.port}/score", 50, 0.1, lambda i: ({"transactions": []}, i == 0), timeout_s=0.3
-        )
-    finally:
-        server.close()
+    result, server = _load_against(None, 50, 0.1, poison_first=True, timeout_s=0.3)
     assert result.client_timeouts == result.sent == 5 and result.statuses == {"timeout": 5}
     assert result.collateral_failures == 4, "the poison request's timeout is not collateral"
     assert server.connections == 5
@@ -150,11 +152,7 @@ def test_the_onset_of_a_level_is_reported_apart_from_the_rest() -> None:
 
 
 def test_each_answer_is_placed_by_when_its_request_was_due() -> None:
-    server = CannedServer(_response("200 OK"))
-    try:
-        result = run_load(f"http://127.0.0.1:{server.port}/score", 40, 1.0, lambda _: ({"transactions": []}, False))
-    finally:
-        server.close()
+    result, _ = _load_against(_response("200 OK"), 40, 1.0)
     assert len(result.latency_sent_s) == len(result.latencies_ms) == 40
     assert sorted(result.latency_sent_s) == pytest.approx([index / 40 for index in range(40)])
     summary = result.summary(50.0)
