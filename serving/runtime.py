@@ -23,6 +23,7 @@ from serving.breaker import BreakerState, CircuitBreaker
 from serving.idempotency import Admission, IdempotencyKeys, KeyInProgress, KeyReused, request_fingerprint
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
+from serving.proxy_limit import ProxyLimitPublisher
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
@@ -90,6 +91,18 @@ class OnlineScorer:
             window_s=settings.concurrency_window_ms / 1000,
             burst_interval_s=settings.burst_interval_ms / 1000,
         )
+        # Where HAProxy runs in front, it enforces the limit (serving/proxy_limit.py); admission
+        # here still does, for what reaches this server some other way.
+        self.proxy_limit = (
+            None
+            if settings.proxy_runtime_socket is None
+            else ProxyLimitPublisher(
+                settings.proxy_runtime_socket,
+                settings.proxy_server,
+                self.concurrency.current,
+                scale=settings.workers,
+            )
+        )
         self.writer = ResultWriter(
             engine,
             self.breaker,
@@ -148,6 +161,8 @@ class OnlineScorer:
         self.loop_lag.start()
         self.writer.start()
         self.shadow.start()
+        if self.proxy_limit is not None:
+            self.proxy_limit.start()
 
     @property
     def model_version(self) -> str:
@@ -181,6 +196,8 @@ class OnlineScorer:
     async def close(self, drain_s: float = 0.0) -> None:
         """Stop shadowing and batching, write what was submitted, and drain the outbox for up to `drain_s`."""
         await self.shadow.close()
+        if self.proxy_limit is not None:
+            await self.proxy_limit.stop()
         await self.loop_lag.stop()
         if self.batcher is not None:
             await self.batcher.stop()

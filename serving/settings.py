@@ -64,6 +64,17 @@ class ServingSettings(BaseSettings):
     concurrency_window_ms: float = Field(
         default=100.0, gt=0, description="How often the adaptive concurrency limit is corrected from latency."
     )
+    proxy_runtime_socket: str | None = Field(
+        default=None,
+        description="HAProxy's runtime API socket (a `stats socket ... level admin`) where HAProxy runs in front "
+        "(deploy/haproxy, `python -m serving.front`): the adaptive concurrency limit is published to it as "
+        "`proxy_server`'s maxconn, so past capacity HAProxy refuses in place of this server (serving/proxy_limit.py).",
+    )
+    proxy_server: str = Field(
+        default="tandem/score",
+        pattern=r"^[A-Za-z0-9_.:-]+/[A-Za-z0-9_.:-]+$",
+        description="The HAProxy `backend/server` whose maxconn is this service's concurrency limit.",
+    )
     max_transactions_per_request: int = Field(default=256, ge=1)
     request_timeout_ms: float = Field(
         default=2000.0,

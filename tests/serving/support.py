@@ -148,11 +148,18 @@ S = TypeVar("S", bound=LiveServer)
 
 @contextmanager
 def serve(
-    kind: type[S], env: Mapping[str, str], log_path: Path, *, target: str = "serving.service:RiskScorer", **fields: Any
+    kind: type[S],
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    target: str = "serving.service:RiskScorer",
+    launcher: tuple[str, ...] = ("-m", "bentoml", "serve"),
+    **fields: Any,
 ) -> Iterator[S]:
     """`bentoml serve <target>` (the service, or a built Bento's tag) on a free port, this
     process's environment updated by `env`, answered as a `kind` built with `fields`; stopped
-    however the block ends.
+    however the block ends. `launcher`: what Python runs with `<target> --port <port>` instead
+    (`-m serving.front`: the service behind HAProxy).
 
     No --host: the service's own default bind address is part of what is checked. A session of
     its own, so that stopping reaches the server's worker and scoring processes too.
@@ -160,7 +167,7 @@ def serve(
     port = free_port()
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "bentoml", "serve", target, "--port", str(port)],
+            [sys.executable, *launcher, target, "--port", str(port)],
             cwd=REPO,
             env={**os.environ, **env},
             stdout=log,
