@@ -90,6 +90,7 @@ class OnlineScorer:
             min_limit=settings.min_concurrency,
             window_s=settings.concurrency_window_ms / 1000,
             burst_interval_s=settings.burst_interval_ms / 1000,
+            headroom=settings.concurrency_headroom,
         )
         # Where HAProxy runs in front, it enforces the limit (serving/proxy_limit.py); admission
         # here still does, for what reaches this server some other way.
