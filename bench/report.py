@@ -150,40 +150,8 @@ def write_report(
     tandem = online.get("tandem", {})
     stock = online.get("stock_bentoml", {})
     lines += ["## Overload, bursts, poison", ""]
-    if "overload" in tandem:
-        lines += [
-            f"Tandem past its capacity at the target ({tandem['capacity_rps']:,.0f} rps, measured in this run), "
-            f"client timeout {_client_timeout(tandem['overload']):.0f} s:",
-            "",
-            "| load | offered rps | accepted p99 ms | first 0.5 s / after | goodput rps | shed | shed p99 ms | "
-            "first 0.5 s / after | shed without Retry-After | timeouts | conn errors | RSS MB before -> after | "
-            "ceiling p99 ms |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-            *[
-                f"| {factor} capacity | {o['offered_rps']:,.0f} | {o['p99_ms']:.1f} | {_onset(o, '')} | "
-                f"{o['goodput_rps']:,.0f} | {o['shed']} | {_ms(o['shed_p99_ms'])} | {_onset(o, 'shed_')} | "
-                f"{o['shed_without_retry_after']} | {o['client_timeouts']} | {o['connection_errors']} | "
-                f"{o['rss_mb_before']:,.0f} -> {o['rss_mb_after']:,.0f} | {_generator(o)} |"
-                for factor, o in tandem["overload"].items()
-            ],
-            "",
-            f"The first {loadgen.ONSET_S:g} s / after: the p99 of the answers to requests sent in the level's "
-            f"first {loadgen.ONSET_S:g} s, and of the rest. Each level starts from a settled service, so the "
-            "first part is the step into overload: the concurrency limit starts from its ceiling there, and its first "
-            "correction waits for answers.",
-            "",
-        ]
-    if "burst_64" in tandem:
-        b, bg = tandem["burst_64"]["burst"], tandem["burst_64"]["background"]
-        ceiling_burst = tandem["burst_64"].get("ceiling_burst_p99_ms")
-        lines.append(
-            f"- Burst of {online_targets.BURST_SIZE} requests within 1 ms, in the middle of "
-            f"{bg['offered_rps']:,.0f} rps background load (~{online_targets.BURST_BACKGROUND_SHARE:.0%} of "
-            f"capacity): {b['statuses']}, shed {b['shed']}, p99 {b['p99_ms']:.1f} ms; background p99 "
-            f"{bg['p99_ms']:.1f} ms (ceiling p99 at that rate, ms: {_generator(bg)}; the same burst on the ceiling: "
-            + ("not run" if ceiling_burst is None else f"p99 {ceiling_burst:.1f} ms")
-            + ")."
-        )
+    for name, label in (("tandem", "Tandem"), ("tandem_front", "Tandem behind HAProxy (docs/decisions/0007)")):
+        lines += _past_capacity_section(online.get(name, {}), label)
     for label, service in (("Tandem", tandem), ("stock BentoML", stock)):
         if "poison_2pct" in service:
             p = service["poison_2pct"]
@@ -235,6 +203,47 @@ def write_report(
         "",
     ]
     (out / "report.md").write_text("\n".join(lines))
+
+
+def _past_capacity_section(tandem: dict[str, Any], label: str) -> list[str]:
+    """One service's overload runs and its burst at moderate load."""
+    lines: list[str] = []
+    if "overload" in tandem:
+        lines += [
+            f"{label} past its capacity at the target ({tandem['capacity_rps']:,.0f} rps, measured in this run), "
+            f"client timeout {_client_timeout(tandem['overload']):.0f} s:",
+            "",
+            "| load | offered rps | accepted p99 ms | first 0.5 s / after | goodput rps | shed | shed p99 ms | "
+            "first 0.5 s / after | shed without Retry-After | timeouts | conn errors | RSS MB before -> after | "
+            "ceiling p99 ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *[
+                f"| {factor} capacity | {o['offered_rps']:,.0f} | {o['p99_ms']:.1f} | {_onset(o, '')} | "
+                f"{o['goodput_rps']:,.0f} | {o['shed']} | {_ms(o['shed_p99_ms'])} | {_onset(o, 'shed_')} | "
+                f"{o['shed_without_retry_after']} | {o['client_timeouts']} | {o['connection_errors']} | "
+                f"{o['rss_mb_before']:,.0f} -> {o['rss_mb_after']:,.0f} | {_generator(o)} |"
+                for factor, o in tandem["overload"].items()
+            ],
+            "",
+            f"The first {loadgen.ONSET_S:g} s / after: the p99 of the answers to requests sent in the level's "
+            f"first {loadgen.ONSET_S:g} s, and of the rest. Each level starts from a settled service, so the "
+            "first part is the step into overload: the concurrency limit starts from its ceiling there, and its first "
+            "correction waits for answers.",
+            "",
+        ]
+    if "burst_64" in tandem:
+        b, bg = tandem["burst_64"]["burst"], tandem["burst_64"]["background"]
+        ceiling_burst = tandem["burst_64"].get("ceiling_burst_p99_ms")
+        lines.append(
+            f"- {label}, a burst of {online_targets.BURST_SIZE} requests within 1 ms, in the middle of "
+            f"{bg['offered_rps']:,.0f} rps background load (~{online_targets.BURST_BACKGROUND_SHARE:.0%} of "
+            f"capacity): {b['statuses']}, shed {b['shed']}, p99 {b['p99_ms']:.1f} ms; background p99 "
+            f"{bg['p99_ms']:.1f} ms (ceiling p99 at that rate, ms: {_generator(bg)}; the same burst on the ceiling: "
+            + ("not run" if ceiling_burst is None else f"p99 {ceiling_burst:.1f} ms")
+            + ")."
+        )
+        lines.append("")
+    return lines
 
 
 def _runs(values: list[float]) -> str:

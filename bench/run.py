@@ -129,15 +129,15 @@ class Plan:
         burst = BURST_BACKGROUND_S + LOAD_SLACK_S
         phases["online services"] = (
             20  # the online databases: SQLite and PostgreSQL, each seeded with the history
-            + 8 * SERVICE_START_S  # 7 services, and the ceiling a second time for the rates found on the way
-            + 4 * sweep  # Tandem on SQLite and on PostgreSQL, the mounted route, unbatched Tandem
+            + 9 * SERVICE_START_S  # 8 services, and the ceiling a second time for the rates found on the way
+            + 5 * sweep  # Tandem on SQLite, behind HAProxy, on PostgreSQL, the mounted route, unbatched Tandem
             + sweep
-            + (len(STOCK_LOW_RATES) + overloads + 1) * load  # the ceiling over every rate judged
+            + (len(STOCK_LOW_RATES) + 2 * overloads + 2) * load  # the ceiling over every rate judged
             + stock_levels * (load + STOCK_DRAIN_S)
             + drifted_rates * (load + 10)  # its replies run into the 10 s client timeout
             + 2 * load  # 2% poison: Tandem and stock BentoML
-            + 2 * burst  # 64-request burst at moderate load: Tandem and the ceiling
-            + overloads * (load + OVERLOAD_TIMEOUT_S)  # Tandem past capacity; replies up to the timeout
+            + 4 * burst  # 64-request burst at moderate load: Tandem alone and behind HAProxy, the ceiling for each
+            + 2 * overloads * (load + OVERLOAD_TIMEOUT_S)  # past capacity, both; replies up to the timeout
         )
         extra_workers = [n for n in self.worker_counts if n > 1]
         phases["workers scaling"] = sum(SERVICE_START_S * (1 + n / 4) + sweep for n in extra_workers)
@@ -406,6 +406,19 @@ def tandem_spec(workers: int = 1) -> ServiceSpec:
     )
 
 
+FRONTED = ("tandem", "tandem_front")  # the services measured past capacity: alone, and behind HAProxy
+
+
+def tandem_front_spec() -> ServiceSpec:
+    """Tandem as `tandem_spec()`, behind HAProxy enforcing its concurrency limit (docs/decisions/0007)."""
+    return ServiceSpec(
+        "tandem_front",
+        "(1h) Tandem behind HAProxy (python -m serving.front)",
+        lambda p: [sys.executable, "-m", "serving.front", "--port", str(p), "--host", "127.0.0.1"],
+        {"TANDEM_SERVING_WORKERS": "1"},
+    )
+
+
 def tandem_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
     """Tandem as `tandem_spec()`, on PostgreSQL: its own database and local state (the outbox)."""
     spec = tandem_spec()
@@ -432,6 +445,7 @@ def service_specs() -> list[ServiceSpec]:
 
     return [
         tandem_spec(),
+        tandem_front_spec(),
         ServiceSpec(
             "tandem_mounted",
             "(1b) Tandem, /score mounted (before @bentoml.api)",
@@ -668,6 +682,9 @@ def bench_online(
             "stock_bentoml": sorted({*STOCK_LOW_RATES, *rates}),
             "do_nothing": ceiling_rates,
         }.get(spec.name, rates)
+        if spec.name == "tandem_front" and shutil.which("haproxy") is None:
+            everything[spec.name] = {"label": spec.label, "error": "haproxy is not installed (apt-get install haproxy)"}
+            continue
         service = _start(spec, bench)
         if isinstance(service, str):
             everything[spec.name] = {"label": spec.label, "error": service}
@@ -694,7 +711,7 @@ def bench_online(
                     f"stopped after {sweep[-1]['offered_rps']:.0f} rps: p99 over {STOCK_STOP_P99_MS:.0f} ms, "
                     "and without admission every higher level only queues longer"
                 )
-            if spec.name == "tandem":
+            if spec.name in FRONTED:
                 extra |= _past_capacity(service, body, sweep, seconds, online_targets.ceiling_p99_by_rate(everything))
             everything[spec.name] = {"label": spec.label, "sweep": sweep, **extra}
         finally:
@@ -723,7 +740,7 @@ def _past_capacity(
     for entry in sweep:
         online_targets.mark(entry, ceiling)
     capacity = online_targets.capacity({"sweep": sweep}, TARGET_P99_MS)
-    _say(f"tandem capacity at p99 <= {TARGET_P99_MS:.0f} ms: {capacity:.0f} rps")
+    _say(f"{service.spec.name} capacity at p99 <= {TARGET_P99_MS:.0f} ms: {capacity:.0f} rps")
     _settle(service, body)
     background_rps = online_targets.burst_background_rps(capacity)
     background, burst = run_burst_under_load(
@@ -735,7 +752,8 @@ def _past_capacity(
         "burst": burst.summary(TARGET_P99_MS),
     }
     _say(
-        f"burst of {online_targets.BURST_SIZE} over {background_rps} rps: statuses {burst_64['burst']['statuses']}, "
+        f"{service.spec.name}: burst of {online_targets.BURST_SIZE} over {background_rps} rps: "
+        f"statuses {burst_64['burst']['statuses']}, "
         f"p99 {burst_64['burst']['p99_ms']:.1f} ms"
     )
     overload = {}
@@ -750,7 +768,8 @@ def _past_capacity(
         }
         o = overload[factor]
         _say(
-            f"overload {factor} @ {rate} rps: accepted p99 {o['p99_ms']:.1f} ms, goodput {o['goodput_rps']:.0f}, "
+            f"{service.spec.name}: overload {factor} @ {rate} rps: "
+            f"accepted p99 {o['p99_ms']:.1f} ms, goodput {o['goodput_rps']:.0f}, "
             f"shed {o['shed']} (p99 {o['shed_p99_ms']:.1f} ms, {o['shed_without_retry_after']} no Retry-After), "
             f"timeouts {o['client_timeouts']}, conn errors {o['connection_errors']}, "
             f"generator {o['generator_cores']:.2f} cores"
@@ -759,36 +778,45 @@ def _past_capacity(
 
 
 def _ceiling_again(bench: BenchEnv, everything: dict[str, Any], good: list[dict[str, Any]], seconds: float) -> None:
-    """The do-nothing ceiling over the rates Tandem's run chose (overload, burst background) and
-    the same burst, merged into its results."""
-    ceiling, tandem = everything.get("do_nothing", {}), everything.get("tandem", {})
-    if "sweep" not in ceiling or "overload" not in tandem:
+    """The do-nothing ceiling over the rates the past-capacity runs chose (overload, burst
+    background), alone and behind HAProxy, and the same bursts, merged into its results."""
+    ceiling = everything.get("do_nothing", {})
+    runs = [everything[name] for name in FRONTED if "overload" in everything.get(name, {})]
+    if "sweep" not in ceiling or not runs:
         return
     measured = {online_targets.rate_key(s["offered_rps"]) for s in ceiling["sweep"]}
-    wanted = {tandem["burst_64"]["background_rps"], *(o["offered_rps"] for o in tandem["overload"].values())}
+    wanted = {
+        r
+        for run in runs
+        for r in (run["burst_64"]["background_rps"], *(o["offered_rps"] for o in run["overload"].values()))
+    }
     rates = sorted({online_targets.rate_key(r) for r in wanted} - measured)
     spec = next(s for s in service_specs() if s.name == "do_nothing")
     service = _start(spec, bench)
     if isinstance(service, str):
         return
+    bursts: dict[int, dict[str, Any]] = {}
     try:
         body = _fresh_bodies(good, "do_nothing_again")
         more = _sweep(service, rates, seconds, body) if rates else []
-        background_rps = tandem["burst_64"]["background_rps"]
-        _settle(service, body)
-        background, burst = run_burst_under_load(
-            service.url, background_rps, BURST_BACKGROUND_S, online_targets.BURST_SIZE, body
-        )
+        for background_rps in dict.fromkeys(run["burst_64"]["background_rps"] for run in runs):
+            _settle(service, body)
+            background, burst = run_burst_under_load(
+                service.url, background_rps, BURST_BACKGROUND_S, online_targets.BURST_SIZE, body
+            )
+            bursts[background_rps] = {
+                "background_rps": background_rps,
+                "background": background.summary(TARGET_P99_MS),
+                "burst": burst.summary(TARGET_P99_MS),
+            }
     finally:
         service.stop()
     ceiling["sweep"] = sorted([*ceiling["sweep"], *more], key=lambda s: s["offered_rps"])
-    ceiling["burst_64"] = {
-        "background_rps": background_rps,
-        "background": background.summary(TARGET_P99_MS),
-        "burst": burst.summary(TARGET_P99_MS),
-    }
-    tandem["burst_64"]["ceiling_burst_p99_ms"] = ceiling["burst_64"]["burst"]["p99_ms"]
-    _say(f"ceiling, same burst: p99 {tandem['burst_64']['ceiling_burst_p99_ms']:.1f} ms")
+    ceiling["burst_64"] = bursts[runs[0]["burst_64"]["background_rps"]]
+    for run in runs:
+        background_rps = run["burst_64"]["background_rps"]
+        run["burst_64"]["ceiling_burst_p99_ms"] = bursts[background_rps]["burst"]["p99_ms"]
+        _say(f"ceiling, same burst over {background_rps} rps: p99 {run['burst_64']['ceiling_burst_p99_ms']:.1f} ms")
 
 
 def bench_workers(
