@@ -1,5 +1,5 @@
-"""`python -m serving.front`: the service with HAProxy in front, the deployment that holds the p99
-target past capacity (docs/decisions/0007).
+"""`python -m serving.front`: the service with HAProxy in front, which refuses past the service's
+adaptive concurrency limit so that refusals do not cost the service's event loop (docs/decisions/0007).
 
 Runs `bentoml serve` on a private port of 127.0.0.1 and HAProxy (deploy/haproxy/haproxy.cfg) on the
 public address, joined by HAProxy's runtime API socket, to which the service publishes its adaptive
@@ -113,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _supervise(children: dict[str, subprocess.Popen[bytes]]) -> int:
-    """Wait until a signal or the first child to exit, then stop the rest; that child's exit code
-    (0 after a signal) is this process's."""
+    """Wait until a signal or the first child to exit, then stop the rest. Returns 0 after a
+    signal; a child that exited by itself is a failure, so its exit code, or 1 where that was 0."""
     stopping: list[int] = []
 
     def stop(signum: int, _frame: FrameType | None) -> None:
