@@ -84,7 +84,7 @@ def fronted(start_demo_server: StartDemoServer, tmp_path_factory: pytest.TempPat
 
 
 @needs_haproxy
-def test_requests_through_the_proxy_are_scored_and_stamped(fronted: FrontedServer) -> None:
+def test_requests_through_the_proxy_are_scored(fronted: FrontedServer) -> None:
     rows = fronted.requests.slice(0, 2).to_dicts()
     answer = fronted.score(rows)
     assert answer.status_code == 200, answer.text
