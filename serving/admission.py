@@ -104,8 +104,9 @@ def admit(
     The wait ahead is the larger of the model's prediction and the measured age of the oldest
     queued item (its sojourn time, as in CoDel): when the machine slows down faster than the cost
     model follows, the queue's real age still stops admission before accepted work misses the
-    target. `waited_s` is what the request already waited before the service saw it (a proxy's
-    X-Request-Start, or the event loop's lag: the socket backlog); the deadline counts from then.
+    target. `waited_s` is what the request already waited before the service saw it, as far as
+    such a wait has stood (a proxy's X-Request-Start, the event loop's lag: the socket backlog);
+    the deadline counts from when it began to wait.
     """
     ahead = max(predicted_wait(queued, in_flight_remaining_s, max_batch, cost), oldest_queued_s)
     wait = waited_s + ahead
@@ -119,22 +120,53 @@ def admit(
     return Decision(True, wait, limit)
 
 
+class StandingMinimum:
+    """The smallest sample of the last `window_s`: how much of a wait has stood for the whole
+    window, CoDel's rule. A burst that drains within the window leaves a short wait in it and
+    counts for nothing; a wait that every sample of the window shows is overload. Nothing counts
+    until a whole window has been watched.
+
+    Kept as a monotonic deque (each sample enters and leaves once): samples may come once per
+    request, thousands per window past capacity, where a minimum over a plain list would cost
+    each of them the whole window."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        # (time, sample), samples increasing: the front is the minimum of the window.
+        self._rising: collections.deque[tuple[float, float]] = collections.deque()
+        self._first: float | None = None
+
+    def observe(self, sample_s: float, now: float) -> float:
+        """Add a sample taken at `now`; returns the standing value after it."""
+        if self._first is None:
+            self._first = now
+        while self._rising and self._rising[-1][1] >= sample_s:
+            self._rising.pop()
+        self._rising.append((now, sample_s))
+        return self.value(now)
+
+    def value(self, now: float) -> float:
+        if self._first is None or now - self._first < self.window_s:
+            return 0.0
+        while self._rising and self._rising[0][0] < now - self.window_s:
+            self._rising.popleft()
+        return self._rising[0][1] if self._rising else 0.0
+
+
 class LoopLag:
     """How late the event loop runs a timer: the time a request that arrives now waits before
     Python reads it (the socket backlog and a busy loop, which no queue of ours sees).
 
     Sampled every `interval_s` (event-loop-delay shedding, as fastify's under-pressure and toobusy
-    do). What counts is the *standing* lag, CoDel's rule: the smallest sample of the last
-    `window_s`. A burst that the loop works through within the window leaves on-time samples in
-    it and costs nothing; a loop that stays late for the whole window is overload, and its lag
-    then counts against every newcomer's target.
+    do). What counts is the *standing* lag (`StandingMinimum`): a burst that the loop works
+    through within the window leaves on-time samples in it and costs nothing; a loop that stays
+    late for the whole window is overload, and its lag then counts against every newcomer's target.
     """
 
     def __init__(self, interval_s: float = 0.005, window_s: float = 0.25) -> None:
         self.interval_s = interval_s
         self.window_s = window_s
-        self._samples: collections.deque[tuple[float, float]] = collections.deque()
-        self._first: float | None = None
+        self._standing = StandingMinimum(window_s)
         self.lag_s = 0.0
         self._task = BackgroundTask("tandem-loop-lag")
 
@@ -152,14 +184,7 @@ class LoopLag:
             self.observe(max(now - expected, 0.0), now)
 
     def observe(self, sample_s: float, now: float) -> None:
-        if self._first is None:
-            self._first = now
-        self._samples.append((now, sample_s))
-        while self._samples[0][0] < now - self.window_s:
-            self._samples.popleft()
-        # Until a whole window has been watched, nothing has stood for one.
-        stood = now - self._first >= self.window_s
-        self.lag_s = min(sample for _, sample in self._samples) if stood else 0.0
+        self.lag_s = self._standing.observe(sample_s, now)
 
 
 class ConcurrencyLimit:
@@ -169,8 +194,9 @@ class ConcurrencyLimit:
     takes from everything else on the machine. Past capacity, each admitted request costs the
     server about five refusals' worth of CPU (bench/findings.md), the event loop runs late, and
     the accepted requests themselves miss the target while the predictor still says yes. This
-    limit closes the loop on what it costs: the latency admitted requests actually had, from
-    when they began to wait (proxy stamp or loop lag) to their answer.
+    limit closes the loop on what it costs: the latency admitted requests actually had, to their
+    answer from the service's read of them less the wait before it that stood (a proxy's stamps or
+    the loop's lag, as admission counts it: serving/gate.py's `Wait`).
 
     The rule is Netflix's Gradient2 and Envoy's adaptive concurrency, with the declared target in
     place of a measured minimum RTT (the target, not the fastest answer, is what is promised):

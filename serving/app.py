@@ -131,7 +131,7 @@ async def _answer(call: ScoreCall, scorer: OnlineScorer) -> Response:
             request_id=call.request_id,
             idempotency_key=call.idempotency_key,
             deadline=call.deadline,
-            arrived=call.arrived,
+            counted_from=call.counted_from,
         )
     except Shed as shed:
         raise Refused.overloaded(shed.decision, items=count) from shed

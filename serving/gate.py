@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.admission import Decision
+from serving.admission import Decision, StandingMinimum
 from serving.http_protocol import RawHeaders, screen_on_headers
 from serving.metrics import target_seconds
 from serving.runtime import OnlineScorer
@@ -130,9 +130,9 @@ class ScoreCall:
     request_id: str
     request: ScoreRequest
     idempotency_key: str | None
-    deadline: float  # monotonic
+    deadline: float  # monotonic, counted from when the request began to wait (`Wait.arrived`)
     deadline_ms: float
-    arrived: float  # monotonic: when the request began to wait (see `_arrival`)
+    counted_from: float  # monotonic: where its latency starts for the target and the concurrency limit (`Wait`)
     parse_cpu: float = 0.0
 
 
@@ -250,9 +250,10 @@ class ScoreGate:
             CURRENT_CALL.reset(call_token)
             PARSED_REQUEST.reset(parsed_token)
             call_handoff.value = parsed_handoff.value = None
-            # The whole wait, the time before the service read the request included: what the
-            # client saw, and what the concurrency limit must keep within the target.
-            scorer.finished(time.monotonic() - call.arrived)
+            # With the wait before the service read the request, as far as it stood: what the
+            # concurrency limit must keep within the target (a burst's momentary wait is not
+            # overload, as in admission).
+            scorer.finished(time.monotonic() - call.counted_from)
         return status
 
     def refusal_on_headers(self, raw_headers: RawHeaders) -> tuple[int, RawHeaders, bytes] | None:
@@ -268,10 +269,11 @@ class ScoreGate:
             # the lag sampler has not run yet, so the lag reads the whole stall, which a burst
             # arriving at its end never waited. The gate reads the lag once the sampler has caught
             # up; a proxy's X-Request-Start still counts here.
-            arrived, deadline_ms, _ = self._screen(Headers(raw=raw_headers), scorer, loop_lag_s=0.0)
+            wait, deadline_ms, _ = self._screen(Headers(raw=raw_headers), scorer, loop_lag_s=0.0)
         except Refused:
             return None
-        early = scorer.refuse_early(arrived + deadline_ms / 1000, waited_s=time.monotonic() - arrived, take_slot=False)
+        waited_s = time.monotonic() - wait.counted_from
+        early = scorer.refuse_early(wait.arrived + deadline_ms / 1000, waited_s=waited_s, take_slot=False)
         if early is None:
             return None
         response = Refused.overloaded(early, items=1).response(scorer, new_request_id())
@@ -279,23 +281,23 @@ class ScoreGate:
         scorer.metrics.latency_by_status[str(response.status_code)].observe(time.perf_counter() - started)
         return response.status_code, response.raw_headers, bytes(response.body)
 
-    def _screen(self, headers: Headers, scorer: OnlineScorer, *, loop_lag_s: float) -> tuple[float, float, str | None]:
-        """(arrived, deadline in ms, idempotency key) from a /score request's headers; Refused
-        for its token (401) or a malformed header (400)."""
-        arrived = _arrival(headers, loop_lag_s)
+    def _screen(self, headers: Headers, scorer: OnlineScorer, *, loop_lag_s: float) -> tuple[Wait, float, str | None]:
+        """(the wait before the service saw it, deadline in ms, idempotency key) from a /score
+        request's headers; Refused for its token (401) or a malformed header (400)."""
+        wait = _wait_before(headers, loop_lag_s, scorer.proxy_wait)
         refusal = self.edge.auth.check(headers.get("authorization"))
         if refusal is not None:
             raise Refused.at_edge(refusal)
         deadline_ms, key = _headers(headers, scorer.settings.request_timeout_ms, scorer.settings.max_deadline_ms)
-        return arrived, deadline_ms, key
+        return wait, deadline_ms, key
 
     async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:
-        arrived, deadline_ms, key = self._screen(request.headers, scorer, loop_lag_s=scorer.loop_lag.lag_s)
-        early = scorer.refuse_early(arrived + deadline_ms / 1000, waited_s=time.monotonic() - arrived)
+        wait, deadline_ms, key = self._screen(request.headers, scorer, loop_lag_s=scorer.loop_lag.lag_s)
+        early = scorer.refuse_early(wait.arrived + deadline_ms / 1000, waited_s=time.monotonic() - wait.counted_from)
         if early is not None:
             raise Refused.overloaded(early, items=1)  # at least one item; the body is never read
         try:
-            return await self._read_and_parse(request, scorer, request_id, arrived, deadline_ms, key)
+            return await self._read_and_parse(request, scorer, request_id, wait, deadline_ms, key)
         except BaseException:
             scorer.finished(None)  # refused for its body (or the client left): no latency to learn from
             raise
@@ -305,14 +307,14 @@ class ScoreGate:
         request: Request,
         scorer: OnlineScorer,
         request_id: str,
-        arrived: float,
+        wait: Wait,
         deadline_ms: float,
         key: str | None,
     ) -> tuple[ScoreCall, bytes]:
         try:
             # BentoML's timeout starts only once the gate passes the request on (middleware_order.py):
             # without this bound a body that never ends would hold a concurrency slot for good.
-            async with asyncio.timeout(max(arrived + deadline_ms / 1000 - time.monotonic(), 0.0)):
+            async with asyncio.timeout(max(wait.arrived + deadline_ms / 1000 - time.monotonic(), 0.0)):
                 body = await read_body(request, self.edge.settings.max_body_bytes)
         except BodyRefused as refused:
             raise Refused.at_edge(refused.refusal, drain_body=refused.body_left) from refused
@@ -344,27 +346,42 @@ class ScoreGate:
             request_id=request_id,
             request=parsed,
             idempotency_key=key,
-            deadline=arrived + deadline_ms / 1000,
+            deadline=wait.arrived + deadline_ms / 1000,
             deadline_ms=deadline_ms,
-            arrived=arrived,
+            counted_from=wait.counted_from,
             parse_cpu=time.thread_time() - cpu_started,
         )
         return call, body
 
 
-def _arrival(headers: Headers, loop_lag_s: float) -> float:
-    """When the request began to wait (monotonic): the earlier of a proxy's X-Request-Start stamp
-    and now less the event loop's lag, whichever says it waited longer. Both see the time before
-    Python read the request, which the queue cannot. A stamp in the future, unparsable, or more
-    than a minute old (clock skew) is ignored."""
+@dataclass(frozen=True)
+class Wait:
+    """When a request began to wait, before the service read it (the socket backlog, a busy event
+    loop and a proxy's queue, which no queue of ours sees), and how much of that counts."""
+
+    arrived: float  # monotonic: when it began to wait; the client waited from here, its deadline counts from here
+    # Monotonic: the service's read less the part of the wait before it that has stood for a burst
+    # interval; its latency counts from here against the target (admission, the concurrency limit).
+    counted_from: float
+
+
+def _wait_before(headers: Headers, loop_lag_s: float, proxy_wait: StandingMinimum) -> Wait:
+    """The request's wait, from the event loop's standing lag and a proxy's X-Request-Start stamp,
+    whichever says it waited longer. A stamp moves the arrival back in full, but counts against
+    the target only as far as such waits have stood (`StandingMinimum`), as the loop's lag does: a
+    proxy that stamps every request would otherwise make the service refuse part of a burst that
+    drains within the interval. A stamp in the future, unparsable, or more than a minute old
+    (clock skew) is ignored."""
     now = time.monotonic()
-    waited = loop_lag_s
+    waited, standing = loop_lag_s, loop_lag_s
     stamp = headers.get(REQUEST_START_HEADER)
     if stamp is not None:
         started = _epoch_seconds(stamp)
-        if started is not None and 0.0 <= time.time() - started <= MAX_PROXY_WAIT_S:
-            waited = max(waited, time.time() - started)
-    return now - waited
+        stamped_wait = None if started is None else time.time() - started
+        if stamped_wait is not None and 0.0 <= stamped_wait <= MAX_PROXY_WAIT_S:
+            waited = max(waited, stamped_wait)
+            standing = max(standing, proxy_wait.observe(stamped_wait, now))
+    return Wait(arrived=now - waited, counted_from=now - standing)
 
 
 def _epoch_seconds(stamp: str) -> float | None:

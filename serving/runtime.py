@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.engine import Engine
 
 from inference.records import Transaction, raw_frame, validate
-from serving.admission import BatchCostModel, ConcurrencyLimit, Decision, LoopLag
+from serving.admission import BatchCostModel, ConcurrencyLimit, Decision, LoopLag, StandingMinimum
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, WorkItem
 from serving.breaker import BreakerState, CircuitBreaker
@@ -84,6 +84,8 @@ class OnlineScorer:
         self.breaker = CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_reset_s)
         self.cost = BatchCostModel(settings.cost_decay)
         self.loop_lag = LoopLag(window_s=settings.burst_interval_ms / 1000)
+        # The waits a proxy's X-Request-Start stamps report (serving/gate.py), held to the same rule.
+        self.proxy_wait = StandingMinimum(window_s=settings.burst_interval_ms / 1000)
         self.concurrency = ConcurrencyLimit(
             settings.p99_target_ms / 1000,
             max_limit=min(settings.max_concurrency, settings.queue_capacity),
@@ -255,19 +257,20 @@ class OnlineScorer:
         request_id: str,
         idempotency_key: str | None,
         deadline: float,
-        arrived: float | None = None,
+        counted_from: float | None = None,
     ) -> tuple[list[ItemResult], float]:
         """Answers in request order, and the CPU seconds of the batches spent on them.
 
-        `arrived` (monotonic): when the request began to wait, before the service read it; the
-        time since counts against the p99 target at admission.
+        `counted_from` (monotonic): where the request's latency starts for the p99 target (the
+        gate's `Wait`: its read, less the part of the wait before it that stood); the time since
+        counts against the target at admission.
 
         Raises Shed (refused at admission), DeadlineExceeded, KeyReused (the key named another
         body) or KeyInProgress (another process is still answering the key).
         """
         if idempotency_key is None:
             return await self._score_items(
-                transactions, request_id=request_id, key=None, deadline=deadline, arrived=arrived
+                transactions, request_id=request_id, key=None, deadline=deadline, counted_from=counted_from
             )
         fingerprint = request_fingerprint(transactions)
         try:
@@ -277,7 +280,12 @@ class OnlineScorer:
         if admission.results is not None:
             return admission.results, 0.0
         return await self._score_keyed(
-            transactions, admission, request_id=request_id, key=idempotency_key, deadline=deadline, arrived=arrived
+            transactions,
+            admission,
+            request_id=request_id,
+            key=idempotency_key,
+            deadline=deadline,
+            counted_from=counted_from,
         )
 
     async def _score_keyed(
@@ -288,13 +296,13 @@ class OnlineScorer:
         request_id: str,
         key: str,
         deadline: float,
-        arrived: float | None,
+        counted_from: float | None,
     ) -> tuple[list[ItemResult], float]:
         """Score under a key this request holds; then store the answer, or free the key when the
         request got none (shed, expired, the scoring process died), so that a retry may score."""
         try:
             results, cpu = await self._score_items(
-                transactions, request_id=request_id, key=key, deadline=deadline, arrived=arrived
+                transactions, request_id=request_id, key=key, deadline=deadline, counted_from=counted_from
             )
         except BaseException as error:
             self.keys.release(key, admission, error)
@@ -324,7 +332,7 @@ class OnlineScorer:
         request_id: str,
         key: str | None,
         deadline: float,
-        arrived: float | None,
+        counted_from: float | None,
     ) -> tuple[list[ItemResult], float]:
         assert self.batcher is not None, "start() first"
         batcher = self.batcher
@@ -348,7 +356,7 @@ class OnlineScorer:
             self.in_flight[identity] = item
             item.future.add_done_callback(functools.partial(self._forget, identity, item))
         if fresh:
-            waited = 0.0 if arrived is None else max(now - arrived, 0.0)
+            waited = 0.0 if counted_from is None else max(now - counted_from, 0.0)
             decision = batcher.decide(len(fresh), deadline, waited_s=waited)
             if not decision.admitted:
                 for item in fresh:

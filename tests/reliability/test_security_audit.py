@@ -17,7 +17,7 @@ from dagster import DagsterInstance, serialize_value
 from pydantic import SecretStr, ValidationError
 from sqlalchemy.engine import make_url
 
-from serving.admission import LoopLag
+from serving.admission import LoopLag, StandingMinimum
 from serving.metrics import ServingMetrics
 from serving.security import BearerAuth, SecuritySettings
 from serving.settings import ServingSettings
@@ -249,6 +249,8 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
             return True
 
         loop_lag = LoopLag()
+
+        proxy_wait = StandingMinimum(0.25)
 
         def refuse_early(self, deadline: float, **_: object) -> None:
             return None

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Any
 
 import pytest
 from starlette.datastructures import Headers
 
-from serving.admission import BatchCostModel, ConcurrencyLimit, Decision, LoopLag, admit, predicted_wait
+from serving.admission import (
+    BatchCostModel,
+    ConcurrencyLimit,
+    Decision,
+    LoopLag,
+    StandingMinimum,
+    admit,
+    predicted_wait,
+)
 from serving.breaker import BreakerState, CircuitBreaker
-from serving.gate import _arrival
+from serving.gate import _wait_before
 from tests.serving.support import FakeClock
 
 # Roughly what warm-up measures here: 12 ms fixed per batch, 0.3 ms per item.
@@ -163,15 +172,56 @@ def test_loop_lag_measures_a_blocked_event_loop() -> None:
     assert asyncio.run(scenario()) >= 0.004
 
 
+def stamp_header(seconds_ago: float) -> Headers:
+    return Headers(raw=[(b"x-request-start", f"t={time.time() - seconds_ago:.6f}".encode())])
+
+
 def test_a_proxy_request_start_stamp_moves_the_arrival_back() -> None:
     stamped = time.time() - 0.08
     for header in (f"t={stamped:.3f}", f"t={int(stamped * 1000)}", f"t={int(stamped * 1_000_000)}"):
         headers = Headers(raw=[(b"x-request-start", header.encode())])
-        waited = time.monotonic() - _arrival(headers, loop_lag_s=0.0)
+        waited = time.monotonic() - _wait_before(headers, 0.0, StandingMinimum(0.25)).arrived
         assert 0.075 <= waited <= 0.2, header
     for bogus in ("t=later", f"t={time.time() + 30:.3f}", f"t={time.time() - 3600:.3f}", "t=nan"):
         headers = Headers(raw=[(b"x-request-start", bogus.encode())])
-        assert time.monotonic() - _arrival(headers, loop_lag_s=0.01) == pytest.approx(0.01, abs=0.005), bogus
+        wait = _wait_before(headers, 0.01, StandingMinimum(0.25))
+        assert time.monotonic() - wait.arrived == pytest.approx(0.01, abs=0.005), bogus
+        assert wait.counted_from == pytest.approx(wait.arrived), bogus
+
+
+def test_a_stamped_wait_counts_against_the_target_only_once_it_has_stood() -> None:
+    """The stamp moves the arrival back in full at once (deadline, the limit's latency), but
+    counts against the target only once every stamp of a burst interval has shown it: a proxy
+    that stamps every request must not make the service refuse part of a burst."""
+    proxy_wait = StandingMinimum(0.05)
+    for _ in range(12):  # a proxy stamping every request, each sent on at once
+        calm = _wait_before(stamp_header(0.0), 0.0, proxy_wait)
+        time.sleep(0.005)
+    assert time.monotonic() - calm.counted_from < 0.01
+    burst = _wait_before(stamp_header(0.08), 0.0, proxy_wait)  # a burst: 80 ms behind the proxy
+    assert time.monotonic() - burst.arrived >= 0.08
+    assert burst.counted_from - burst.arrived >= 0.07, "the calm stamps of the last interval say it does not stand"
+    time.sleep(0.06)
+    for _ in range(3):  # every stamp of a whole interval shows the wait: it stands
+        standing = _wait_before(stamp_header(0.08), 0.0, proxy_wait)
+    assert standing.counted_from == pytest.approx(standing.arrived, abs=0.002)
+
+
+def test_the_standing_minimum_is_the_smallest_sample_of_the_window() -> None:
+    window = 0.25
+    standing = StandingMinimum(window)
+    rng = random.Random(7)
+    samples: list[tuple[float, float]] = []
+    moment = 100.0
+    for _ in range(2_000):
+        moment += rng.choice((0.0, 0.001, 0.01, 0.3))  # equal times, dense, sparse and gaps past the window
+        sample = rng.choice((0.0, rng.random() * 0.1))
+        samples.append((moment, sample))
+        got = standing.observe(sample, moment)
+        in_window = [s for t, s in samples if t >= moment - window]
+        expected = min(in_window) if moment - samples[0][0] >= window else 0.0
+        assert got == expected
+    assert standing.value(moment + window + 0.001) == 0.0  # nothing left in the window
 
 
 # ------------------------------------------------------------------ the adaptive concurrency limit

@@ -27,7 +27,15 @@ async def never_called(scope: Scope, receive: Receive, send: Send) -> None:
 
 def stamped(seconds_ago: float, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
     """A proxy's X-Request-Start `seconds_ago`: within the 2 s default deadline, past the 50 ms target."""
-    return [(b"x-request-start", f"t={time.time() - seconds_ago:.3f}".encode()), *extra]
+    return [(b"x-request-start", f"t={time.time() - seconds_ago:.6f}".encode()), *extra]
+
+
+def proxy_has_reported(scorer: OnlineScorer, seconds: float, *, since_s: float) -> None:
+    """The proxy's stamps have shown a wait of `seconds` since `since_s` ago (and none before)."""
+    moment = time.monotonic() - since_s
+    while moment < time.monotonic():
+        scorer.proxy_wait.observe(seconds, moment)
+        moment += 0.01
 
 
 def test_the_screen_gives_the_gates_own_overload_refusal(sqlite_engine: Engine, tmp_path: Path) -> None:
@@ -37,6 +45,8 @@ def test_the_screen_gives_the_gates_own_overload_refusal(sqlite_engine: Engine, 
         scorer = await started_outcome_scorer(sqlite_engine, tmp_path, settings, metrics)
         try:
             gate = ScoreGate(never_called, get_scorer=lambda: scorer, security=SecuritySettings())
+            # A wait that stands: every stamp for longer than the burst interval has shown it.
+            proxy_has_reported(scorer, 0.5, since_s=settings.burst_interval_ms / 1000 + 0.05)
             screened = gate.refusal_on_headers(stamped(0.5))
             assert screened is not None
             status, raw, body = screened
@@ -93,3 +103,31 @@ def test_a_request_without_the_token_is_left_to_the_gate_for_its_401(sqlite_engi
 
 def test_a_malformed_header_is_left_to_the_gate_for_its_400(sqlite_engine: Engine, tmp_path: Path) -> None:
     check_left_to_the_gate(sqlite_engine, tmp_path, stamped(0.5, (b"x-deadline-ms", b"soon")), SecuritySettings())
+
+
+def test_behind_a_proxy_that_stamps_every_request_a_burst_is_let_in_and_a_standing_wait_refused(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """A proxy that stamps every request (nginx, a load balancer): a burst's momentary wait past
+    the target is not overload, as the event loop's momentary lag is not; a wait that every stamp
+    of a whole burst interval shows is, and is refused from the headers."""
+
+    async def scenario() -> tuple[list[bool], list[bool], OnlineScorer]:
+        settings = ServingSettings(p99_target_ms=50)
+        scorer = await started_outcome_scorer(sqlite_engine, tmp_path, settings, ServingMetrics(settings=settings))
+        interval_s = settings.burst_interval_ms / 1000
+        try:
+            gate = ScoreGate(never_called, get_scorer=lambda: scorer, security=SecuritySettings())
+            proxy_has_reported(scorer, 0.0005, since_s=interval_s + 0.05)  # calm: sent on at once
+            burst = [gate.refusal_on_headers(stamped(0.08)) is None for _ in range(64)]
+            await asyncio.sleep(interval_s + 0.05)
+            proxy_has_reported(scorer, 0.08, since_s=interval_s + 0.01)  # the wait stands
+            standing = [gate.refusal_on_headers(stamped(0.08)) is None for _ in range(3)]
+        finally:
+            await scorer.close()
+        return burst, standing, scorer
+
+    burst, standing, scorer = asyncio.run(scenario())
+    assert all(burst), f"{burst.count(False)} of a 64-request burst refused"
+    assert not any(standing)
+    assert scorer.concurrency.in_flight == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,7 +20,7 @@ from sqlalchemy.engine import Engine
 
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import utc_now
-from serving.admission import Decision, LoopLag
+from serving.admission import Decision, LoopLag, StandingMinimum
 from serving.app import build_app
 from serving.metrics import ITEM_OUTCOMES, SCORE_BUCKETS, ServingMetrics, latency_buckets
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
@@ -247,11 +248,12 @@ class ScriptedScorer:
         self._script = script
         self._scoring = scoring
         self.finished_latencies: list[float | None] = []
+        self.counted_from: list[float | None] = []
+        self.loop_lag = LoopLag()
+        self.proxy_wait = StandingMinimum(self.settings.burst_interval_ms / 1000)
 
     def scoring_available(self) -> bool:
         return self._scoring
-
-    loop_lag = LoopLag()
 
     def refuse_early(self, deadline: float, **_: object) -> None:
         return None
@@ -259,7 +261,10 @@ class ScriptedScorer:
     def finished(self, latency_s: float | None) -> None:
         self.finished_latencies.append(latency_s)
 
-    async def score(self, transactions: list[Any], **_: Any) -> tuple[list[ItemResult], float]:
+    async def score(
+        self, transactions: list[Any], *, counted_from: float | None = None, **_: Any
+    ) -> tuple[list[ItemResult], float]:
+        self.counted_from.append(counted_from)
         result = self._script()
         if asyncio.iscoroutine(result):
             result = await result
@@ -362,6 +367,37 @@ def test_every_request_let_in_early_gives_its_concurrency_slot_back_once() -> No
     answered_latency, *refused = scorer.finished_latencies
     assert answered_latency is not None and answered_latency > 0
     assert refused == [None, None]
+
+
+def test_a_proxys_stamped_wait_counts_for_the_limit_and_the_scorer_only_once_it_stands() -> None:
+    """Behind a proxy that stamps every request, a burst's momentary 80 ms there is neither the
+    concurrency limit's latency nor the scorer's wait against the target; a wait that every stamp
+    of a burst interval has shown is both."""
+    interval_s = ServingSettings().burst_interval_ms / 1000
+
+    def latency_behind(reported_wait_s: float) -> tuple[float, float]:
+        scorer = ScriptedScorer(lambda: None)
+        moment = time.monotonic() - interval_s - 0.05
+        while moment < time.monotonic():  # what the proxy's stamps showed for the last interval and more
+            scorer.proxy_wait.observe(reported_wait_s, moment)
+            moment += 0.01
+
+        async def go() -> float:
+            async with client_for(scorer) as client:
+                stamp = f"t={time.time() - 0.08:.6f}"
+                answer = await client.post(
+                    "/score", json={"transactions": [tx("a")]}, headers={"X-Request-Start": stamp}
+                )
+                assert answer.status_code == 200
+            return time.monotonic()
+
+        answered = asyncio.run(go())
+        latency, counted_from = scorer.finished_latencies[0], scorer.counted_from[0]
+        assert latency is not None and counted_from is not None
+        return latency, answered - counted_from
+
+    assert all(waited < 0.05 for waited in latency_behind(0.0005)), "a burst's momentary wait is not overload"
+    assert all(waited >= 0.08 for waited in latency_behind(0.08)), "a standing wait is"
 
 
 def test_metrics_are_rendered_off_the_event_loop() -> None:
