@@ -200,16 +200,9 @@ class ConcurrencyLimit:
 
     The rule is Netflix's Gradient2 and Envoy's adaptive concurrency, with the declared target in
     place of a measured minimum RTT (the target, not the fastest answer, is what is promised):
-    every `window_s`, when the window's mean latency is over `headroom` x target, the limit shrinks
-    by that ratio (halving at most); while it binds within that aim it grows toward the ratio, a
-    `growth_smoothing` share of the way per window (at most 25% further), and while it does not
-    bind by a quarter, so a past overload is forgotten within a second or two. In a standing
-    overload that holds the limit where admitted work answers in `headroom` x target on average,
-    which by Little's law is the service's rate times that aim: the mean of a window's answers
-    moves with what is in flight, where its p90 (the rule before) moved with a few slow ones, and
-    the jump of sqrt(limit) per window that followed each cut overshot into the next one. Behind
-    HAProxy, at 1.5-4x capacity here, a limit held at 28 answered at p99 38-49 ms where the p90 rule
-    settled at 41-78 in flight and 62-92 ms (bench/findings.md, fourteenth session).
+    every `window_s`, when the window's 90th-percentile latency is over `headroom` x target, the
+    limit shrinks by that ratio (halving at most); otherwise it grows by sqrt(limit) while it binds,
+    and by a quarter while it does not, so a past overload is forgotten within a second or two.
 
     A window over the headroom but within the target is tolerated for `burst_interval_s` (CoDel's
     interval, as for the queue's age): a burst at moderate load is served whole. Three things end
@@ -231,8 +224,7 @@ class ConcurrencyLimit:
         min_limit: int = 16,
         window_s: float = 0.1,
         burst_interval_s: float = 0.25,
-        headroom: float = 0.5,
-        growth_smoothing: float = 0.3,
+        headroom: float = 0.8,
         overload_memory_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -242,7 +234,6 @@ class ConcurrencyLimit:
         self.window_s = window_s
         self.burst_interval_s = burst_interval_s
         self.headroom = headroom
-        self.growth_smoothing = growth_smoothing
         self.overload_memory_s = overload_memory_s
         self.clock = clock
         self.limit = self.max_limit
@@ -288,7 +279,7 @@ class ConcurrencyLimit:
         if now - self._window_started < self.window_s:
             return
         if self._samples:
-            self._adjust(now, sum(self._samples) / len(self._samples))
+            self._adjust(now, _quantile(self._samples, 0.9))
         elif self.in_flight == 0:
             # Idle windows are evidence of no overload, as windows within the target are: without
             # this, a limit cut during an overload (or an outage) stayed cut through any idle
@@ -302,23 +293,24 @@ class ConcurrencyLimit:
         self._peak = self.in_flight
         self._refused = False
 
-    def _adjust(self, now: float, mean_latency_s: float) -> None:
+    def _adjust(self, now: float, latency_s: float) -> None:
         binding = self._refused or self._peak >= int(self.limit)
         allowed = self.headroom * self.target_s
-        if mean_latency_s > allowed:
+        if latency_s > allowed:
             if self._over_since is None:
                 self._over_since = self._window_started
             recently_cut = self._last_cut is not None and now - self._last_cut < self.overload_memory_s
-            beyond_target = mean_latency_s > self.target_s
+            beyond_target = latency_s > self.target_s
             if binding or recently_cut or beyond_target or now - self._over_since >= self.burst_interval_s:
                 base = min(self.limit, float(max(self._peak, 1)))
-                self.limit = max(self.min_limit, base * max(0.5, allowed / mean_latency_s))
+                self.limit = max(self.min_limit, base * max(0.5, allowed / latency_s))
                 self._last_cut = now
             return
         self._over_since = None
-        if binding:
-            room = min(1.25, allowed / max(mean_latency_s, 1e-9)) - 1.0
-            grown = self.limit * (1.0 + self.growth_smoothing * room)
-        else:
-            grown = self.limit * 1.25
+        grown = self.limit + math.sqrt(self.limit) if binding else self.limit * 1.25
         self.limit = min(self.max_limit, grown)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]

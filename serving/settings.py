@@ -62,11 +62,11 @@ class ServingSettings(BaseSettings):
         "the first 100 ms of a step to 1,400 rps were answered at p50 78-256 ms here; bench/findings.md).",
     )
     concurrency_headroom: float = Field(
-        default=0.5,
+        default=0.8,
         gt=0,
         le=1,
-        description="The adaptive limit aims to hold each window's mean latency within this share of the p99 target: "
-        "the rest is the room the tail beyond the mean needs.",
+        description="The adaptive limit aims to hold each window's p90 latency within this share of the p99 target: "
+        "the rest is the room the tail beyond the p90 needs.",
     )
     concurrency_window_ms: float = Field(
         default=100.0, gt=0, description="How often the adaptive concurrency limit is corrected from latency."
