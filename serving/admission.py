@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -199,21 +201,31 @@ class ConcurrencyLimit:
     the loop's lag, as admission counts it: serving/gate.py's `Wait`).
 
     The rule is Netflix's Gradient2 and Envoy's adaptive concurrency, with the declared target in
-    place of a measured minimum RTT (the target, not the fastest answer, is what is promised):
-    every `window_s`, when the window's 90th-percentile latency is over `headroom` x target, the
-    limit shrinks by that ratio (halving at most); otherwise it grows by sqrt(limit) while it binds,
-    and by a quarter while it does not, so a past overload is forgotten within a second or two.
+    place of a measured minimum RTT (the target, not the fastest answer, is what is promised).
+    What it holds to the target is an estimate of the p99: each `window_s` window's *mean* latency
+    times the tail's shape, the p99 of the last `shape_s` of answers, each divided by its own
+    window's mean. The mean follows what is in flight within one window (Little's law: at the
+    service's rate r, n in flight answer in n / r on average), where a window's own p90 moved with
+    a few slow answers; the shape is learnt, because it is the service's own (1.35-1.7 here, on
+    SQLite past capacity and on PostgreSQL at moderate load). A fixed share of the target for the
+    mean (half) held SQLite's tail but sat under what PostgreSQL answers in at any concurrency, so
+    every cut there was followed by the next, down to the floor (bench/findings.md, fourteenth
+    and fifteenth sessions).
 
-    A window over the headroom but within the target is tolerated for `burst_interval_s` (CoDel's
-    interval, as for the queue's age): a burst at moderate load is served whole. Three things end
-    that patience: a limit that binds, latency beyond the target itself (an overload already
-    missing the promise, not a queue within reach of draining), and a cut within the last
-    `overload_memory_s` (an overload that let up for a window is still the same overload; without
-    this, each window within the headroom granted it the interval again: at 1,400 rps here, 200 ms
-    with nothing refused and accepted p50 at 62 ms before the next cut). A cut starts from the
-    peak in flight, not from the ceiling, so a single window brings the limit to where it binds; a
-    burst that arrived at once is admitted whole before any window closes, up to the ceiling,
-    `max_limit`.
+    Every window whose estimate is over `headroom` x target cuts the limit by that ratio (halving
+    at most), from the peak in flight, so a single window brings it to where it binds. While it
+    binds within the aim it grows toward the ratio, `growth_smoothing` of the way per window (25%
+    at most: Gradient2's smoothing; a jump of sqrt(limit), the rule before, overshot into the next
+    cut), and while it does not bind by a quarter, so a past overload is forgotten within a second
+    or two.
+
+    A window over the headroom but with its mean within the target is tolerated for
+    `burst_interval_s` (CoDel's interval, as for the queue's age): a burst at moderate load is
+    served whole. Three things end that patience: a limit that binds, a mean beyond the target
+    itself (an overload already missing the promise, not a queue within reach of draining), and a
+    cut within the last `overload_memory_s` (an overload that let up for a window is still the same
+    overload; without this, each window within the headroom granted it the interval again). A burst
+    that arrived at once is admitted whole before any window closes, up to the ceiling, `max_limit`.
     """
 
     def __init__(
@@ -225,7 +237,10 @@ class ConcurrencyLimit:
         window_s: float = 0.1,
         burst_interval_s: float = 0.25,
         headroom: float = 0.8,
+        growth_smoothing: float = 0.3,
         overload_memory_s: float = 1.0,
+        shape_s: float = 1.0,
+        initial_shape: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.target_s = target_s
@@ -234,10 +249,12 @@ class ConcurrencyLimit:
         self.window_s = window_s
         self.burst_interval_s = burst_interval_s
         self.headroom = headroom
+        self.growth_smoothing = growth_smoothing
         self.overload_memory_s = overload_memory_s
         self.clock = clock
         self.limit = self.max_limit
         self.in_flight = 0
+        self.shape = TailShape(max(1, round(shape_s / window_s)), initial_shape)
         self._window_started = clock()
         self._samples: list[float] = []
         self._peak = 0
@@ -279,7 +296,9 @@ class ConcurrencyLimit:
         if now - self._window_started < self.window_s:
             return
         if self._samples:
-            self._adjust(now, _quantile(self._samples, 0.9))
+            mean = sum(self._samples) / len(self._samples)
+            self.shape.add(self._samples, mean)
+            self._adjust(now, mean)
         elif self.in_flight == 0:
             # Idle windows are evidence of no overload, as windows within the target are: without
             # this, a limit cut during an overload (or an outage) stayed cut through any idle
@@ -293,24 +312,53 @@ class ConcurrencyLimit:
         self._peak = self.in_flight
         self._refused = False
 
-    def _adjust(self, now: float, latency_s: float) -> None:
+    def _adjust(self, now: float, mean_latency_s: float) -> None:
         binding = self._refused or self._peak >= int(self.limit)
         allowed = self.headroom * self.target_s
-        if latency_s > allowed:
+        estimated_p99 = mean_latency_s * self.shape.ratio
+        if estimated_p99 > allowed:
             if self._over_since is None:
                 self._over_since = self._window_started
             recently_cut = self._last_cut is not None and now - self._last_cut < self.overload_memory_s
-            beyond_target = latency_s > self.target_s
+            beyond_target = mean_latency_s > self.target_s
             if binding or recently_cut or beyond_target or now - self._over_since >= self.burst_interval_s:
                 base = min(self.limit, float(max(self._peak, 1)))
-                self.limit = max(self.min_limit, base * max(0.5, allowed / latency_s))
+                self.limit = max(self.min_limit, base * max(0.5, allowed / estimated_p99))
                 self._last_cut = now
             return
         self._over_since = None
-        grown = self.limit + math.sqrt(self.limit) if binding else self.limit * 1.25
+        if binding:
+            room = min(1.25, allowed / max(estimated_p99, 1e-9)) - 1.0
+            grown = self.limit * (1.0 + self.growth_smoothing * room)
+        else:
+            grown = self.limit * 1.25
         self.limit = min(self.max_limit, grown)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+class TailShape:
+    """How far the p99 of answers lies above their window's mean: the 99th percentile of every
+    answer's latency divided by its own window's mean, over the last `windows` windows.
+
+    Dividing by each window's own mean keeps a change of level (an overload's onset, a cut) out of
+    the shape, so the estimate of a window's p99 (its mean times the ratio) follows the level at
+    once and the tail's shape over a second. Until `min_samples` answers are held, `initial` is it.
+    """
+
+    def __init__(self, windows: int, initial: float, *, quantile: float = 0.99, min_samples: int = 100) -> None:
+        self.initial = initial
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self._windows: collections.deque[list[float]] = collections.deque(maxlen=windows)
+        self.ratio = initial
+
+    def add(self, samples: list[float], mean: float) -> None:
+        if mean <= 0:
+            return
+        self._windows.append([sample / mean for sample in samples])
+        count = sum(len(window) for window in self._windows)
+        if count < self.min_samples:
+            self.ratio = self.initial
+            return
+        # The k-th largest of the pooled ratios: heapq keeps k of them, not a sort of all.
+        k = max(1, math.ceil((1.0 - self.quantile) * count))
+        self.ratio = max(1.0, heapq.nlargest(k, itertools.chain.from_iterable(self._windows))[-1])

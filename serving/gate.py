@@ -132,7 +132,8 @@ class ScoreCall:
     idempotency_key: str | None
     deadline: float  # monotonic, counted from when the request began to wait (`Wait.arrived`)
     deadline_ms: float
-    counted_from: float  # monotonic: where its latency starts for the target and the concurrency limit (`Wait`)
+    counted_from: float  # monotonic: where its latency starts against the target at admission (`Wait`)
+    arrived: float  # monotonic: when it began to wait (`Wait.arrived`); the concurrency limit's latency starts here
     parse_cpu: float = 0.0
 
 
@@ -250,10 +251,12 @@ class ScoreGate:
             CURRENT_CALL.reset(call_token)
             PARSED_REQUEST.reset(parsed_token)
             call_handoff.value = parsed_handoff.value = None
-            # With the wait before the service read the request, as far as it stood: what the
-            # concurrency limit must keep within the target (a burst's momentary wait is not
-            # overload, as in admission).
-            scorer.finished(time.monotonic() - call.counted_from)
+            # From when the request began to wait, a proxy's stamped wait in full: the limit holds
+            # the p99 the client sees, and HAProxy's queue (5 ms at most) and the socket behind it
+            # are part of that. Counted only as far as it stood, the limit's latency read about 10
+            # ms under the client's past capacity and it settled where the client's p99 was 56-66
+            # ms (bench/findings.md, fifteenth session). Admission still counts only what stood.
+            scorer.finished(time.monotonic() - call.arrived)
         return status
 
     def refusal_on_headers(self, raw_headers: RawHeaders) -> tuple[int, RawHeaders, bytes] | None:
@@ -349,6 +352,7 @@ class ScoreGate:
             deadline=wait.arrived + deadline_ms / 1000,
             deadline_ms=deadline_ms,
             counted_from=wait.counted_from,
+            arrived=wait.arrived,
             parse_cpu=time.thread_time() - cpu_started,
         )
         return call, body
@@ -359,18 +363,21 @@ class Wait:
     """When a request began to wait, before the service read it (the socket backlog, a busy event
     loop and a proxy's queue, which no queue of ours sees), and how much of that counts."""
 
-    arrived: float  # monotonic: when it began to wait; the client waited from here, its deadline counts from here
+    # Monotonic: when it began to wait; the client waited from here, its deadline and the concurrency
+    # limit's latency count from here.
+    arrived: float
     # Monotonic: the service's read less the part of the wait before it that has stood for a burst
-    # interval; its latency counts from here against the target (admission, the concurrency limit).
+    # interval; its latency counts from here against the target at admission.
     counted_from: float
 
 
 def _wait_before(headers: Headers, loop_lag_s: float, proxy_wait: StandingMinimum) -> Wait:
     """The request's wait, from the event loop's standing lag and a proxy's X-Request-Start stamp,
-    whichever says it waited longer. A stamp moves the arrival back in full, but counts against
-    the target only as far as such waits have stood (`StandingMinimum`), as the loop's lag does: a
-    proxy that stamps every request would otherwise make the service refuse part of a burst that
-    drains within the interval. A stamp in the future, unparsable, or more than a minute old
+    whichever says it waited longer. A stamp moves the arrival back in full (the deadline and the
+    concurrency limit's latency count from there), but counts against the target at admission only
+    as far as such waits have stood (`StandingMinimum`), as the loop's lag does: a proxy that
+    stamps every request would otherwise make the service refuse part of a burst that drains
+    within the interval. A stamp in the future, unparsable, or more than a minute old
     (clock skew) is ignored."""
     now = time.monotonic()
     waited, standing = loop_lag_s, loop_lag_s

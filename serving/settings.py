@@ -65,8 +65,9 @@ class ServingSettings(BaseSettings):
         default=0.8,
         gt=0,
         le=1,
-        description="The adaptive limit aims to hold each window's p90 latency within this share of the p99 target: "
-        "the rest is the room the tail beyond the p90 needs.",
+        description="The adaptive limit aims to hold each window's estimated p99 (its mean latency times the p99's "
+        "learnt ratio to the mean) within this share of the p99 target: the rest is room for what the service does "
+        "not see (the socket backlog before it reads a request, the network, the client's own loop).",
     )
     concurrency_window_ms: float = Field(
         default=100.0, gt=0, description="How often the adaptive concurrency limit is corrected from latency."

@@ -16,6 +16,7 @@ from serving.admission import (
     Decision,
     LoopLag,
     StandingMinimum,
+    TailShape,
     admit,
     predicted_wait,
 )
@@ -226,8 +227,11 @@ def test_the_standing_minimum_is_the_smallest_sample_of_the_window() -> None:
 
 # ------------------------------------------------------------------ the adaptive concurrency limit
 def limit_with(clock: FakeClock, **changes: Any) -> ConcurrencyLimit:
-    """50 ms target, 100 ms windows, 250 ms burst interval, 1024 at most, 4 at least."""
-    return ConcurrencyLimit(0.05, max_limit=1024, min_limit=4, clock=clock, **changes)
+    """50 ms target, 100 ms windows, 250 ms burst interval, 1024 at most, 4 at least; the aim 40 ms
+    (0.8 x the target) and the tail's shape 1 until learnt, so where every answer of a window is
+    alike (`run_window`) the estimated p99 is that latency: the cut's arithmetic stays in sight."""
+    settings: dict[str, Any] = {"min_limit": 4, "headroom": 0.8, "initial_shape": 1.0}
+    return ConcurrencyLimit(0.05, max_limit=1024, clock=clock, **(settings | changes))
 
 
 def run_window(
@@ -313,32 +317,115 @@ def test_full_refuses_as_acquire_does_but_takes_no_slot_when_there_is_room() -> 
     assert limit.full() and not limit.acquire()
     clock.now += 0.05
     for _ in range(8):
-        limit.release(0.01)
+        limit.release(0.02)
     clock.now += 0.05
     limit.current()
-    assert limit.limit == 8 + 8**0.5, "a window refused by full() counts as binding, as acquire's refusals do"
+    assert limit.limit == 8 * (1 + 0.3 * 0.25), "a window refused by full() counts as binding, as acquire's refusals do"
 
 
-def test_the_limit_grows_back_once_latency_is_within_the_target() -> None:
+def test_a_binding_limit_grows_toward_the_aim_a_share_of_the_way_per_window() -> None:
+    clock = FakeClock()
+    limit = limit_with(clock, burst_interval_s=0.0, window_s=0.125)  # windows a float adds up exactly
+
+    def window(in_flight: int, latency_s: float) -> None:
+        run_window(limit, clock, in_flight=in_flight, latency_s=latency_s, window_s=0.125)
+
+    window(16, 1.0)
+    assert limit.limit == 8
+    window(16, 0.036)
+    first = 8 * (1 + 0.3 * (0.04 / 0.036 - 1))
+    assert limit.limit == pytest.approx(first), "30% of the way to the ratio"
+    window(16, 0.02)
+    assert limit.limit == pytest.approx(first * (1 + 0.3 * 0.25)), "toward 25% more at most"
+    for _ in range(40):
+        window(2, 0.02)
+    assert limit.limit == 1024, "not binding: a past overload is forgotten"
+
+
+TAIL = 3.0 / 1.1  # `tail_of`'s p99 over its mean
+
+
+def tail_of(mean_s: float, count: int = 100) -> list[float]:
+    """`count` answers averaging `mean_s`: one in 20 at 3x the common latency, so that any p99 of
+    them (of 20 or more) is that 3x, `TAIL` times the mean."""
+    common = mean_s / (0.95 + 0.05 * 3)
+    return [3 * common if i % 20 == 0 else common for i in range(count)]
+
+
+def test_the_tail_shape_is_the_p99_of_answers_over_their_own_windows_mean() -> None:
+    shape = TailShape(windows=10, initial=2.0)
+    shape.add([0.01] * 50, 0.01)
+    assert shape.ratio == 2.0, "fewer than 100 answers: the initial shape"
+    for level in (0.01, 0.03, 0.01, 0.05):  # the level moves; the shape does not
+        samples = tail_of(level)
+        shape.add(samples, sum(samples) / len(samples))
+    assert shape.ratio > 2.0
+    assert shape.ratio == pytest.approx(TAIL)
+
+
+def test_the_limit_holds_the_estimated_p99_not_the_windows_mean() -> None:
+    """Answers 20 ms on average with a tail at 2.7x: the mean is within the 40 ms aim, the tail
+    is not, and the limit is cut by how far mean x shape is over."""
     clock = FakeClock()
     limit = limit_with(clock, burst_interval_s=0.0)
-    run_window(limit, clock, in_flight=16, latency_s=1.0)
-    assert limit.limit == 8
-    run_window(limit, clock, in_flight=16, latency_s=0.02)
-    assert limit.limit == 8 + 8**0.5, "binding and within the target: grows by sqrt(limit)"
-    for _ in range(40):
-        run_window(limit, clock, in_flight=2, latency_s=0.02)
-    assert limit.limit == 1024, "not binding: a past overload is forgotten"
+    assert run_window_with(limit, clock, tail_of(0.02)) == 100
+    assert limit.shape.ratio == pytest.approx(TAIL)
+    assert limit.limit == pytest.approx(100 * 0.04 / (0.02 * TAIL))
+
+
+def run_window_with(limit: ConcurrencyLimit, clock: FakeClock, latencies_s: list[float]) -> int:
+    """One window whose admitted requests are answered in `latencies_s` (one each)."""
+    admitted = sum(limit.acquire() for _ in latencies_s)
+    clock.now += 0.05
+    for latency in latencies_s[:admitted]:
+        limit.release(latency)
+    clock.now += 0.05
+    limit.current()
+    return admitted
+
+
+def test_a_service_slow_at_any_concurrency_keeps_the_limit_it_needs() -> None:
+    """A database's round trips per batch (PostgreSQL here): 27 ms on average at any concurrency
+    and p99 1.4x that, within the target. A fixed aim for the mean at half the target (25 ms) cut
+    such a service to its floor; the estimated p99 (37 ms against 0.8 x 50) leaves it alone."""
+    clock = FakeClock()
+    limit = ConcurrencyLimit(0.05, max_limit=128, min_limit=16, clock=clock)
+    common = 0.027 / (0.95 + 0.05 * 1.4)
+    answers = [1.4 * common if i % 20 == 0 else common for i in range(80)]  # 800 rps: 80 a window
+    for _ in range(30):
+        assert run_window_with(limit, clock, answers) == 80
+    assert limit.shape.ratio == pytest.approx(1.4 / 1.02)
+    assert limit.limit == 128
+
+
+def test_in_a_standing_overload_the_limit_settles_where_the_estimated_p99_meets_the_aim() -> None:
+    """A fake service at 1,000 answers a second, offered 200 a window: the requests a window lets
+    in answer in (what is in flight / the rate) on average, with `tail_of`'s tail. Little's law
+    puts the limit where mean x shape is 0.8 x the target: 40 ms / 2.7 x 1,000 a second."""
+    clock = FakeClock()
+    limit = ConcurrencyLimit(0.05, max_limit=128, min_limit=4, clock=clock)
+    settled = []
+    for window in range(60):
+        admitted = sum(limit.acquire() for _ in range(200))
+        clock.now += 0.05
+        for latency in tail_of(admitted / 1000, admitted):
+            limit.release(latency)
+        clock.now += 0.05
+        limit.current()
+        if window >= 40:
+            settled.append(limit.limit)
+    expected = 0.04 / TAIL * 1000
+    assert 0.85 * expected <= min(settled) and max(settled) <= 1.15 * expected
 
 
 def test_an_idle_second_after_an_overload_lets_the_next_burst_in_whole() -> None:
     """A limit cut during an overload (or a database outage) is not kept through an idle stretch:
     nothing in flight and no latency is no evidence of overload, and the next burst is served."""
     clock = FakeClock()
-    limit = limit_with(clock)
+    limit = limit_with(clock, min_limit=16)  # the default floor
     for _ in range(10):
         run_window(limit, clock, in_flight=60, latency_s=0.5)
-    assert limit.limit == 4
+    assert limit.limit == 16
     clock.now += 0.05  # shorter than a window: nothing is known yet
     assert run_window(limit, clock, in_flight=50, latency_s=0.01) < 50
     clock.now += 1.0

@@ -369,13 +369,14 @@ def test_every_request_let_in_early_gives_its_concurrency_slot_back_once() -> No
     assert refused == [None, None]
 
 
-def test_a_proxys_stamped_wait_counts_for_the_limit_and_the_scorer_only_once_it_stands() -> None:
-    """Behind a proxy that stamps every request, a burst's momentary 80 ms there is neither the
-    concurrency limit's latency nor the scorer's wait against the target; a wait that every stamp
-    of a burst interval has shown is both."""
+def test_a_proxys_stamped_wait_counts_for_the_limit_in_full_and_for_the_scorer_once_it_stands() -> None:
+    """Behind a proxy that stamps every request, a burst's momentary 80 ms there is not the
+    scorer's wait against the target, but a wait that every stamp of a burst interval has shown
+    is. The concurrency limit holds what the client sees: its latency counts the stamp in full."""
     interval_s = ServingSettings().burst_interval_ms / 1000
 
     def latency_behind(reported_wait_s: float) -> tuple[float, float]:
+        """(the limit's latency, the scorer's counted wait) of one request stamped 80 ms ago."""
         scorer = ScriptedScorer(lambda: None)
         moment = time.monotonic() - interval_s - 0.05
         while moment < time.monotonic():  # what the proxy's stamps showed for the last interval and more
@@ -396,7 +397,9 @@ def test_a_proxys_stamped_wait_counts_for_the_limit_and_the_scorer_only_once_it_
         assert latency is not None and counted_from is not None
         return latency, answered - counted_from
 
-    assert all(waited < 0.05 for waited in latency_behind(0.0005)), "a burst's momentary wait is not overload"
+    limit_latency, counted = latency_behind(0.0005)
+    assert limit_latency >= 0.08, "the limit's latency starts at the stamp"
+    assert counted < 0.05, "a burst's momentary wait is not overload"
     assert all(waited >= 0.08 for waited in latency_behind(0.08)), "a standing wait is"
 
 
