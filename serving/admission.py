@@ -197,8 +197,8 @@ class ConcurrencyLimit:
     server about five refusals' worth of CPU (bench/findings.md), the event loop runs late, and
     the accepted requests themselves miss the target while the predictor still says yes. This
     limit closes the loop on what it costs: the latency admitted requests actually had, to their
-    answer from the service's read of them less the wait before it that stood (a proxy's stamps or
-    the loop's lag, as admission counts it: serving/gate.py's `Wait`).
+    answer from when they began to wait (a proxy's stamp in full, the loop's lag as far as it
+    stood: serving/gate.py's `Wait.arrived`).
 
     The rule is Netflix's Gradient2 and Envoy's adaptive concurrency, with the declared target in
     place of a measured minimum RTT (the target, not the fastest answer, is what is promised).

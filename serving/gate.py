@@ -254,8 +254,9 @@ class ScoreGate:
             # From when the request began to wait, a proxy's stamped wait in full: the limit holds
             # the p99 the client sees, and HAProxy's queue (5 ms at most) and the socket behind it
             # are part of that. Counted only as far as it stood, the limit's latency read about 10
-            # ms under the client's past capacity and it settled where the client's p99 was 56-66
-            # ms (bench/findings.md, fifteenth session). Admission still counts only what stood.
+            # ms under the client's past capacity, and at an aim of 0.9 x the target it settled
+            # where the client's p99 was 54-66 ms (bench/findings.md, fifteenth session).
+            # Admission still counts only what stood.
             scorer.finished(time.monotonic() - call.arrived)
         return status
 
