@@ -261,6 +261,7 @@ class ConcurrencyLimit:
         self._refused = False
         self._over_since: float | None = None
         self._last_cut: float | None = None
+        self._last_event = self._window_started  # the last request taken in or answered
 
     def acquire(self) -> bool:
         """Take a slot for a request about to be admitted; False: refuse it (the limit is full)."""
@@ -268,6 +269,7 @@ class ConcurrencyLimit:
             return False
         self.in_flight += 1
         self._peak = max(self._peak, self.in_flight)
+        self._last_event = self.clock()
         return True
 
     def full(self) -> bool:
@@ -284,6 +286,7 @@ class ConcurrencyLimit:
         the scorer (refused later for its body), which says nothing about load."""
         self._roll(self.clock())
         self.in_flight = max(self.in_flight - 1, 0)
+        self._last_event = self.clock()
         if latency_s is not None:
             self._samples.append(latency_s)
 
@@ -295,22 +298,32 @@ class ConcurrencyLimit:
     def _roll(self, now: float) -> None:
         if now - self._window_started < self.window_s:
             return
+        # Idle windows are evidence of no overload, as windows within the target are: without
+        # this, a limit cut during an overload (or an outage) stayed cut through any idle stretch,
+        # and the next burst after it was shed down to the floor. Nothing calls in while a service
+        # is idle (unless a proxy's publisher reads the limit), so the window that ends at the
+        # next call may hold the last answers before a quiet stretch: it is judged as it stood,
+        # and the quiet windows after it count as idle ones.
         if self._samples:
             mean = sum(self._samples) / len(self._samples)
             self.shape.add(self._samples, mean)
             self._adjust(now, mean)
-        elif self.in_flight == 0:
-            # Idle windows are evidence of no overload, as windows within the target are: without
-            # this, a limit cut during an overload (or an outage) stayed cut through any idle
-            # stretch, and the next burst after it was shed down to the floor.
-            idle_windows = int((now - self._window_started) / self.window_s)
-            self.limit = min(self.max_limit, self.limit * 1.25 ** min(idle_windows, 64))
-            self._over_since = None
-            self._last_cut = None
+            quiet_since = max(self._window_started + self.window_s, self._last_event)
+        else:
+            quiet_since = self._window_started
+        if self.in_flight == 0:
+            self._forget_overload(int((now - quiet_since) / self.window_s))
         self._window_started = now
         self._samples = []
         self._peak = self.in_flight
         self._refused = False
+
+    def _forget_overload(self, idle_windows: int) -> None:
+        if idle_windows <= 0:
+            return
+        self.limit = min(self.max_limit, self.limit * 1.25 ** min(idle_windows, 64))
+        self._over_since = None
+        self._last_cut = None
 
     def _adjust(self, now: float, mean_latency_s: float) -> None:
         binding = self._refused or self._peak >= int(self.limit)

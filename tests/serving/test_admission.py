@@ -433,6 +433,38 @@ def test_an_idle_second_after_an_overload_lets_the_next_burst_in_whole() -> None
     assert limit.acquire() and limit.in_flight == 1
 
 
+def test_a_quiet_second_after_the_last_answers_of_an_overload_lets_the_next_burst_in_whole() -> None:
+    """Where nothing reads the limit while the service is idle (no proxy in front), the window
+    holding an overload's last answers stays open until the next request: it is judged then, and
+    the quiet second after it counts as idle. Judged alone, it cut the limit at the burst's first
+    request and the burst was refused past the cut (tests/serving/test_live.py, on a slow day)."""
+    clock = FakeClock()
+    limit = limit_with(clock, min_limit=16)
+    for _ in range(10):
+        run_window(limit, clock, in_flight=60, latency_s=0.5)
+    assert limit.limit == 16
+    admitted = [limit.acquire() for _ in range(16)]
+    clock.now += 0.05
+    for _ in range(sum(admitted)):
+        limit.release(0.5)  # the overload's last answers: their window is not closed by anything
+    clock.now += 1.0
+    assert sum(limit.acquire() for _ in range(64)) == 64
+
+
+def test_answers_that_end_just_before_the_next_request_are_judged_without_an_idle_pass() -> None:
+    """The quiet time counts from the window's end, not from its start: a window of slow answers
+    closed by the next request at once is a cut, not a cut forgiven."""
+    clock = FakeClock()
+    limit = limit_with(clock)
+    assert sum(limit.acquire() for _ in range(64)) == 64
+    clock.now += 0.09
+    for _ in range(64):
+        limit.release(0.2)  # beyond the target: cut at once
+    clock.now += 0.02  # the window ended 10 ms ago, less than a window of quiet
+    limit.acquire()
+    assert limit.limit == 32
+
+
 def test_a_request_refused_for_its_body_gives_its_slot_back_without_a_sample() -> None:
     clock = FakeClock()
     limit = limit_with(clock, burst_interval_s=0.0)
