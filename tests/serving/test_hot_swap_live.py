@@ -21,6 +21,7 @@ import polars as pl
 import pytest
 import torch
 
+from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
 from inference.lineage import TransactionLineage, explain
 from inference.model import ModelConfig, RiskModel
@@ -218,19 +219,23 @@ def test_promotion_and_rollback_under_load_fail_nothing(swap_server: SwapServer)
     rows = iter(server.requests.to_dicts())
     assert server.metric("tandem_serving_model_info", model_version=server.v1) == 1
 
-    answers, promoted_at = asyncio.run(
-        steady_load(
-            server,
-            rows,
-            change=lambda: asyncio.to_thread(modelstore.promote, server.v2),
-            # Past the first seconds after readiness, which are slower whatever happens (measured:
-            # p99 ~2x), so the swap's own cost is what the window shows.
-            change_after_s=6.0,
-            expect=server.v2,
-            settle_s=3.0,
-            max_s=45.0,
+    # The client's own pauses would be charged to the swap (bench.loadgen.heap_frozen): late in a
+    # full test run on a slow day, the rollback's window read three answers at 1.6-1.8 s and only
+    # five requests sent in 1.2 s at 30 rps, a stalled client; alone the same test read 54-61 ms.
+    with heap_frozen():
+        answers, promoted_at = asyncio.run(
+            steady_load(
+                server,
+                rows,
+                change=lambda: asyncio.to_thread(modelstore.promote, server.v2),
+                # Past the first seconds after readiness, which are slower whatever happens (measured:
+                # p99 ~2x), so the swap's own cost is what the window shows.
+                change_after_s=6.0,
+                expect=server.v2,
+                settle_s=3.0,
+                max_s=45.0,
+            )
         )
-    )
     if not any(a.version == server.v2 for a in answers):
         pytest.fail(f"v2 never answered; server log: {server.log_text()[-3000:]}")
     ordered = _check_switch(answers, server.v1, server.v2, promoted_at)
@@ -262,17 +267,18 @@ def test_promotion_and_rollback_under_load_fail_nothing(swap_server: SwapServer)
     assert [a.version for a in around] == [server.v1] * 3 + [server.v2] * 3
     _rows_for_lineage(server, around)
 
-    answers, rolled_back_at = asyncio.run(
-        steady_load(
-            server,
-            rows,
-            change=lambda: asyncio.to_thread(assert_rolled_back_to, server.v1),
-            change_after_s=2.0,
-            expect=server.v1,
-            settle_s=1.0,
-            max_s=40.0,
+    with heap_frozen():
+        answers, rolled_back_at = asyncio.run(
+            steady_load(
+                server,
+                rows,
+                change=lambda: asyncio.to_thread(assert_rolled_back_to, server.v1),
+                change_after_s=2.0,
+                expect=server.v1,
+                settle_s=1.0,
+                max_s=40.0,
+            )
         )
-    )
     _check_switch(answers, server.v2, server.v1, rolled_back_at)
     _swap_latency(answers, rolled_back_at, server.v1, "rollback")
     assert server.metric("tandem_serving_model_info", model_version=server.v1) == 1
