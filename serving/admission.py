@@ -261,7 +261,6 @@ class ConcurrencyLimit:
         self._refused = False
         self._over_since: float | None = None
         self._last_cut: float | None = None
-        self._last_event = self._window_started  # the last request taken in or answered
 
     def acquire(self) -> bool:
         """Take a slot for a request about to be admitted; False: refuse it (the limit is full)."""
@@ -269,7 +268,6 @@ class ConcurrencyLimit:
             return False
         self.in_flight += 1
         self._peak = max(self._peak, self.in_flight)
-        self._last_event = self.clock()
         return True
 
     def full(self) -> bool:
@@ -286,7 +284,6 @@ class ConcurrencyLimit:
         the scorer (refused later for its body), which says nothing about load."""
         self._roll(self.clock())
         self.in_flight = max(self.in_flight - 1, 0)
-        self._last_event = self.clock()
         if latency_s is not None:
             self._samples.append(latency_s)
 
@@ -308,7 +305,8 @@ class ConcurrencyLimit:
             mean = sum(self._samples) / len(self._samples)
             self.shape.add(self._samples, mean)
             self._adjust(now, mean)
-            quiet_since = max(self._window_started + self.window_s, self._last_event)
+            # Every request taken in or answered closes an ended window first, so none came since.
+            quiet_since = self._window_started + self.window_s
         else:
             quiet_since = self._window_started
         if self.in_flight == 0:
