@@ -226,6 +226,15 @@ class ConcurrencyLimit:
     cut within the last `overload_memory_s` (an overload that let up for a window is still the same
     overload; without this, each window within the headroom granted it the interval again). A burst
     that arrived at once is admitted whole before any window closes, up to the ceiling, `max_limit`.
+
+    The step into overload is told from a burst by how many requests it adds: `settled` is the
+    limit at the last window that bound within the aim (the concurrency this service was last seen
+    to answer within the target, kept through idle stretches), and admissions beyond it spend a
+    `burst` allowance that refills, over `burst_refill_s`, only while fewer are in flight. A burst
+    spends part of it once and drains; an overload keeps arriving and spends all of it within tens
+    of milliseconds, and the limit then drops to `settled` at once, where it used to climb to the
+    ceiling for a window and a burst interval before its first cut (bench/findings.md, the
+    seventeenth session). Until a first overload has settled, only the ceiling stands.
     """
 
     def __init__(
@@ -241,6 +250,8 @@ class ConcurrencyLimit:
         overload_memory_s: float = 1.0,
         shape_s: float = 1.0,
         initial_shape: float = 2.0,
+        burst: int = 64,
+        burst_refill_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.target_s = target_s
@@ -261,11 +272,26 @@ class ConcurrencyLimit:
         self._refused = False
         self._over_since: float | None = None
         self._last_cut: float | None = None
+        self.settled: float | None = None
+        self.burst = float(burst)
+        self.burst_refill_s = burst_refill_s
+        self.burst_left = self.burst
+        self._burst_counted_at = self._window_started
 
     def acquire(self) -> bool:
         """Take a slot for a request about to be admitted; False: refuse it (the limit is full)."""
         if self.full():
             return False
+        if self.settled is not None and self.in_flight >= self.settled:
+            self.burst_left -= 1.0
+            if self.burst_left < 0.0:
+                # More kept arriving than a burst brings: an overload's onset.
+                self.burst_left = 0.0
+                self.limit = min(self.limit, max(self.settled, self.min_limit))
+                self._last_cut = self.clock()
+                if self.in_flight >= max(int(self.limit), 1):
+                    self._refused = True
+                    return False
         self.in_flight += 1
         self._peak = max(self._peak, self.in_flight)
         return True
@@ -273,16 +299,29 @@ class ConcurrencyLimit:
     def full(self) -> bool:
         """True: a request arriving now is refused (and the window counts as binding), as by
         `acquire`, but no slot is taken when there is room."""
-        self._roll(self.clock())
+        now = self.clock()
+        self._roll(now)
+        self._refill_burst(now)
         if self.in_flight >= max(int(self.limit), 1):
             self._refused = True
             return True
         return False
 
+    def _refill_burst(self, now: float) -> None:
+        # In flight changes only at acquire and release, both of which come here first, so it was
+        # what it is now for the whole stretch since the last call.
+        if self.settled is None or self.in_flight < self.settled:
+            self.burst_left = min(
+                self.burst, self.burst_left + self.burst * (now - self._burst_counted_at) / self.burst_refill_s
+            )
+        self._burst_counted_at = now
+
     def release(self, latency_s: float | None) -> None:
         """Give the slot back; `latency_s` is the request's latency, None when it never reached
         the scorer (refused later for its body), which says nothing about load."""
-        self._roll(self.clock())
+        now = self.clock()
+        self._roll(now)
+        self._refill_burst(now)
         self.in_flight = max(self.in_flight - 1, 0)
         if latency_s is not None:
             self._samples.append(latency_s)
@@ -339,6 +378,7 @@ class ConcurrencyLimit:
             return
         self._over_since = None
         if binding:
+            self.settled = self.limit
             room = min(1.25, allowed / max(estimated_p99, 1e-9)) - 1.0
             grown = self.limit * (1.0 + self.growth_smoothing * room)
         else:

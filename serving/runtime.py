@@ -93,6 +93,7 @@ class OnlineScorer:
             window_s=settings.concurrency_window_ms / 1000,
             burst_interval_s=settings.burst_interval_ms / 1000,
             headroom=settings.concurrency_headroom,
+            burst=settings.concurrency_burst,
         )
         # Where HAProxy runs in front, it enforces the limit (serving/proxy_limit.py); admission
         # here still does, for what reaches this server some other way.
@@ -236,8 +237,10 @@ class OnlineScorer:
         decision = self.batcher.decide(1, deadline, waited_s=waited_s) if self.batcher is not None else None
         if decision is None or decision.admitted:
             # Either closes an ended window first, so the limit is current.
+            limit_before = self.concurrency.limit
             admitted = self.concurrency.acquire() if take_slot else not self.concurrency.full()
             self.metrics.concurrency_limit.set(self.concurrency.limit)
+            self._publish_a_cut(limit_before)
             if admitted:
                 return None
             waited = decision.predicted_wait_s if decision is not None else waited_s
@@ -248,7 +251,14 @@ class OnlineScorer:
     def finished(self, latency_s: float | None) -> None:
         """A request `refuse_early` let in is answered (`latency_s` from when it began to wait), or
         was refused later for what its body held (None)."""
+        limit_before = self.concurrency.limit
         self.concurrency.release(latency_s)
+        self._publish_a_cut(limit_before)
+
+    def _publish_a_cut(self, limit_before: float) -> None:
+        # At once: until HAProxy holds a cut, this event loop refuses what HAProxy would have.
+        if self.proxy_limit is not None and self.concurrency.limit < limit_before:
+            self.proxy_limit.nudge()
 
     async def score(
         self,

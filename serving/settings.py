@@ -69,6 +69,14 @@ class ServingSettings(BaseSettings):
         "learnt ratio to the mean) within this share of the p99 target: the rest is room for what the service does "
         "not see (the socket backlog before it reads a request, the network, the client's own loop).",
     )
+    concurrency_burst: int = Field(
+        default=64,
+        ge=0,
+        description="How many requests may be let in beyond the concurrency at which the adaptive limit last "
+        "held the target under overload, before the limit drops back there: a burst spends part of it once and "
+        "drains, an overload keeps arriving and spends it all within tens of milliseconds. It refills over a "
+        "second while fewer are in flight.",
+    )
     concurrency_window_ms: float = Field(
         default=100.0, gt=0, description="How often the adaptive concurrency limit is corrected from latency."
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from typing import Any
@@ -398,6 +399,17 @@ def test_a_service_slow_at_any_concurrency_keeps_the_limit_it_needs() -> None:
     assert limit.limit == 128
 
 
+def overloaded_window(limit: ConcurrencyLimit, clock: FakeClock) -> None:
+    """One window of a fake service at 1,000 answers a second offered 200 a window: those let in
+    answer in (what is in flight / the rate) on average, with `tail_of`'s tail."""
+    admitted = sum(limit.acquire() for _ in range(200))
+    clock.now += 0.05
+    for latency in tail_of(admitted / 1000, admitted):
+        limit.release(latency)
+    clock.now += 0.05
+    limit.current()
+
+
 def test_in_a_standing_overload_the_limit_settles_where_the_estimated_p99_meets_the_aim() -> None:
     """A fake service at 1,000 answers a second, offered 200 a window: the requests a window lets
     in answer in (what is in flight / the rate) on average, with `tail_of`'s tail. Little's law
@@ -406,12 +418,7 @@ def test_in_a_standing_overload_the_limit_settles_where_the_estimated_p99_meets_
     limit = ConcurrencyLimit(0.05, max_limit=128, min_limit=4, clock=clock)
     settled = []
     for window in range(60):
-        admitted = sum(limit.acquire() for _ in range(200))
-        clock.now += 0.05
-        for latency in tail_of(admitted / 1000, admitted):
-            limit.release(latency)
-        clock.now += 0.05
-        limit.current()
+        overloaded_window(limit, clock)
         if window >= 40:
             settled.append(limit.limit)
     expected = 0.04 / TAIL * 1000
@@ -473,3 +480,61 @@ def test_a_request_refused_for_its_body_gives_its_slot_back_without_a_sample() -
     clock.now += 0.1
     assert limit.current() == 1024, "no latency seen: nothing to correct"
     assert limit.in_flight == 0
+
+
+def settle_an_overload(limit: ConcurrencyLimit, clock: FakeClock) -> float:
+    """Six seconds of the standing overload above (1,000 answers a second, 200 offered a window),
+    then a quiet two seconds; returns where the limit settled."""
+    for _ in range(60):
+        overloaded_window(limit, clock)
+    assert limit.settled is not None
+    clock.now += 2.0
+    assert limit.current() == limit.max_limit, "idle: back at the ceiling"
+    return limit.settled
+
+
+def test_the_step_into_an_overload_drops_the_limit_to_where_the_last_one_settled() -> None:
+    """An overload keeps arriving: past the concurrency the last one settled at it spends the
+    burst allowance, and the limit drops there at once, in place of admitting up to the ceiling
+    for a window and a burst interval before the first cut."""
+    clock = FakeClock()
+    limit = ConcurrencyLimit(0.05, max_limit=128, min_limit=4, burst=32, clock=clock)
+    settled = settle_an_overload(limit, clock)
+    peak = 0
+    for _ in range(60):  # 1 ms apart, three arrive for every two answered: in flight keeps growing
+        for _ in range(3):
+            limit.acquire()
+        peak = max(peak, limit.in_flight)
+        clock.now += 0.001
+        for _ in range(min(2, limit.in_flight)):
+            limit.release(0.03)
+    assert limit.limit == settled
+    # About a third of the allowance's admissions stay in flight (the rest replace answers); with
+    # only the ceiling, all 60 ms of growth would have been let in.
+    assert peak <= settled + 16
+    assert limit.in_flight <= settled
+
+
+def test_a_burst_of_64_after_an_overload_has_settled_is_let_in_whole_and_refills_below_it() -> None:
+    clock = FakeClock()
+    limit = ConcurrencyLimit(0.05, max_limit=128, min_limit=4, clock=clock)
+    settled = settle_an_overload(limit, clock)
+    background = sum(limit.acquire() for _ in range(5))
+    assert sum(limit.acquire() for _ in range(64)) == 64
+    assert limit.limit == 128
+    spent = limit.burst - limit.burst_left
+    assert spent == 64 + background - math.ceil(settled)
+    for _ in range(64 + background):
+        limit.release(0.02)
+    clock.now += 0.3  # below the settled concurrency: 30% of the allowance back
+    assert not limit.full()
+    assert limit.burst_left == pytest.approx(min(limit.burst, limit.burst - spent + 0.3 * limit.burst))
+    clock.now += 1.0
+    assert sum(limit.acquire() for _ in range(64)) == 64, "a second burst a second later is whole again"
+
+
+def test_before_a_first_overload_has_settled_only_the_ceiling_stands() -> None:
+    clock = FakeClock()
+    limit = ConcurrencyLimit(0.05, max_limit=128, min_limit=4, clock=clock)
+    assert limit.settled is None
+    assert sum(limit.acquire() for _ in range(200)) == 128

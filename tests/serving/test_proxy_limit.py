@@ -15,6 +15,7 @@ import pytest
 
 from serving.proxy_limit import ProxyLimitPublisher
 from tests.serving.support import FakeClock
+from tests.shared import until_async
 
 
 class FakeRuntimeApi:
@@ -147,15 +148,25 @@ async def test_the_background_task_follows_the_limit(tmp_path: Path) -> None:
     async with runtime_api(socket_path(tmp_path), FakeRuntimeApi()) as api:
         publisher.start()
         try:
-            for _ in range(200):
-                if api.commands:
-                    break
-                await asyncio.sleep(0.01)
+            await until_async(lambda: api.commands)
             limit[0] = 16.0
-            for _ in range(200):
-                if publisher.published == 16:
-                    break
-                await asyncio.sleep(0.01)
+            await until_async(lambda: publisher.published == 16)
         finally:
             await publisher.stop()
     assert api.commands == ["set maxconn server tandem/score 64", "set maxconn server tandem/score 16"]
+
+
+@on_a_loop
+async def test_a_nudge_publishes_a_cut_at_once_not_at_the_next_interval(tmp_path: Path) -> None:
+    limit = [128.0]
+    publisher = ProxyLimitPublisher(str(socket_path(tmp_path)), "tandem/score", lambda: limit[0], interval_s=30.0)
+    async with runtime_api(socket_path(tmp_path), FakeRuntimeApi()) as api:
+        publisher.start()
+        try:
+            await until_async(lambda: publisher.published == 128)
+            limit[0] = 24.0
+            publisher.nudge()
+            await until_async(lambda: publisher.published == 24, timeout_s=2.0)  # the interval is 30 s
+        finally:
+            await publisher.stop()
+    assert api.commands == ["set maxconn server tandem/score 128", "set maxconn server tandem/score 24"]
