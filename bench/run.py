@@ -430,8 +430,19 @@ def tandem_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
     )
 
 
+def tandem_front_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
+    """Tandem behind HAProxy as `tandem_front_spec()`, on PostgreSQL as `tandem_postgres_spec()`."""
+    spec = tandem_front_spec()
+    return ServiceSpec(
+        "tandem_front_postgres",
+        "(1hp) Tandem behind HAProxy, on PostgreSQL",
+        spec.argv,
+        {**spec.extra_env, "DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir)},
+    )
+
+
 def service_specs() -> list[ServiceSpec]:
-    """The services of the online comparison; `tandem_postgres` is added by `bench_online`."""
+    """The services of the online comparison; the PostgreSQL ones are added by `bench_online`."""
     bin_dir = Path(sys.executable).parent
 
     def bentoml(target: str) -> Callable[[int], list[str]]:
@@ -671,9 +682,15 @@ def bench_online(
     specs = service_specs()
     if postgres_url is not None:
         specs.insert(1, tandem_postgres_spec(postgres_url, bench.root / "online_postgres"))
+        front_at = next(i for i, s in enumerate(specs) if s.name == "tandem_front") + 1
+        specs.insert(front_at, tandem_front_postgres_spec(postgres_url, bench.root / "online_front_postgres"))
     everything: dict[str, Any] = {}
     if postgres_url is None:
         everything["tandem_postgres"] = {"label": "(1p) Tandem on PostgreSQL", "error": "no PostgreSQL reachable"}
+        everything["tandem_front_postgres"] = {
+            "label": "(1hp) Tandem behind HAProxy, on PostgreSQL",
+            "error": "no PostgreSQL reachable",
+        }
     ceiling_rates = sorted({*rates, *STOCK_LOW_RATES})
     for spec in sorted(specs, key=lambda s: s.name != "do_nothing"):  # the ceiling first
         # At the higher rates every drifted request loads the model: minutes of timeouts, nothing learnt.
@@ -682,7 +699,7 @@ def bench_online(
             "stock_bentoml": sorted({*STOCK_LOW_RATES, *rates}),
             "do_nothing": ceiling_rates,
         }.get(spec.name, rates)
-        if spec.name == "tandem_front" and shutil.which("haproxy") is None:
+        if spec.name.startswith("tandem_front") and shutil.which("haproxy") is None:
             everything[spec.name] = {"label": spec.label, "error": "haproxy is not installed (apt-get install haproxy)"}
             continue
         service = _start(spec, bench)

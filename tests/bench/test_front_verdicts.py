@@ -27,14 +27,17 @@ def overload(rps: float, p99_ms: float, goodput: float, shed_p99_ms: float) -> d
     )
 
 
-def services(front: dict[str, Any]) -> dict[str, Any]:
-    ceiling_rates = [300, 1000, 1500, 2000, 4000]
+def services(front: dict[str, Any], front_postgres: dict[str, Any] | None = None) -> dict[str, Any]:
+    ceiling_rates = [300, 600, 1000, 1500, 2000, 4000]
     online = {
         "do_nothing": {"sweep": [level(r, 1.0, r) for r in ceiling_rates]},
         "tandem": {"sweep": [level(1000, 45.0, 1000)]},
+        "tandem_postgres": {"sweep": [level(300, 20.0, 300), level(600, 70.0, 400)]},
         "stock_bentoml": {"sweep": [level(300, 40.0, 100)]},
         "tandem_front": front,
     }
+    if front_postgres is not None:
+        online["tandem_front_postgres"] = front_postgres
     ceiling = {int(s["offered_rps"]): s["p99_ms"] for s in online["do_nothing"]["sweep"]}
     for service in online.values():
         mark_service(service, ceiling)
@@ -73,6 +76,15 @@ def test_the_front_is_judged_against_its_own_capacity() -> None:
     assert goodput["verdict"] == MISSED  # 800 < 90% of 1,000
     assert rows["a burst of 64 at moderate load: 0 shed, p99 <= 100 ms"]["verdict"] == MET
     assert rows["goodput at the target >= 8x stock BentoML"]["numbers"]["ratio"] == 10.0
+
+
+def test_the_fronts_postgresql_figure_is_its_own() -> None:
+    front = {"sweep": [level(1000, 40.0, 1000)]}
+    goodput = "goodput at p99 <= 50 ms >= 800 rps (embedded SQLite)"
+    on_postgres = {"sweep": [level(300, 30.0, 300), level(600, 45.0, 590), level(1000, 80.0, 700)]}
+    assert front_rows(services(front, on_postgres))[goodput]["numbers"] == {"sqlite_rps": 1000, "postgres_rps": 590}
+    # Without its own run, the front is not credited with the service alone's PostgreSQL figure.
+    assert front_rows(services(front))[goodput]["numbers"]["postgres_rps"] is None
 
 
 def test_a_front_that_did_not_run_is_not_measured() -> None:
