@@ -419,26 +419,19 @@ def tandem_front_spec() -> ServiceSpec:
     )
 
 
+def _on_postgres(spec: ServiceSpec, name: str, label: str, database_url: str, data_dir: Path) -> ServiceSpec:
+    """`spec` on PostgreSQL: its own database and local state (the outbox)."""
+    env = {**spec.extra_env, "DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir)}
+    return ServiceSpec(name, label, spec.argv, env)
+
+
 def tandem_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
-    """Tandem as `tandem_spec()`, on PostgreSQL: its own database and local state (the outbox)."""
-    spec = tandem_spec()
-    return ServiceSpec(
-        "tandem_postgres",
-        "(1p) Tandem on PostgreSQL",
-        spec.argv,
-        {**spec.extra_env, "DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir)},
-    )
+    return _on_postgres(tandem_spec(), "tandem_postgres", "(1p) Tandem on PostgreSQL", database_url, data_dir)
 
 
 def tandem_front_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
-    """Tandem behind HAProxy as `tandem_front_spec()`, on PostgreSQL as `tandem_postgres_spec()`."""
-    spec = tandem_front_spec()
-    return ServiceSpec(
-        "tandem_front_postgres",
-        "(1hp) Tandem behind HAProxy, on PostgreSQL",
-        spec.argv,
-        {**spec.extra_env, "DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir)},
-    )
+    label = "(1hp) Tandem behind HAProxy, on PostgreSQL"
+    return _on_postgres(tandem_front_spec(), "tandem_front_postgres", label, database_url, data_dir)
 
 
 def service_specs() -> list[ServiceSpec]:
@@ -686,11 +679,8 @@ def bench_online(
         specs.insert(front_at, tandem_front_postgres_spec(postgres_url, bench.root / "online_front_postgres"))
     everything: dict[str, Any] = {}
     if postgres_url is None:
-        everything["tandem_postgres"] = {"label": "(1p) Tandem on PostgreSQL", "error": "no PostgreSQL reachable"}
-        everything["tandem_front_postgres"] = {
-            "label": "(1hp) Tandem behind HAProxy, on PostgreSQL",
-            "error": "no PostgreSQL reachable",
-        }
+        for unreachable in (tandem_postgres_spec("", bench.root), tandem_front_postgres_spec("", bench.root)):
+            everything[unreachable.name] = {"label": unreachable.label, "error": "no PostgreSQL reachable"}
     ceiling_rates = sorted({*rates, *STOCK_LOW_RATES})
     for spec in sorted(specs, key=lambda s: s.name != "do_nothing"):  # the ceiling first
         # At the higher rates every drifted request loads the model: minutes of timeouts, nothing learnt.
