@@ -167,7 +167,8 @@ class AdaptiveBatcher:
     def abandon(self, item: WorkItem) -> None:
         """A waiter gave up; with none left, the item is dropped before work starts on it."""
         item.waiters -= 1
-        if item.waiters <= 0 and not item.started and not item.abandoned:
+        # A done future before its start: `_take` resolved it (expired) and counted it out already.
+        if item.waiters <= 0 and not item.started and not item.abandoned and not item.future.done():
             item.abandoned = True
             self._live -= 1
             self.metrics.queue_depth.set(self._live)

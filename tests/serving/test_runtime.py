@@ -113,6 +113,35 @@ def test_a_request_past_its_deadline_is_never_started(sqlite_engine: Engine, tmp
     assert "late" not in fake.scored_ids
 
 
+def test_an_item_that_expires_in_the_queue_leaves_it_counted_once(sqlite_engine: Engine, tmp_path: Path) -> None:
+    """The batcher expires an item whose deadline passed before its batch started, and its waiter,
+    woken in the same turn of a busy event loop, gives it up: the queue must count it out once. Counted
+    out twice, the depth went below zero for good, and every later predicted wait ran a batch short."""
+
+    async def scenario() -> int:
+        fake = FakeScoring(delay_s=0.05)
+        scorer = await scorer_for(fake, sqlite_engine, tmp_path, p99_target_ms=1000)
+        busy = asyncio.create_task(
+            scorer.score([transaction("busy")], request_id="r0", idempotency_key=None, deadline=time.monotonic() + 5)
+        )
+        await until_async(lambda: fake.batches)
+        late = asyncio.create_task(
+            scorer.score([transaction("late")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 0.02)
+        )
+        await asyncio.sleep(0)  # "late" is queued behind "busy"
+        # The loop busy past the batch's end and the deadline: the batcher and the waiter wake in one turn.
+        time.sleep(0.15)
+        with pytest.raises(DeadlineExceeded):
+            await late
+        await busy
+        assert scorer.batcher is not None
+        depth = scorer.batcher.queued
+        await scorer.close()
+        return depth
+
+    assert asyncio.run(scenario()) == 0
+
+
 def test_outbox_is_durable_and_drains_idempotently(tmp_path: Path) -> None:
     outbox = Outbox(tmp_path / "outbox.sqlite3")
     rows = [{"transaction_id": f"t{i}", "produced_at": datetime(2026, 11, 2, tzinfo=UTC)} for i in range(5)]
