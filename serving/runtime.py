@@ -355,7 +355,9 @@ class OnlineScorer:
             # Only a truly identical item coalesces: same transaction, same body.
             identity = (tx.transaction_id, request_fingerprint([tx]))
             running = self.in_flight.get(identity)
-            if running is not None and not running.abandoned:
+            # A done item leaves `in_flight` only once its callback runs, later in this turn of the
+            # loop: one refused at admission (cancelled) or expired is no answer to join.
+            if running is not None and not running.abandoned and not running.future.done():
                 plan.append(running)
                 continue
             item = WorkItem(

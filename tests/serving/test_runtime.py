@@ -27,7 +27,7 @@ from serving.batcher import SCORING_PROCESS_DIED
 from serving.breaker import CircuitBreaker
 from serving.lifecycle import PoolSupervisor
 from serving.outbox import Outbox
-from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer
+from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
 from tests.serving.support import scored_batch, started_scorer, transaction
@@ -140,6 +140,39 @@ def test_an_item_that_expires_in_the_queue_leaves_it_counted_once(sqlite_engine:
         return depth
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_an_identical_request_never_joins_an_item_its_first_sender_was_refused_for(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """Two identical requests in one turn of the loop, the first shed at admission: the second must
+    be judged on its own (here shed too), not joined to the refused item and answered 504 as if its
+    deadline had passed."""
+
+    async def scenario() -> list[BaseException | tuple[list[ItemResult], float]]:
+        fake = FakeScoring(delay_s=0.2)
+        scorer = await scorer_for(fake, sqlite_engine, tmp_path, queue_capacity=1)
+        deadline = time.monotonic() + 5
+        busy = asyncio.create_task(
+            scorer.score([transaction("busy")], request_id="r0", idempotency_key=None, deadline=deadline)
+        )
+        await until_async(lambda: fake.batches)
+        queued = asyncio.create_task(
+            scorer.score([transaction("queued")], request_id="r1", idempotency_key=None, deadline=deadline)
+        )
+        await asyncio.sleep(0)  # the queue (capacity 1) is full behind "busy"
+        answers = await asyncio.gather(
+            scorer.score([transaction("same")], request_id="r2", idempotency_key=None, deadline=deadline),
+            scorer.score([transaction("same")], request_id="r3", idempotency_key=None, deadline=deadline),
+            return_exceptions=True,
+        )
+        await asyncio.gather(busy, queued)
+        await scorer.close()
+        return answers
+
+    first, second = asyncio.run(scenario())
+    assert isinstance(first, Shed) and first.decision.reason == "queue_full"
+    assert isinstance(second, Shed) and second.decision.reason == "queue_full"
 
 
 def test_outbox_is_durable_and_drains_idempotently(tmp_path: Path) -> None:
