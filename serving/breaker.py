@@ -55,6 +55,13 @@ class CircuitBreaker:
                 return True
             return False
 
+    def give_back_probe(self) -> None:
+        """The caller `allow` let through failed for a reason that says nothing about the database
+        (a local error, a bug): the next caller probes. A probe claimed and never answered kept the
+        breaker half-open and refusing every caller for good."""
+        with self._lock:
+            self._probing = False
+
     def record_success(self) -> None:
         with self._lock:
             self._failures = 0

@@ -165,7 +165,10 @@ class ResultWriter:
                 try:
                     job = self._jobs.get(timeout=self.drain_interval_s)
                 except queue.Empty:
-                    self.drain()
+                    try:
+                        self.drain()
+                    except Exception:  # as for a job: a writer that dies silently loses every later row
+                        logger.exception("outbox drain failed")
                     continue
             taken = 1
             try:
@@ -281,6 +284,9 @@ class ResultWriter:
         except StoreOutage as outage:
             self.breaker.record_failure()
             logger.warning("outbox drain stopped: %s", outage.__cause__)
+        except BaseException:  # the outbox's own file (locked, a disk error): no word on the database
+            self.breaker.give_back_probe()
+            raise
         else:
             self.breaker.record_success()
         self._set_depth(self.outbox.depth())
@@ -289,8 +295,6 @@ class ResultWriter:
 
     def _quarantine(self, rows: list[dict[str, Any]]) -> None:
         # Best effort: a quarantine row lost to an outage costs a diagnostic, never an answer.
-        if not self.breaker.allow():
-            return
         frame = raw_frame(rows).with_columns(
             reject_reason=pl.Series([row["reject_reason"] for row in rows], dtype=pl.String),
             reject_detail=pl.Series([row.get("reject_detail") for row in rows], dtype=pl.String),
@@ -298,6 +302,8 @@ class ResultWriter:
         by_request: dict[str | None, list[int]] = {}
         for index, row in enumerate(rows):
             by_request.setdefault(row.get("request_id"), []).append(index)
+        if not self.breaker.allow():
+            return
         try:
             with self.engine.begin() as conn:
                 for request_id, positions in by_request.items():
@@ -311,6 +317,9 @@ class ResultWriter:
         except SQLAlchemyError as error:
             self.breaker.record_failure()
             logger.warning("quarantine write dropped: %s", error)
+        except BaseException:
+            self.breaker.give_back_probe()
+            raise
         else:
             self.breaker.record_success()
 

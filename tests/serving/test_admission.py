@@ -8,6 +8,7 @@ import random
 import time
 from typing import Any
 
+import polars as pl
 import pytest
 from starlette.datastructures import Headers
 
@@ -23,6 +24,7 @@ from serving.admission import (
 )
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.gate import _wait_before
+from serving.scoring import GuardedHistory
 from tests.serving.support import FakeClock
 
 # Roughly what warm-up measures here: 12 ms fixed per batch, 0.3 ms per item.
@@ -121,6 +123,28 @@ def test_breaker_opens_skips_then_probes_once() -> None:
     breaker.record_success()
     assert breaker.state is BreakerState.CLOSED
     assert breaker.allow()
+
+
+class _BrokenEngine:
+    """A store whose every use fails with an error that is no database's (a bug, a local fault)."""
+
+    def connect(self) -> Any:
+        raise RuntimeError("not a database error")
+
+
+def test_a_probe_that_fails_for_no_database_reason_is_given_back() -> None:
+    """Half-open, the history read that took the probe raised something other than a database
+    error: the next caller probes, where the probe was kept and every later batch was scored
+    without history for good."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, reset_s=5.0, clock=clock)
+    breaker.record_failure()
+    clock.now = 5.0
+    history = GuardedHistory(_BrokenEngine(), breaker)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        history.history_for(pl.DataFrame(), 8)
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.allow(), "the next caller probes"
 
 
 # ------------------------------------------------------------------ the wait before the service sees a request

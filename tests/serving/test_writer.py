@@ -3,10 +3,13 @@ every row in the outbox), on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
@@ -15,6 +18,7 @@ from serving.breaker import BreakerState, CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.writer import ResultWriter
+from tests.serving.support import FakeClock
 from tests.shared import unreachable_database_url, until
 
 MODEL = "risk_model:writer"
@@ -206,3 +210,55 @@ def test_a_store_without_its_schema_keeps_every_row_in_the_outbox(tmp_path: Path
     writer.close()
     assert writer.outbox.depth() == 5
     bare.dispose()
+
+
+class FlakyOutbox(Outbox):
+    """An outbox whose next drain fails on its own SQLite file (locked past its timeout, a disk
+    error): a local fault, which says nothing about the database."""
+
+    fail_next_drain = False
+
+    def drain(self, write: Any, chunk: int) -> int:
+        if self.fail_next_drain:
+            self.fail_next_drain = False
+            raise sqlite3.OperationalError("database is locked")
+        return int(super().drain(write, chunk))
+
+
+def test_a_drain_that_fails_on_the_outbox_file_neither_stops_the_writer_nor_the_rows_after_it(
+    engine: Engine, tmp_path: Path
+) -> None:
+    outbox = FlakyOutbox(tmp_path / "outbox.sqlite3")
+    outbox.append(rows(1))  # left behind by an earlier outage
+    outbox.fail_next_drain = True
+    writer = ResultWriter(
+        engine, CircuitBreaker(2, 0.05), outbox, ServingMetrics(), drain_interval_s=0.01, drain_chunk=10
+    )
+    writer.start()
+    until(lambda: not outbox.fail_next_drain, message="the idle writer never drained")
+    writer.submit_rows(rows(3)[1:])
+    flushing = threading.Thread(target=writer.flush, daemon=True)  # blocks for good on a dead writer
+    flushing.start()
+    flushing.join(timeout=10)
+    assert not flushing.is_alive(), "the writer thread died with the drain: nothing after it is written"
+    drained(writer)
+    assert stored(engine)[0] == {"w0", "w1", "w2"}
+    writer.close()
+
+
+def test_a_drain_that_fails_on_the_outbox_file_gives_back_the_breakers_probe(engine: Engine, tmp_path: Path) -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(1, 1.0, clock=clock)
+    outbox = FlakyOutbox(tmp_path / "outbox.sqlite3")
+    writer = ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=10)
+    breaker.record_failure()  # an outage: the breaker is open and a batch goes to the outbox
+    writer._write(rows(1))
+    clock.now = 2.0  # half-open: the next caller probes
+    outbox.fail_next_drain = True
+    with pytest.raises(sqlite3.OperationalError):
+        writer.drain()
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.allow(), "the failed drain kept the probe: every caller refused for good"
+    breaker.give_back_probe()
+    assert writer.drain() == 1
+    assert breaker.state is BreakerState.CLOSED
