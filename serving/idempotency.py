@@ -3,7 +3,9 @@
 - the same key with the same body gets the answer the first request got, and writes nothing;
 - the same key with another body is refused (422 `idempotency_key_reused`), never answered;
 - while the first request is still being answered, a duplicate waits for its answer (the same
-  process) or for the store to hold it (another process), up to its own deadline.
+  process) or for the store to hold it (another process), up to its own deadline; when the first
+  gets no answer (shed, expired, cancelled, its scoring process died), a duplicate is admitted on
+  its own, as on another process it takes the released claim.
 
 Every server process and pod must agree, so the store decides: a key is claimed with one atomic
 INSERT ... ON CONFLICT DO NOTHING in `idempotency_keys`, and the answer is stored beside the claim.
@@ -62,6 +64,10 @@ class KeyReused(Exception):
         self.key = key
 
 
+class _OwnerGaveUp(Exception):
+    """The request a duplicate waited on got no answer: the duplicate is admitted on its own."""
+
+
 class KeyInProgress(Exception):
     def __init__(self, key: str) -> None:
         super().__init__(f"a request with Idempotency-Key {key!r} is still being answered; retry shortly")
@@ -81,6 +87,12 @@ class _LocalKey:
 
     fingerprint: str
     answered: asyncio.Future[list[ItemResult]] = field(default_factory=_new_future)
+
+
+def _give_up(owner: _LocalKey, error: BaseException) -> None:
+    if not owner.answered.done():
+        owner.answered.set_exception(error)
+        owner.answered.exception()  # retrieved here, so an unwaited future logs nothing
 
 
 # A key this process has answered: (fingerprint, the answer as JSON). A tuple of a str and bytes,
@@ -120,7 +132,12 @@ class IdempotencyKeys:
             if local.fingerprint != fingerprint:
                 raise KeyReused(key)
             self._local.move_to_end(key)
-            results = await asyncio.wait_for(asyncio.shield(local.answered), timeout=deadline - time.monotonic())
+            try:
+                results = await asyncio.wait_for(asyncio.shield(local.answered), timeout=deadline - time.monotonic())
+            except _OwnerGaveUp:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError from None
+                return await self.admit(key, fingerprint, request_id=request_id, deadline=deadline)
             return Admission(results, None, False)
         owner = _LocalKey(fingerprint)
         self._remember(key, owner)
@@ -131,8 +148,11 @@ class IdempotencyKeys:
                 if replay is not None:
                     self._answered(key, owner, replay)
                     return Admission(replay, None, False)
-        except BaseException:
+        except BaseException as error:
             self._forget(key, owner)
+            # A duplicate carries the same body under the same key, so a reuse refuses it too; what
+            # else ended this attempt (its own deadline, its cancellation) is not the duplicate's.
+            _give_up(owner, error if isinstance(error, KeyReused) else _OwnerGaveUp())
             raise
         return Admission(None, owner, claim is not None)
 
@@ -148,14 +168,14 @@ class IdempotencyKeys:
         answer = self._answered(key, admission.owner, results)
         return answer.decode() if admission.claimed_in_store else None
 
-    def release(self, key: str, admission: Admission, error: BaseException) -> None:
-        """The request got no answer (shed, expired, failed): waiters get the same error, and the
-        key is free for a retry."""
+    def release(self, key: str, admission: Admission) -> None:
+        """The request got no answer (shed, expired, failed, cancelled): the key is free for a
+        retry, and each duplicate waiting on it is admitted on its own. Handed this request's
+        error, a duplicate with a longer deadline got its 504, and one waiting on a request whose
+        scoring process died got an error nothing answers (a 500)."""
         assert admission.owner is not None
         self._forget(key, admission.owner)
-        if not admission.owner.answered.done():
-            admission.owner.answered.set_exception(error)
-            admission.owner.answered.exception()  # retrieved here, so an unwaited future logs nothing
+        _give_up(admission.owner, _OwnerGaveUp())
 
     # ------------------------------------------------------------------ the store (blocking; off the loop)
     def store_answer(self, key: str, request_id: str, response: str) -> None:

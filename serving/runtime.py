@@ -50,10 +50,6 @@ class DeadlineExceeded(Exception):
     pass
 
 
-class ScoringUnavailable(Exception):
-    """The batch was lost with the scoring process: no answer about its items."""
-
-
 class OnlineScorer:
     """The online path in the server process: admission, batching, idempotency, result writing.
 
@@ -314,12 +310,12 @@ class OnlineScorer:
             results, cpu = await self._score_items(
                 transactions, request_id=request_id, key=key, deadline=deadline, counted_from=counted_from
             )
-        except BaseException as error:
-            self.keys.release(key, admission, error)
+        except BaseException:
+            self.keys.release(key, admission)
             self._store_key_outcome(admission, key, request_id, None)
             raise
         if any(r.error is not None and r.error.reason == SCORING_PROCESS_DIED for r in results):
-            self.keys.release(key, admission, ScoringUnavailable())
+            self.keys.release(key, admission)
             self._store_key_outcome(admission, key, request_id, None)
         else:
             self._store_key_outcome(admission, key, request_id, self.keys.complete(key, admission, results))

@@ -259,3 +259,96 @@ def test_a_refused_request_frees_its_key_for_the_retry(engine: Engine, tmp_path:
     assert retry.request_id == "r2" and retry.score == 0.003
     (stored,) = key_rows(engine)
     assert stored["request_id"] == "r2"
+
+
+# ------------------------------------------------------------------ a duplicate whose first request got no answer
+def test_a_duplicate_in_the_same_process_is_judged_on_its_own_deadline(engine: Engine, tmp_path: Path) -> None:
+    """The first request under the key runs out of its short deadline; its duplicate, willing to
+    wait five seconds, is admitted on its own and answered, as it would be on another process."""
+
+    async def scenario() -> tuple[BaseException | tuple[list[ItemResult], float], ...]:
+        scoring = AmountScoring(delay_s=0.3)
+        scorer = await scorer_on(engine, tmp_path, scoring, "a", p99_target_ms=1000)
+        busy = asyncio.create_task(ask(scorer, "r0", None, body("busy", 1.0)))
+        await until_async(lambda: scoring.started)  # the scoring thread is busy for 0.3 s
+        outcomes = await asyncio.gather(
+            scorer.score(body("demo-1", 3.0), request_id="r1", idempotency_key="k", deadline=time.monotonic() + 0.1),
+            scorer.score(body("demo-1", 3.0), request_id="r2", idempotency_key="k", deadline=time.monotonic() + 5),
+            return_exceptions=True,
+        )
+        await busy
+        await settle(engine, scorer)
+        return tuple(outcomes)
+
+    first, duplicate = asyncio.run(scenario())
+    assert isinstance(first, DeadlineExceeded | Shed)
+    assert not isinstance(duplicate, BaseException), f"the duplicate got {duplicate!r}"
+    assert duplicate[0][0].score == 0.003
+    (stored,) = key_rows(engine)
+    assert stored["request_id"] == duplicate[0][0].request_id
+
+
+def test_a_duplicate_of_a_request_refused_for_reusing_the_key_is_refused_at_once(
+    engine: Engine, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[list[BaseException | tuple[list[ItemResult], float]], float]:
+        a = await scorer_on(engine, tmp_path, AmountScoring(), "a")
+        b = await scorer_on(engine, tmp_path, AmountScoring(), "b")
+        await ask(a, "ra", "k", body("demo-1", 1.0))
+        await until_async(lambda: claimed(engine, "k", answered=True))
+        started = time.monotonic()
+        outcomes = await asyncio.gather(
+            b.score(body("demo-1", 2.0), request_id="rb1", idempotency_key="k", deadline=time.monotonic() + 5),
+            b.score(body("demo-1", 2.0), request_id="rb2", idempotency_key="k", deadline=time.monotonic() + 5),
+            return_exceptions=True,
+        )
+        elapsed = time.monotonic() - started
+        await settle(engine, a, b)
+        return outcomes, elapsed
+
+    (first, duplicate), elapsed = asyncio.run(scenario())
+    assert isinstance(first, KeyReused) and isinstance(duplicate, KeyReused)
+    assert elapsed < 2, "the duplicate waited out its deadline for an answer that was never coming"
+
+
+def test_a_duplicate_whose_first_request_waited_too_little_for_another_process_gets_the_answer(
+    engine: Engine, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[ItemResult, BaseException | tuple[list[ItemResult], float], ...]:
+        a = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.3), "a")
+        b = await scorer_on(engine, tmp_path, AmountScoring(), "b")
+        first_task = asyncio.create_task(ask(a, "ra", "k", body("demo-1", 3.0)))
+        await until_async(lambda: claimed(engine, "k"))  # a holds the claim, scoring for 0.3 s
+        outcomes = await asyncio.gather(
+            b.score(body("demo-1", 3.0), request_id="rb1", idempotency_key="k", deadline=time.monotonic() + 0.1),
+            b.score(body("demo-1", 3.0), request_id="rb2", idempotency_key="k", deadline=time.monotonic() + 2),
+            return_exceptions=True,
+        )
+        first = await first_task
+        await settle(engine, a, b)
+        return (first, *outcomes)
+
+    first, short, long = asyncio.run(scenario())
+    assert isinstance(short, KeyInProgress)
+    assert not isinstance(long, BaseException), f"the duplicate got {long!r}"
+    assert long[0] == [first]
+
+
+def test_a_duplicate_is_not_cancelled_with_the_request_it_waited_on(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> BaseException | tuple[list[ItemResult], float]:
+        scoring = AmountScoring(delay_s=0.2)
+        scorer = await scorer_on(engine, tmp_path, scoring, "a")
+        owner = asyncio.create_task(ask(scorer, "r1", "k", body("demo-1", 3.0)))
+        duplicate = asyncio.create_task(
+            scorer.score(body("demo-1", 3.0), request_id="r2", idempotency_key="k", deadline=time.monotonic() + 5)
+        )
+        await until_async(lambda: scoring.started)  # the first request's item is being scored
+        owner.cancel()  # its client went away
+        (outcome,) = await asyncio.gather(duplicate, return_exceptions=True)
+        await asyncio.gather(owner, return_exceptions=True)
+        await settle(engine, scorer)
+        return outcome
+
+    outcome = asyncio.run(scenario())
+    assert not isinstance(outcome, BaseException), f"the duplicate got {outcome!r}"
+    assert outcome[0][0].score == 0.003

@@ -22,13 +22,15 @@ from inference.contract import TorchPredictor
 from inference.model import ModelConfig, RiskModel
 from inference.records import Transaction
 from inference.store import read_predictions
+from serving.app import answer
 from serving.backends import ScoringBackend
 from serving.batcher import SCORING_PROCESS_DIED
 from serving.breaker import CircuitBreaker
+from serving.gate import ScoreCall
 from serving.lifecycle import PoolSupervisor
 from serving.outbox import Outbox
 from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, Shed
-from serving.schemas import ItemError, ItemResult
+from serving.schemas import ItemError, ItemResult, ScoreRequest
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
 from tests.serving.support import scored_batch, started_scorer, transaction
 from tests.shared import until_async
@@ -371,3 +373,30 @@ def test_an_answer_replayed_from_the_scoring_process_memory_is_the_one_given_and
     assert again.rows == [], "a replay writes nothing"
     gc.collect()
     assert not any(gc.is_tracked(remembered) for remembered in core._recent.values())
+
+
+def test_a_keyed_duplicate_of_a_request_whose_scoring_process_died_is_answered_503_too(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """Handed its first request's error, the duplicate raised one nothing above the scorer answers (a 500)."""
+
+    def call(request_id: str) -> ScoreCall:
+        now = time.monotonic()
+        return ScoreCall(
+            request_id=request_id,
+            request=ScoreRequest(transactions=[transaction("tx-1")]),
+            idempotency_key="k",
+            deadline=now + 5,
+            deadline_ms=5000,
+            counted_from=now,
+            arrived=now,
+        )
+
+    async def scenario() -> list[int]:
+        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path)
+        scorer.swap(ScoringBackend(MODEL, DeadPool(max_workers=1), FakeScoring()))
+        answers = await asyncio.gather(answer(call("r1"), scorer), answer(call("r2"), scorer))
+        await scorer.close()
+        return [response.status_code for response in answers]
+
+    assert asyncio.run(scenario()) == [503, 503]
