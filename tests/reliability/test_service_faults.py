@@ -327,6 +327,9 @@ def test_malformed_json_is_a_4xx_with_a_reason_never_a_500(server: SuiteServer) 
         "NUL in account": httpx.Request(
             "POST", "/", json={"transactions": [{**row, "account_id": "acct\x00x"}]}
         ).read(),
+        "NUL in idempotency key": httpx.Request(
+            "POST", "/", json={"transactions": [row], "idempotency_key": "key\x00x"}
+        ).read(),
         # A lone surrogate cannot be encoded for PostgreSQL; the JSON parser refuses it.
         "lone surrogate": b'{"transactions": [{"transaction_id": "a\\ud800", "account_id": "b"}]}',
         "unknown field": httpx.Request("POST", "/", json={"transactions": [row], "extra": 1}).read(),
