@@ -228,8 +228,9 @@ class ConcurrencyLimit:
     that arrived at once is admitted whole before any window closes, up to the ceiling, `max_limit`.
 
     The step into overload is told from a burst by how many requests it adds: `settled` is the
-    limit at the last window that bound within the aim (the concurrency this service was last seen
-    to answer within the target, kept through idle stretches), and admissions beyond it spend a
+    limit the last window that bound within the aim left, grown as its room allowed (the
+    concurrency this service was last seen to answer within the target, kept through idle
+    stretches), and admissions beyond it spend a
     `burst` allowance that refills, over `burst_refill_s`, only while fewer are in flight. A burst
     spends part of it once and drains; an overload keeps arriving and spends all of it within tens
     of milliseconds, and the limit then drops to `settled` at once, where it used to climb to the
@@ -377,13 +378,16 @@ class ConcurrencyLimit:
                 self._last_cut = now
             return
         self._over_since = None
-        if binding:
-            self.settled = self.limit
-            room = min(1.25, allowed / max(estimated_p99, 1e-9)) - 1.0
-            grown = self.limit * (1.0 + self.growth_smoothing * room)
-        else:
-            grown = self.limit * 1.25
-        self.limit = min(self.max_limit, grown)
+        if not binding:
+            self.limit = min(self.max_limit, self.limit * 1.25)
+            return
+        room = min(1.25, allowed / max(estimated_p99, 1e-9)) - 1.0
+        self.limit = min(self.max_limit, self.limit * (1.0 + self.growth_smoothing * room))
+        # Where an onset's cut lands: this window's limit, grown as its room allows. Recorded before
+        # the growth, every growth was undone by the next admission past it once the allowance was
+        # spent, and the allowance refills only below `settled`: under a load that stayed above an
+        # old overload's concurrency the limit stayed there, refusing answers well within the target.
+        self.settled = self.limit
 
 
 class TailShape:

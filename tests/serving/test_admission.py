@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import random
 import time
@@ -555,6 +556,30 @@ def test_a_burst_of_64_after_an_overload_has_settled_is_let_in_whole_and_refills
     assert limit.burst_left == pytest.approx(min(limit.burst, limit.burst - spent + 0.3 * limit.burst))
     clock.now += 1.0
     assert sum(limit.acquire() for _ in range(64)) == 64, "a second burst a second later is whole again"
+
+
+def test_a_healthy_load_above_where_an_old_overload_settled_grows_the_limit_to_what_it_asks() -> None:
+    """After an overload settled at about 15 in flight, the service answers every request in 10 ms
+    (a fifth of the target) at any concurrency, and 30 in flight are asked for: the limit grows to
+    the ceiling within seconds, where it stayed at the old concurrency refusing 40% for good."""
+    clock = FakeClock()
+    limit = ConcurrencyLimit(0.05, max_limit=128, min_limit=4, clock=clock)
+    assert settle_an_overload(limit, clock) < 20
+    answering: collections.deque[tuple[int, int]] = collections.deque()  # (due ms, how many)
+    refused_by_second = []
+    for second in range(5):
+        refused = 0
+        for ms in range(second * 1000, (second + 1) * 1000):
+            clock.now += 0.001
+            while answering and answering[0][0] <= ms:
+                for _ in range(answering.popleft()[1]):
+                    limit.release(0.010)
+            admitted = sum(limit.acquire() for _ in range(3))
+            refused += 3 - admitted
+            answering.append((ms + 10, admitted))
+        refused_by_second.append(refused)
+    assert refused_by_second[-1] == 0, refused_by_second
+    assert limit.limit == limit.max_limit
 
 
 def test_before_a_first_overload_has_settled_only_the_ceiling_stands() -> None:
