@@ -185,9 +185,10 @@ class IdempotencyKeys:
         self._guarded(functools.partial(release_idempotency_key, key=key, request_id=request_id))
 
     async def _claim(self, key: str, fingerprint: str, request_id: str) -> KeyClaim | None:
-        claim = await asyncio.to_thread(
-            self._guarded,
+        claim = await self._claiming(
             functools.partial(claim_idempotency_key, key=key, request_hash=fingerprint, request_id=request_id),
+            key,
+            request_id,
         )
         if claim is not None and claim.request_hash != fingerprint:
             raise KeyReused(key)
@@ -208,7 +209,7 @@ class IdempotencyKeys:
                     request_id=request_id,
                     claimed_before=claim.created_at + timedelta(microseconds=1),
                 )
-                taken = await asyncio.to_thread(self._guarded, take_over)
+                taken = await self._claiming(take_over, key, request_id)
                 if taken:
                     return None
             if time.monotonic() + _POLL_S >= deadline:
@@ -220,6 +221,18 @@ class IdempotencyKeys:
             if again.owned_by(request_id):  # the other request gave up its claim and this one took it
                 return None
             claim = again
+
+    async def _claiming(self, work: Callable[[Connection], _T], key: str, request_id: str) -> _T | None:
+        """`work` (a claim or a take-over for `request_id`) off the event loop. Cancelled meanwhile
+        (the client's request ended, shutdown), the thread still commits the claim: it is released
+        once it lands, where it stayed unanswered and every retry was told 409 until it went stale."""
+        claiming = asyncio.ensure_future(asyncio.to_thread(self._guarded, work))
+        try:
+            return await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            loop = asyncio.get_running_loop()
+            claiming.add_done_callback(lambda _: loop.run_in_executor(None, self.store_release, key, request_id))
+            raise
 
     def _guarded(self, work: Callable[[Connection], _T]) -> _T | None:
         """`work` in one transaction, or None when the store is unreachable (breaker open)."""

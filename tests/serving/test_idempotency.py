@@ -352,3 +352,22 @@ def test_a_duplicate_is_not_cancelled_with_the_request_it_waited_on(engine: Engi
     outcome = asyncio.run(scenario())
     assert not isinstance(outcome, BaseException), f"the duplicate got {outcome!r}"
     assert outcome[0][0].score == 0.003
+
+
+def test_a_request_cancelled_while_it_claims_its_key_leaves_no_claim_behind(engine: Engine, tmp_path: Path) -> None:
+    """Cancelled while its claim's INSERT runs in a thread (its request ended, shutdown): the claim
+    still lands, and is released, where every retry was told 409 until it went stale."""
+
+    async def scenario() -> ItemResult:
+        scorer = await scorer_on(engine, tmp_path, AmountScoring(), "a")
+        first = asyncio.create_task(ask(scorer, "r1", "k", body("demo-1", 3.0)))
+        await asyncio.sleep(0)  # the first request awaits its claim, in a thread
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await until_async(lambda: not key_rows(engine))  # its claim landed, then was released
+        retry = await ask(scorer, "r2", "k", body("demo-1", 3.0))
+        await settle(engine, scorer)
+        return retry
+
+    assert asyncio.run(scenario()).request_id == "r2"
