@@ -79,7 +79,12 @@ def build_app(
             found = await asyncio.to_thread(explain, engine, transaction_id, dagster_ui_url=edge.dagster_ui_url)
         except SQLAlchemyError as error:
             logger.warning("lineage query failed: %s", type(error).__name__)
-            raise Refused(503, "store_unavailable", "the result store is unreachable; retry later") from error
+            raise Refused(
+                503,
+                "store_unavailable",
+                "the result store is unreachable; retry later",
+                headers={"Retry-After": "1"},
+            ) from error
         if not found.source_found and not found.results:
             raise Refused(404, "not_found", f"no record or result for transaction {transaction_id!r}")
         return JSONResponse(found.to_dict(), headers={REQUEST_ID_HEADER: request_id})

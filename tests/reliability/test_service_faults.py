@@ -117,7 +117,9 @@ def test_database_outage_under_steady_load_holds_deadlines_and_loses_nothing(ser
                     await asyncio.sleep(1.0)
                     asked = time.perf_counter()
                     answer = await c.get(f"{server.url}/lineage/{rows[0]['transaction_id']}")
-                    lineage_during_outage.append((answer.status_code, time.perf_counter() - asked, answer.json()))
+                    lineage_during_outage.append(
+                        (answer.status_code, time.perf_counter() - asked, {**answer.json(), **answer.headers})
+                    )
                     while time.perf_counter() - blocked < OUTAGE_S:
                         await asyncio.sleep(0.5)
                         text = (await c.get(f"{server.url}/metrics")).text
@@ -156,6 +158,7 @@ def test_database_outage_under_steady_load_holds_deadlines_and_loses_nothing(ser
     assert degraded > 0, "scoring without history during the outage is flagged degraded"
     ((lineage_status, lineage_s, lineage_body),) = lineage_during_outage
     assert (lineage_status, lineage_body["error"]) == (503, "store_unavailable"), lineage_body
+    assert lineage_body.get("retry-after") == "1", "a 503 says when to come back"
     assert lineage_s < 5, "a lineage query never hangs on a dead store (connect and statement timeouts)"
 
     # Recovery: the outbox drains and every 200-scored transaction is in `predictions`.
