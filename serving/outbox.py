@@ -35,6 +35,15 @@ def _decode(mapping: dict[str, Any]) -> Any:
     return mapping
 
 
+class PartlyWritten(Exception):
+    """What a drain's `write` raises when it stopped partway: `unwritten` are the rows (the same
+    objects it was handed) still to do; the others were handled and leave the outbox."""
+
+    def __init__(self, unwritten: list[dict[str, Any]]) -> None:
+        super().__init__(f"{len(unwritten)} rows not written")
+        self.unwritten = unwritten
+
+
 class Outbox:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,14 +72,24 @@ class Outbox:
             return int(self._conn.execute("SELECT count(*) FROM outbox").fetchone()[0])
 
     def drain(self, write: Callable[[list[dict[str, Any]]], None], chunk: int) -> int:
-        """Hand the oldest rows to `write` chunk by chunk until empty or `write` raises; returns rows drained."""
+        """Hand the oldest rows to `write` chunk by chunk until empty or `write` raises; returns rows
+        drained. A `PartlyWritten` chunk keeps only its unwritten rows: kept whole, a row the writer
+        had quarantined was quarantined again at every retry."""
         drained = 0
         while True:
             with self._lock:
                 found = self._conn.execute("SELECT id, row FROM outbox ORDER BY id LIMIT ?", (chunk,)).fetchall()
             if not found:
                 return drained
-            write([json.loads(text, object_hook=_decode) for _, text in found])
+            rows = [json.loads(text, object_hook=_decode) for _, text in found]
+            try:
+                write(rows)
+            except PartlyWritten as partly:
+                left = {id(row) for row in partly.unwritten}
+                handled = [(row_id,) for (row_id, _), row in zip(found, rows, strict=True) if id(row) not in left]
+                with self._lock:
+                    self._conn.executemany("DELETE FROM outbox WHERE id = ?", handled)
+                raise
             with self._lock:
                 self._conn.execute("DELETE FROM outbox WHERE id <= ?", (found[-1][0],))
             drained += len(found)

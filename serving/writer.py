@@ -33,7 +33,7 @@ from inference.store import (
 )
 from serving.breaker import CircuitBreaker
 from serving.metrics import ServingMetrics
-from serving.outbox import Outbox
+from serving.outbox import Outbox, PartlyWritten
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +73,8 @@ def write_prediction_rows(conn: Connection, rows: list[dict[str, Any]]) -> int:
     return upsert_predictions(conn, prediction_frame(rows)) if rows else 0
 
 
-class StoreOutage(Exception):
-    def __init__(self, unwritten: list[dict[str, Any]]) -> None:
-        super().__init__(f"{len(unwritten)} rows not written")
-        self.unwritten = unwritten
+class StoreOutage(PartlyWritten):
+    """The database cannot be reached (or lacks its schema); `unwritten` are kept for later."""
 
 
 class ResultWriter:

@@ -28,7 +28,7 @@ from serving.batcher import SCORING_PROCESS_DIED
 from serving.breaker import CircuitBreaker
 from serving.gate import ScoreCall
 from serving.lifecycle import PoolSupervisor
-from serving.outbox import Outbox
+from serving.outbox import Outbox, PartlyWritten
 from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import ItemError, ItemResult, ScoreRequest
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
@@ -204,6 +204,24 @@ class DeadPool(ThreadPoolExecutor):
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         raise BrokenExecutor("the scoring process died")
+
+
+def test_a_chunk_written_in_part_leaves_only_its_unwritten_rows_in_the_outbox(tmp_path: Path) -> None:
+    """The writer quarantined the chunk's first row and wrote its second before the database went
+    away: kept whole, the chunk's retry quarantined that row again at every drain."""
+    outbox = Outbox(tmp_path / "outbox.sqlite3")
+    outbox.append([{"transaction_id": f"t{i}"} for i in range(4)])
+    handed: list[list[object]] = []
+
+    def down_after_two(rows: list[dict[str, object]]) -> None:
+        handed.append([row["transaction_id"] for row in rows])
+        raise PartlyWritten(rows[2:])
+
+    with pytest.raises(PartlyWritten):
+        outbox.drain(down_after_two, chunk=10)
+    assert outbox.depth() == 2
+    assert outbox.drain(lambda rows: handed.append([row["transaction_id"] for row in rows]), chunk=10) == 2
+    assert handed == [["t0", "t1", "t2", "t3"], ["t2", "t3"]]
 
 
 def test_a_dead_scoring_process_is_replaced_and_liveness_fails_only_when_that_keeps_failing(
