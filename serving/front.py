@@ -86,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         service_env = os.environ | {
             "TANDEM_SERVING_PROXY_RUNTIME_SOCKET": str(socket_path),
             "TANDEM_SERVING_PROXY_SERVER": PROXY_SERVER,
+            # HAProxy sets X-Request-Start on every request, over any client's.
+            "TANDEM_SERVING_TRUST_REQUEST_START": "true",
         }
         proxy_env = os.environ | {
             "TANDEM_FRONT_RUNTIME_SOCKET": str(socket_path),

@@ -288,7 +288,8 @@ class ScoreGate:
     def _screen(self, headers: Headers, scorer: OnlineScorer, *, loop_lag_s: float) -> tuple[Wait, float, str | None]:
         """(the wait before the service saw it, deadline in ms, idempotency key) from a /score
         request's headers; Refused for its token (401) or a malformed header (400)."""
-        wait = _wait_before(headers, loop_lag_s, scorer.proxy_wait)
+        stamps = scorer.proxy_wait if scorer.settings.trust_request_start else None
+        wait = _wait_before(headers, loop_lag_s, stamps)
         refusal = self.edge.auth.check(headers.get("authorization"))
         if refusal is not None:
             raise Refused.at_edge(refusal)
@@ -372,18 +373,17 @@ class Wait:
     counted_from: float
 
 
-def _wait_before(headers: Headers, loop_lag_s: float, proxy_wait: StandingMinimum) -> Wait:
+def _wait_before(headers: Headers, loop_lag_s: float, proxy_wait: StandingMinimum | None) -> Wait:
     """The request's wait, from the event loop's standing lag and a proxy's X-Request-Start stamp,
     whichever says it waited longer. A stamp moves the arrival back in full (the deadline and the
     concurrency limit's latency count from there), but counts against the target at admission only
     as far as such waits have stood (`StandingMinimum`), as the loop's lag does: a proxy that
     stamps every request would otherwise make the service refuse part of a burst that drains
     within the interval. A stamp in the future, unparsable, or more than a minute old
-    (clock skew) is ignored."""
+    (clock skew) is ignored; so is every stamp without `proxy_wait` (no trusted proxy stamps them)."""
     now = time.monotonic()
     waited, standing = loop_lag_s, loop_lag_s
-    stamp = headers.get(REQUEST_START_HEADER)
-    if stamp is not None:
+    if proxy_wait is not None and (stamp := headers.get(REQUEST_START_HEADER)) is not None:
         started = _epoch_seconds(stamp)
         stamped_wait = None if started is None else time.time() - started
         if stamped_wait is not None and 0.0 <= stamped_wait <= MAX_PROXY_WAIT_S:

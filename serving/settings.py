@@ -86,6 +86,13 @@ class ServingSettings(BaseSettings):
         "(deploy/haproxy, `python -m serving.front`): the adaptive concurrency limit is published to it as "
         "`proxy_server`'s maxconn, so past capacity HAProxy refuses in place of this server (serving/proxy_limit.py).",
     )
+    trust_request_start: bool = Field(
+        default=False,
+        description="Honour a proxy's X-Request-Start stamp (how long a request waited before this server read "
+        "it) in deadlines, admission and the concurrency limit. Only behind a proxy that sets it on every request, "
+        "overwriting any client's (deploy/haproxy does; `python -m serving.front` turns this on): a client's own "
+        "stamp could move its arrival back up to a minute, and that latency would cut the limit for every client.",
+    )
     proxy_server: str = Field(
         default="tandem/score",
         pattern=r"^[A-Za-z0-9_.:-]+/[A-Za-z0-9_.:-]+$",

@@ -40,7 +40,7 @@ def proxy_has_reported(scorer: OnlineScorer, seconds: float, *, since_s: float) 
 
 def test_the_screen_gives_the_gates_own_overload_refusal(sqlite_engine: Engine, tmp_path: Path) -> None:
     async def scenario() -> tuple[tuple[int, dict[str, str], dict[str, object]], httpx.Response, ServingMetrics]:
-        settings = ServingSettings(p99_target_ms=50)
+        settings = ServingSettings(p99_target_ms=50, trust_request_start=True)
         metrics = ServingMetrics(settings=settings)
         scorer = await started_outcome_scorer(sqlite_engine, tmp_path, settings, metrics)
         try:
@@ -113,7 +113,7 @@ def test_behind_a_proxy_that_stamps_every_request_a_burst_is_let_in_and_a_standi
     of a whole burst interval shows is, and is refused from the headers."""
 
     async def scenario() -> tuple[list[bool], list[bool], OnlineScorer]:
-        settings = ServingSettings(p99_target_ms=50)
+        settings = ServingSettings(p99_target_ms=50, trust_request_start=True)
         scorer = await started_outcome_scorer(sqlite_engine, tmp_path, settings, ServingMetrics(settings=settings))
         interval_s = settings.burst_interval_ms / 1000
         try:

@@ -242,8 +242,10 @@ def unseen(metrics: ServingMetrics, field: str) -> float:
 class ScriptedScorer:
     """What build_app reads from an OnlineScorer, with `score` replaced by a script."""
 
-    def __init__(self, script: Callable[[], Any], *, scoring: bool = True, target_ms: float = 50) -> None:
-        self.settings = ServingSettings(p99_target_ms=target_ms)
+    def __init__(
+        self, script: Callable[[], Any], *, scoring: bool = True, target_ms: float = 50, behind_proxy: bool = False
+    ) -> None:
+        self.settings = ServingSettings(p99_target_ms=target_ms, trust_request_start=behind_proxy)
         self.metrics = ServingMetrics(settings=self.settings)
         self._script = script
         self._scoring = scoring
@@ -377,7 +379,7 @@ def test_a_proxys_stamped_wait_counts_for_the_limit_in_full_and_for_the_scorer_o
 
     def latency_behind(reported_wait_s: float) -> tuple[float, float]:
         """(the limit's latency, the scorer's counted wait) of one request stamped 80 ms ago."""
-        scorer = ScriptedScorer(lambda: None)
+        scorer = ScriptedScorer(lambda: None, behind_proxy=True)
         moment = time.monotonic() - interval_s - 0.05
         while moment < time.monotonic():  # what the proxy's stamps showed for the last interval and more
             scorer.proxy_wait.observe(reported_wait_s, moment)
@@ -401,6 +403,25 @@ def test_a_proxys_stamped_wait_counts_for_the_limit_in_full_and_for_the_scorer_o
     assert limit_latency >= 0.08, "the limit's latency starts at the stamp"
     assert counted < 0.05, "a burst's momentary wait is not overload"
     assert all(waited >= 0.08 for waited in latency_behind(0.08)), "a standing wait is"
+
+
+def test_a_clients_own_stamp_is_ignored_without_a_trusted_proxy_in_front() -> None:
+    """Served directly, a stamp is the client's word: honoured, one claiming a nine-second wait
+    (within a ten-second deadline) would be a latency sample that cuts the limit for everyone."""
+    scorer = ScriptedScorer(lambda: None)
+
+    async def go() -> int:
+        async with client_for(scorer) as client:
+            answer = await client.post(
+                "/score",
+                json={"transactions": [tx("a")]},
+                headers={"X-Request-Start": f"t={time.time() - 9:.6f}", "X-Deadline-Ms": "10000"},
+            )
+        return answer.status_code
+
+    assert asyncio.run(go()) == 200
+    (latency,) = scorer.finished_latencies
+    assert latency is not None and latency < 1.0
 
 
 def test_metrics_are_rendered_off_the_event_loop() -> None:
