@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -95,6 +96,19 @@ def _give_up(owner: _LocalKey, error: BaseException) -> None:
         owner.answered.exception()  # retrieved here, so an unwaited future logs nothing
 
 
+def _outcome_write(key: str, request_id: str, response: str | None) -> Callable[[Connection], bool]:
+    """A claim's outcome as one store write: its answer, or (None) its release. True once done."""
+
+    def write(conn: Connection) -> bool:
+        if response is None:
+            release_idempotency_key(conn, key=key, request_id=request_id)
+        else:
+            complete_idempotency_key(conn, key=key, request_id=request_id, response=response)
+        return True
+
+    return write
+
+
 # A key this process has answered: (fingerprint, the answer as JSON). A tuple of a str and bytes,
 # which the garbage collector stops tracking: 100,000 answered keys kept as futures holding lists
 # of models made every full collection of the server walk them all (bench/findings.md).
@@ -118,6 +132,12 @@ class IdempotencyKeys:
         self.size = size
         self.stale_after_s = stale_after_s
         self._local: collections.OrderedDict[str, _LocalKey | _Answered] = collections.OrderedDict()
+        # Outcomes of claims this process holds that the store did not take (breaker open, an
+        # outage): (key, request_id) -> the answer's JSON, or None to release the claim. Written
+        # with the next outcome the store takes; left unwritten, another process saw the claim
+        # unanswered (409) until it went stale, then scored the key again.
+        self._unstored: collections.OrderedDict[tuple[str, str], str | None] = collections.OrderedDict()
+        self._unstored_lock = threading.Lock()
 
     async def admit(self, key: str, fingerprint: str, *, request_id: str, deadline: float) -> Admission:
         """Raises KeyReused, KeyInProgress, or asyncio.TimeoutError past `deadline`."""
@@ -179,10 +199,23 @@ class IdempotencyKeys:
 
     # ------------------------------------------------------------------ the store (blocking; off the loop)
     def store_answer(self, key: str, request_id: str, response: str) -> None:
-        self._guarded(functools.partial(complete_idempotency_key, key=key, request_id=request_id, response=response))
+        self._store_outcome(key, request_id, response)
 
     def store_release(self, key: str, request_id: str) -> None:
-        self._guarded(functools.partial(release_idempotency_key, key=key, request_id=request_id))
+        self._store_outcome(key, request_id, None)
+
+    def _store_outcome(self, key: str, request_id: str, response: str | None) -> None:
+        with self._unstored_lock:
+            self._unstored[(key, request_id)] = response
+            while len(self._unstored) > self.size:
+                self._unstored.popitem(last=False)
+            pending = list(self._unstored.items())
+        for (pending_key, pending_request), pending_response in pending:
+            if self._guarded(_outcome_write(pending_key, pending_request, pending_response)) is None:
+                return  # the store is away: what is left waits for the next outcome
+            with self._unstored_lock:
+                if self._unstored.get((pending_key, pending_request), pending_response) == pending_response:
+                    self._unstored.pop((pending_key, pending_request), None)
 
     async def _claim(self, key: str, fingerprint: str, request_id: str) -> KeyClaim | None:
         claim = await self._claiming(

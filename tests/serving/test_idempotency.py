@@ -16,6 +16,8 @@ from sqlalchemy.engine import Engine
 
 from inference.records import Transaction
 from inference.store import idempotency_keys, read_predictions
+from serving.breaker import CircuitBreaker
+from serving.idempotency import IdempotencyKeys
 from serving.runtime import DeadlineExceeded, KeyInProgress, KeyReused, OnlineScorer, Shed
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
@@ -371,3 +373,30 @@ def test_a_request_cancelled_while_it_claims_its_key_leaves_no_claim_behind(engi
         return retry
 
     assert asyncio.run(scenario()).request_id == "r2"
+
+
+def test_an_outcome_the_store_did_not_take_is_written_with_the_next_one(engine: Engine) -> None:
+    """The breaker was open when the first answer was to be stored: left unwritten, its claim stayed
+    unanswered, and another process told every retry 409 until it went stale, then scored again."""
+    breaker = CircuitBreaker(failure_threshold=1, reset_s=60.0)
+    keys = IdempotencyKeys(engine, breaker, size=100, stale_after_s=10.0)
+
+    async def claim(key: str, request_id: str) -> None:
+        admission = await keys.admit(key, f"body-{key}", request_id=request_id, deadline=time.monotonic() + 5)
+        assert admission.claimed_in_store
+
+    async def scenario() -> None:
+        await claim("k1", "r1")
+        await claim("k2", "r2")
+        await claim("k3", "r3")
+
+    asyncio.run(scenario())
+    breaker.record_failure()  # an outage opens the breaker
+    keys.store_answer("k1", "r1", "[]")
+    keys.store_release("k2", "r2")
+    assert claimed(engine, "k1") and not claimed(engine, "k1", answered=True)
+    assert claimed(engine, "k2")
+    breaker.record_success()  # the store is back
+    keys.store_answer("k3", "r3", "[]")
+    assert claimed(engine, "k1", answered=True) and claimed(engine, "k3", answered=True)
+    assert not claimed(engine, "k2"), "the release is written too"
