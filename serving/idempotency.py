@@ -205,17 +205,18 @@ class IdempotencyKeys:
         self._store_outcome(key, request_id, None)
 
     def _store_outcome(self, key: str, request_id: str, response: str | None) -> None:
+        """This outcome, then those that waited for the store; each one it does not take waits for
+        the next outcome (behind the others: one the store keeps refusing holds none back)."""
         with self._unstored_lock:
-            self._unstored[(key, request_id)] = response
-            while len(self._unstored) > self.size:
-                self._unstored.popitem(last=False)
-            pending = list(self._unstored.items())
-        for (pending_key, pending_request), pending_response in pending:
-            if self._guarded(_outcome_write(pending_key, pending_request, pending_response)) is None:
-                return  # the store is away: what is left waits for the next outcome
+            outcomes = [((key, request_id), response), *self._unstored.items()]
+            self._unstored.clear()
+        for (outcome_key, outcome_request), outcome_response in outcomes:
+            if self._guarded(_outcome_write(outcome_key, outcome_request, outcome_response)) is not None:
+                continue
             with self._unstored_lock:
-                if self._unstored.get((pending_key, pending_request), pending_response) == pending_response:
-                    self._unstored.pop((pending_key, pending_request), None)
+                self._unstored[(outcome_key, outcome_request)] = outcome_response
+                while len(self._unstored) > self.size:
+                    self._unstored.popitem(last=False)
 
     async def _claim(self, key: str, fingerprint: str, request_id: str) -> KeyClaim | None:
         claim = await self._claiming(
