@@ -30,7 +30,8 @@ class CircuitBreaker:
         self._lock = threading.Lock()
         self._failures = 0
         self._opened_at: float | None = None
-        self._probing = False
+        # When the half-open probe was handed out; None: no probe out.
+        self._probe_since: float | None = None
 
     @property
     def state(self) -> BreakerState:
@@ -50,27 +51,26 @@ class CircuitBreaker:
             state = self._state_locked()
             if state is BreakerState.CLOSED:
                 return True
-            if state is BreakerState.HALF_OPEN and not self._probing:
-                self._probing = True
+            now = self._clock()
+            # A probe unanswered for reset_s is given up: its caller failed for a reason that says
+            # nothing about the database (a local error, a bug) and recorded neither outcome. Held
+            # for good, it kept the breaker half-open and refusing every caller until a restart.
+            if state is BreakerState.HALF_OPEN and (
+                self._probe_since is None or now - self._probe_since >= self.reset_s
+            ):
+                self._probe_since = now
                 return True
             return False
-
-    def give_back_probe(self) -> None:
-        """The caller `allow` let through failed for a reason that says nothing about the database
-        (a local error, a bug): the next caller probes. A probe claimed and never answered kept the
-        breaker half-open and refusing every caller for good."""
-        with self._lock:
-            self._probing = False
 
     def record_success(self) -> None:
         with self._lock:
             self._failures = 0
             self._opened_at = None
-            self._probing = False
+            self._probe_since = None
 
     def record_failure(self) -> None:
         with self._lock:
             self._failures += 1
-            self._probing = False
+            self._probe_since = None
             if self._opened_at is not None or self._failures >= self.failure_threshold:
                 self._opened_at = self._clock()

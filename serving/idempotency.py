@@ -279,9 +279,6 @@ class IdempotencyKeys:
             self.breaker.record_failure()
             logger.warning("idempotency store unavailable; this process's memory decides: %s", error)
             return None
-        except BaseException:
-            self.breaker.give_back_probe()
-            raise
         self.breaker.record_success()
         return result
 

@@ -91,9 +91,6 @@ class GuardedHistory:
             except SQLAlchemyError as error:
                 self.breaker.record_failure()
                 logger.warning("history read failed, scoring without history: %s", error)
-            except BaseException:
-                self.breaker.give_back_probe()
-                raise
             else:
                 self.breaker.record_success()
                 return history
@@ -181,9 +178,6 @@ class ScoringCore:
             self.breaker.record_failure()
             logger.warning("stored-answer lookup failed; answering afresh: %s", error)
             return {}
-        except BaseException:
-            self.breaker.give_back_probe()
-            raise
         self.breaker.record_success()
         return {(row["transaction_id"], row["answer_key"]): _replayed(row) for row in rows}
 

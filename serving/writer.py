@@ -282,9 +282,6 @@ class ResultWriter:
         except StoreOutage as outage:
             self.breaker.record_failure()
             logger.warning("outbox drain stopped: %s", outage.__cause__)
-        except BaseException:  # the outbox's own file (locked, a disk error): no word on the database
-            self.breaker.give_back_probe()
-            raise
         else:
             self.breaker.record_success()
         self._set_depth(self.outbox.depth())
@@ -315,9 +312,6 @@ class ResultWriter:
         except SQLAlchemyError as error:
             self.breaker.record_failure()
             logger.warning("quarantine write dropped: %s", error)
-        except BaseException:
-            self.breaker.give_back_probe()
-            raise
         else:
             self.breaker.record_success()
 

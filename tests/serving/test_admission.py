@@ -133,10 +133,10 @@ class _BrokenEngine:
         raise RuntimeError("not a database error")
 
 
-def test_a_probe_that_fails_for_no_database_reason_is_given_back() -> None:
+def test_a_probe_that_fails_for_no_database_reason_is_given_up_after_reset_s() -> None:
     """Half-open, the history read that took the probe raised something other than a database
-    error: the next caller probes, where the probe was kept and every later batch was scored
-    without history for good."""
+    error and recorded neither outcome: once it has gone unanswered for reset_s, the next caller
+    probes, where the probe was kept and every later batch was scored without history for good."""
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=1, reset_s=5.0, clock=clock)
     breaker.record_failure()
@@ -145,7 +145,10 @@ def test_a_probe_that_fails_for_no_database_reason_is_given_back() -> None:
     with pytest.raises(RuntimeError):
         history.history_for(pl.DataFrame(), 8)
     assert breaker.state is BreakerState.HALF_OPEN
+    assert not breaker.allow(), "the probe is out"
+    clock.now = 10.0
     assert breaker.allow(), "the next caller probes"
+    assert not breaker.allow(), "one probe at a time still"
 
 
 # ------------------------------------------------------------------ the wait before the service sees a request
