@@ -8,9 +8,7 @@ import polars as pl
 from sqlalchemy.engine import Engine
 
 from inference.contract import Predictor
-from inference.store import StoreHistory, sample_batch_predictions
-
-PARITY_TOLERANCE = 1e-5
+from inference.store import PARITY_TOLERANCE, StoreHistory, sample_batch_predictions
 
 
 @dataclass(frozen=True)

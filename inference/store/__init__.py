@@ -18,6 +18,7 @@ stays the table even after a submodule import.
 
 from inference.store.answers import (
     ANSWER_PAIR_SCHEMA,
+    PARITY_TOLERANCE,
     ROW_COLUMNS,
     BatchProducer,
     OnlineProducer,
@@ -101,6 +102,7 @@ __all__ = [
     "COMPARISON_SCHEMA",
     "HISTORY_SCHEMA",
     "NO_HISTORY",
+    "PARITY_TOLERANCE",
     "PREDICTION_COLUMNS",
     "PREDICTION_SCHEMA",
     "ROW_COLUMNS",

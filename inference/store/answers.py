@@ -27,6 +27,10 @@ from inference.store.schema import (
 )
 
 # Columns a writer may leave out: the merge derives answer_key, and the rest default.
+# Two scores this close are one answer: float noise between forward batch sizes and thread counts.
+# The parity check and path_agreement compare with it; a batch rewrite needs a larger change.
+PARITY_TOLERANCE = 1e-5
+
 _DERIVED_OR_DEFAULTED = {"answer_key": None, "degraded": False, "unseen_fields": None, "latency_ms": None}
 
 
@@ -157,7 +161,9 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame, *, table: sa.Table 
     Keyed by (transaction_id, model_version, path, answer_key), so one path never touches what the
     other recorded:
     - a batch answer is rewritten when the record or the history it read changed (a correction,
-      a late earlier record); the same input again (a rerun, a retry) is a no-op;
+      a late earlier record), or when the score did (the same model under changed feature or
+      scoring code: the rescore a bumped code version asks for); the same answer again (a rerun,
+      a retry) is a no-op;
     - an online answer is never rewritten: the same key means the same input and history, i.e.
       the same answer replayed.
     """
@@ -181,8 +187,14 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame, *, table: sa.Table 
 
 def _prediction_conflict(table: sa.Table, excluded: Any) -> tuple[dict[str, Any], Any]:
     p = table.c
-    # A batch score is a function of the record and of the history it read: either changing rewrites it.
-    changed = sa.or_(p.input_hash != excluded.input_hash, p.history_hash.is_distinct_from(excluded.history_hash))
+    # A batch score is a function of the record, the history it read and the code that scored it.
+    # The code's version on the row is the git revision, which moves with every commit: comparing
+    # the score itself rewrites a row only when a change of code changed its answer.
+    changed = sa.or_(
+        p.input_hash != excluded.input_hash,
+        p.history_hash.is_distinct_from(excluded.history_hash),
+        sa.func.abs(p.score - excluded.score) > PARITY_TOLERANCE,
+    )
     key = ("transaction_id", "model_version", "path", "answer_key")
     set_ = {name: excluded[name] for name in PREDICTION_COLUMNS if name not in key}
     return set_, sa.and_(excluded.path == ResultPath.BATCH.value, changed)

@@ -55,8 +55,9 @@ def test_same_input_hash_is_a_no_op_and_a_changed_one_updates(engine: Engine) ->
     write(engine, prediction_rows(IDS, score=0.25, input_hash="hash-1", run_id="run-1"))
     original = read_all(engine)
 
+    # A rerun's float noise (another forward batch size) is the same answer.
     replay = prediction_rows(
-        IDS, score=0.75, input_hash="hash-1", run_id="run-2", produced_at=PRODUCED_AT + timedelta(1)
+        IDS, score=0.25 + 1e-7, input_hash="hash-1", run_id="run-2", produced_at=PRODUCED_AT + timedelta(1)
     )
     assert write(engine, replay) == 0
     assert read_all(engine).equals(original)
@@ -66,6 +67,19 @@ def test_same_input_hash_is_a_no_op_and_a_changed_one_updates(engine: Engine) ->
     stored = read_all(engine)
     assert stored.height == len(IDS)
     assert stored.select(PREDICTION_COLUMNS).row(0, named=True) == corrected.row(0, named=True)
+    assert stored.slice(1).equals(original.slice(1))
+
+
+def test_a_rescore_by_changed_code_rewrites_the_batch_answer_it_changed(engine: Engine) -> None:
+    """The rescore a bumped PREDICTIONS_CODE_VERSION asks for: same model, record and history, new
+    feature or scoring code. Its scores must replace the old code's; they used to be discarded."""
+    write(engine, prediction_rows(IDS, score=0.25, input_hash="hash-1", run_id="run-1"))
+    original = read_all(engine)
+
+    rescored = prediction_rows(IDS[:1], score=0.75, input_hash="hash-1", run_id="rescore")
+    assert write(engine, rescored) == 1
+    stored = read_all(engine)
+    assert stored.select(PREDICTION_COLUMNS).row(0, named=True) == rescored.row(0, named=True)
     assert stored.slice(1).equals(original.slice(1))
 
 
@@ -127,8 +141,12 @@ def test_both_paths_answers_to_the_same_key_are_kept(engine: Engine, first: str)
     (other,) = rows[second]
     expected_key = "" if second == "batch" else "input-1|history-1"
     assert (other["score"], other["answer_key"]) == (answers[second]["score"], expected_key)
-    # Replays of either answer, even with another score, change nothing.
-    replays = [{**answers[path], "score": 0.99, "request_id": "req-retry", "run_id": "run-retry"} for path in answers]
+    # Replays of either answer change nothing: an online one even with another score (an answer a
+    # client received stands), a batch one with the same score (a rerun of unchanged code).
+    replays = [
+        {**answers["online"], "score": 0.99, "request_id": "req-retry"},
+        {**answers["batch"], "run_id": "run-retry"},
+    ]
     assert write_answers(engine, *replays) == 0
     assert read_all(engine).height == 2
 
