@@ -54,24 +54,31 @@ class TransactionLineage:
         return asdict(self)
 
 
-def _current_index(rows: list[dict[str, Any]], current_hash: str | None) -> int | None:
+def _current_index(rows: list[dict[str, Any]], current_hash: str | None, production_version: str | None) -> int | None:
     """The batch answer for the stored record's current content wins (it read the complete,
     corrected history); without one, the newest online answer for that content; without a stored
-    record, the newest answer. Rows come oldest first."""
+    record, the newest answer. Among a path's answers the production model's come first: after a
+    rollback its rescore rewrites nothing (the same answer again), so the newest row is the retired
+    version's. Rows come oldest first."""
     matching = [i for i, row in enumerate(rows) if current_hash is None or row["input_hash"] == current_hash]
     for path in (ResultPath.BATCH.value, ResultPath.ONLINE.value):
         candidates = [i for i in matching if rows[i]["path"] == path]
+        in_production = [i for i in candidates if rows[i]["model_version"] == production_version]
         if candidates:
-            return candidates[-1]
+            return (in_production or candidates)[-1]
     return len(rows) - 1 if rows and current_hash is None else None
 
 
-def explain(engine: Engine, transaction_id: str, *, dagster_ui_url: str) -> TransactionLineage:
+def explain(
+    engine: Engine, transaction_id: str, *, dagster_ui_url: str, production_version: str | None = None
+) -> TransactionLineage:
+    """`production_version`: the model version in production now (None: unknown), whose answer is
+    the current one where several versions answered."""
     with engine.connect() as conn:
         source, rows = lineage_rows(conn, transaction_id)
         challenger_rows = challenger_lineage_rows(conn, transaction_id)
     current_hash = source["input_hash"] if source else None
-    current = _current_index(rows, current_hash)
+    current = _current_index(rows, current_hash, production_version)
     batch_rows = [row for row in rows if row["path"] == ResultPath.BATCH.value]
     batch_by_version = {row["model_version"]: row for row in batch_rows}
     results = []

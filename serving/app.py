@@ -73,10 +73,16 @@ def build_app(
         transaction_id = str(request.path_params["transaction_id"])
         if not 0 < len(transaction_id) <= ID_MAX_LENGTH or "\x00" in transaction_id:
             raise Refused(422, "invalid_request", f"transaction_id must be 1-{ID_MAX_LENGTH} characters, no NUL")
-        engine = get_scorer().engine
+        scorer = get_scorer()
         try:
             # A blocking query: off the event loop, which keeps answering /score meanwhile.
-            found = await asyncio.to_thread(explain, engine, transaction_id, dagster_ui_url=edge.dagster_ui_url)
+            found = await asyncio.to_thread(
+                explain,
+                scorer.engine,
+                transaction_id,
+                dagster_ui_url=edge.dagster_ui_url,
+                production_version=scorer.model_version,
+            )
         except SQLAlchemyError as error:
             logger.warning("lineage query failed: %s", type(error).__name__)
             raise Refused(

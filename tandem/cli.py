@@ -102,7 +102,12 @@ def _migrated_engine(settings: TandemSettings) -> Engine:
 
 def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bool) -> int:
     engine = _migrated_engine(settings)
-    report = explain(engine, transaction_id, dagster_ui_url=settings.dagster_ui_url)
+    report = explain(
+        engine,
+        transaction_id,
+        dagster_ui_url=settings.dagster_ui_url,
+        production_version=modelstore.production_tag(settings.model_name),
+    )
     if as_json:
         _say(json.dumps(report.to_dict(), indent=2, default=str))
         return 0 if report.source_found or report.results else 1

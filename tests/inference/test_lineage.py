@@ -83,7 +83,7 @@ def test_an_online_answer_is_rewritten_neither_by_batch_nor_by_a_later_online_an
 
     assert write_answers(engine, _batch(0.6, stored_hash)) == 1  # beside it
     assert write_answers(engine, _online(0.7, stored_hash, minutes=5)) == 0  # same input and history: a replay
-    assert write_answers(engine, _batch(0.9, stored_hash, run_id="run-2")) == 0  # a batch rerun of the same input
+    assert write_answers(engine, _batch(0.6, stored_hash, run_id="run-2")) == 0  # a batch rerun of the same answer
     # The account's history changed before the client retried: a second answer, kept beside the first.
     assert write_answers(engine, _online(0.3, stored_hash, minutes=6, history_hash="history-2")) == 1
 
@@ -132,6 +132,24 @@ def test_the_current_answer(engine: Engine, stored_hash: str) -> None:
     report = explain(engine, TX, dagster_ui_url="http://ui")
     assert sum(result.current for result in report.results) == 1
     assert report.current is not None and (report.current.path, report.current.score) == ("batch", 0.25)
+
+
+def test_after_a_rollback_the_production_models_batch_answer_is_current(engine: Engine, stored_hash: str) -> None:
+    """v1, then v2 promoted and the day rescored, then a rollback to v1 and the day rescored again:
+    that last rescore is the same answer again and rewrites nothing, so the newest batch row is the
+    retired v2's. The answer that stands is v1's, the production model's."""
+    write_answers(
+        engine,
+        _batch(0.25, stored_hash, minutes=0, model_version="risk:v1", run_id="nightly"),
+        _batch(0.6, stored_hash, minutes=5, model_version="risk:v2", run_id="after-promotion"),
+    )
+    assert write_answers(engine, _batch(0.25, stored_hash, minutes=9, model_version="risk:v1", run_id="rollback")) == 0
+
+    report = explain(engine, TX, dagster_ui_url="http://ui", production_version="risk:v1")
+    assert report.current is not None and (report.current.model_version, report.current.score) == ("risk:v1", 0.25)
+    # A production version that never answered it leaves the newest answer current.
+    newest = explain(engine, TX, dagster_ui_url="http://ui", production_version="risk:v3").current
+    assert newest is not None and newest.model_version == "risk:v2"
 
 
 def test_without_a_stored_record_the_newest_answer_is_current(engine: Engine) -> None:
