@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 from inference.contract import FrameHistory, Predictor, StagedPredictor
 from inference.pipeline import END, Aborted, End, Pipeline
 from inference.records import RAW_COLUMNS, RejectReason, strip_text_fields, validate
+from inference.sources.common import MALFORMED_ROW, PROBLEM
 from inference.store import (
     HISTORY_SCHEMA,
     BatchProducer,
@@ -58,8 +59,18 @@ class IngestReport:
 def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
     """Store one source day idempotently; identical re-sends change nothing."""
     checked = validate(strip_text_fields(frame))
+    if PROBLEM in checked.columns:
+        # A row its source could not read as written (see `sources.PROBLEM`) is quarantined as that,
+        # with the why, whatever its values would say: they are not what the user wrote.
+        checked = checked.with_columns(
+            reject_reason=pl.when(pl.col(PROBLEM).is_not_null())
+            .then(pl.lit(MALFORMED_ROW))
+            .otherwise(pl.col("reject_reason")),
+            reject_detail=pl.col(PROBLEM),
+        )
     unstorable = (
-        checked["reject_reason"].is_in(list(INGEST_REJECTIONS)).fill_null(False) | checked["transaction_id"].is_null()
+        checked["reject_reason"].is_in([*INGEST_REJECTIONS, MALFORMED_ROW]).fill_null(False)
+        | checked["transaction_id"].is_null()
     )
     storable, rejected = checked.filter(~unstorable), checked.filter(unstorable)
     with engine.begin() as conn:

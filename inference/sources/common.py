@@ -27,6 +27,13 @@ EXTENSIONS: dict[str, SourceFormat] = {
 DEMO_FILE = "demo.csv"  # the demo's file name inside a day folder (a pattern ending in "/")
 CANONICAL_EVENT_TIME = "%Y-%m-%dT%H:%M:%S.%6fZ"
 _ID_COLUMNS = ("transaction_id", "account_id")
+# The reason of a row its source could not read as written (a line that is not JSON, a JSON
+# number or boolean where text belongs); validation reasons are `records.RejectReason`. Such a row
+# is quarantined at ingest with the why in its detail, and never stored or scored.
+MALFORMED_ROW = "malformed_row"
+# The column a source adds to a day, only when some row of it could not be read: why, naming the
+# line, or null for a row read as written. Not a RAW column, so it never reaches the store.
+PROBLEM = "source_problem"
 
 # strftime directives a pattern may use, as the text they produce.
 _DIRECTIVE_REGEX = {

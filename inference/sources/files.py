@@ -3,21 +3,28 @@ directory or anything fsspec opens; CSV, Parquet or NDJSON."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import io
+import json
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import polars as pl
+from pydantic_core import from_json
 
+from inference.records import RAW_COLUMNS
 from inference.sources.common import (
     _DIRECTIVE_REGEX,
     DEFAULT_PATTERN,
     EXTENSIONS,
+    LABEL,
+    PROBLEM,
     SourceError,
     SourceFormat,
     SourceRead,
@@ -288,7 +295,129 @@ class FileSource:
             elif fmt == "parquet":
                 frame = pl.read_parquet(data)
             else:
-                frame = pl.read_ndjson(data, infer_schema_length=None)
+                frame, problems = _read_ndjson(data, where)
+                return _with_problems(conform(frame, where, typed=False), problems)
         except (pl.exceptions.PolarsError, OSError, ValueError) as error:
             raise SourceError(f"{where}: cannot be read as {fmt}: {_one_line(error)}") from error
         return conform(frame, where, typed=fmt != "csv")
+
+
+# ---------------------------------------------------------------------------------------------
+# NDJSON: each line parsed by Python's json, so every value arrives as written. polars' reader
+# types a column from all its lines: one `"12.5"` among numbers failed the day, and a `false` or
+# `5411` among category names came back as the text "false" or "5411", which was then scored
+# (a request with the same record is refused 422). An all-String polars schema stringifies alike.
+
+_KEPT = frozenset((*RAW_COLUMNS, LABEL))
+_ID_COLUMNS = ("transaction_id", "account_id")
+_EXCERPT = 200  # characters of an unreadable line kept in its detail
+
+
+def _lines(data: Any) -> Iterator[bytes]:
+    if isinstance(data, Path):
+        with data.open("rb") as handle:  # line by line: the file is never in memory twice
+            yield from handle
+    else:
+        yield from io.BytesIO(data)
+
+
+def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]:
+    """The file's RAW and label fields as text (conform parses them as a CSV's cells), and for
+    each row why it could not be read as written, or None. A value that cannot be read is null in
+    the frame, so validation alone refuses its row too; its detail keeps what was written."""
+    columns: dict[str, list[str | None]] = {}  # each kept key as written: its value on every row
+    fields: dict[str, str | None] = {}  # each key seen: the field it names, or None (ignored)
+    wrong_kinds: dict[str, dict[str, int]] = {}
+    problems: list[str | None] = []
+    for number, read in enumerate(_lines(data), start=1):
+        line = read.removeprefix(codecs.BOM_UTF8) if number == 1 else read  # what Windows tools write first
+        if not line.strip():
+            continue
+        filled = 0
+        try:
+            # pydantic's Rust parser: twice as fast as `json`, and it refuses a lone surrogate
+            # (`"\ud800"`), which no database text can hold. NaN, Infinity and 1e999 are read as
+            # the user's amounts, for validation to refuse.
+            record = from_json(line, allow_inf_nan=True)
+        except ValueError as error:
+            problems.append(f"line {number}: {_unreadable(line, error)}: {_excerpt(line)}")
+        else:
+            if isinstance(record, dict):
+                wrong = []
+                for key, value in record.items():
+                    name = fields.get(key, "")
+                    if name == "":
+                        name = fields[key] = key.strip() if key.strip() in _KEPT else None
+                    if name is None:
+                        continue
+                    column = columns.get(key)
+                    if column is None:
+                        column = columns[key] = [None] * len(problems)
+                    filled += 1
+                    if type(value) is str:  # nearly every value: no call
+                        column.append(value)
+                        continue
+                    text, expected = _as_text(name, value)
+                    column.append(text)
+                    if expected is not None:
+                        kinds = wrong_kinds.setdefault(key, {})
+                        kinds[_kind(value)] = kinds.get(_kind(value), 0) + 1
+                        wrong.append(f"{name}: {json.dumps(value)[:_EXCERPT]} is a JSON {_kind(value)}, not {expected}")
+                problems.append(f"line {number}: {'; '.join(wrong)}" if wrong else None)
+            else:
+                problems.append(f"line {number}: a JSON {_kind(record)}, not an object: {_excerpt(line)}")
+        if filled < len(columns):
+            for column in columns.values():
+                if len(column) < len(problems):
+                    column.append(None)
+    if problems and not columns and all(problems):
+        raise ValueError(problems[0])  # not one line of JSON objects: not an NDJSON file at all
+    for key, kinds in wrong_kinds.items():
+        if all(value is None for value in columns[key]):
+            # Wrong on every line that has it: the file's schema, not one row (epoch times, say).
+            expected = {"amount": "a number", "event_time": "ISO-8601 text"}.get(key.strip(), "text")
+            found = " and ".join(f"JSON {kind}s" for kind in sorted(kinds))
+            raise SourceError(f"{where}: column {key.strip()!r}: expected {expected}, found {found}")
+    return pl.DataFrame(columns, schema=dict.fromkeys(columns, pl.String())), problems
+
+
+def _as_text(name: str, value: Any) -> tuple[str | None, str | None]:
+    """(the value as conform reads a CSV cell, or None with what was expected instead)."""
+    if value is None or isinstance(value, str):
+        return value, None
+    if name == LABEL and isinstance(value, bool):
+        return str(int(value)), None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    # Integer ids are taken as their digits, as from a Parquet integer column.
+    if number and (name in ("amount", LABEL) or (name in _ID_COLUMNS and isinstance(value, int))):
+        return str(value), None  # a float's str reads back exactly: "12.5", "inf", "nan"
+    if name == LABEL:
+        return None, None  # ground truth, not an input: unknown, as a CSV's "maybe"
+    return None, "a number" if name == "amount" else "text"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else type(value).__name__
+
+
+def _unreadable(line: bytes, error: ValueError) -> str:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as undecodable:
+        return f"not UTF-8 ({undecodable.reason} at byte {undecodable.start})"
+    return f"not JSON ({error})"
+
+
+def _excerpt(line: bytes) -> str:
+    text = line.decode("utf-8", errors="backslashreplace").strip()
+    return text if len(text) <= _EXCERPT else f"{text[:_EXCERPT]}..."
+
+
+def _with_problems(frame: pl.DataFrame, problems: list[str | None]) -> pl.DataFrame:
+    if all(problem is None for problem in problems):
+        return frame  # a clean day is RAW_SCHEMA (+ label), as every source hands it
+    return frame.with_columns(pl.Series(PROBLEM, problems, dtype=pl.String))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections import Counter
 from datetime import date
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -27,6 +29,7 @@ from inference.records import (
     raw_frame,
     validate,
 )
+from inference.sources import FileSource
 from inference.store import read_partition_rows, read_predictions, rejected_records, transactions
 from tests.inference.support import DAY
 
@@ -224,3 +227,30 @@ def test_a_padded_file_row_is_stored_and_scored_as_the_request_naming_it(engine:
     assert sorted(answers["transaction_id"]) == sorted(rows["transaction_id"])
     quarantined = rejections(engine).filter(pl.col("transaction_id") == "year-0")
     assert quarantined["reason"].to_list() == ["timestamp_unparsable"]
+
+
+def test_a_row_its_source_could_not_read_is_quarantined_at_ingest_with_why(engine: Engine, tmp_path: Path) -> None:
+    """A `false` where a category belongs, or a line that is not JSON, is quarantined at ingest as
+    `malformed_row` with the line and the why; it is neither stored nor scored, and the day goes on."""
+    day = DAYS[0]
+    rows = generate_day(day, DemoConfig(seed=5, rows_per_day=40, poison_rate=0.0)).select(RAW_COLUMNS).head(3)
+    lines = [json.dumps(row) for row in rows.to_dicts()]
+    lines[1] = json.dumps({**rows.row(1, named=True), "merchant_category": False})
+    (tmp_path / f"{day}.ndjson").write_text("\n".join([*lines, "{not json"]) + "\n")
+
+    report = ingest_day(engine, FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(day).frame, day)
+
+    assert (report.rows_received, report.rows_stored, report.rejected_at_ingest) == (4, 2, 2)
+    with engine.connect() as conn:
+        assert sorted(read_partition_rows(conn, day)["transaction_id"]) == sorted([rows[0, 0], rows[2, 0]])
+        r = rejected_records.c
+        quarantined = conn.execute(sa.select(r.transaction_id, r.reason, r.stage, r.detail).order_by(r.detail)).all()
+    assert [tuple(row) for row in quarantined] == [
+        (rows[1, 0], "malformed_row", "ingest", "line 2: merchant_category: false is a JSON boolean, not text"),
+        (
+            None,
+            "malformed_row",
+            "ingest",
+            "line 4: not JSON (key must be a string at line 1 column 2): {not json",
+        ),
+    ]

@@ -7,6 +7,7 @@ stays a row, for validation to quarantine alone.
 from __future__ import annotations
 
 import csv
+import json
 import os
 from collections.abc import Callable
 from datetime import UTC, date, datetime
@@ -189,7 +190,7 @@ def test_a_file_separated_by_semicolons_says_so(tmp_path: Path) -> None:
     ("fmt", "column", "value", "problem"),
     [
         ("parquet", "amount", pl.lit("12.50"), "expected a number, found String"),
-        ("ndjson", "event_time", pl.lit(1_793_000_000), "expected ISO-8601 text or a timezone-aware timestamp"),
+        ("ndjson", "event_time", pl.lit(1_793_000_000), "expected ISO-8601 text, found JSON numbers"),
         ("parquet", "currency", pl.lit(3), "expected text, found Int32"),
         ("parquet", "event_time", pl.lit(datetime(2026, 11, 3, 9, 30)), "timestamp without a time zone"),
     ],
@@ -248,6 +249,59 @@ def test_bad_cells_in_a_csv_are_rows_for_validation_to_reject(tmp_path: Path) ->
         "a-9:": RejectReason.MISSING_FIELD.value,
     }
     assert checked.filter(pl.col("transaction_id") == "bad-label")["label_fraud"].to_list() == [None]
+
+
+def test_an_ndjson_value_that_cannot_be_read_as_written_is_one_rows_problem(tmp_path: Path) -> None:
+    """Each line arrives as written. Before, one off-type value failed the day (an amount `"12.5"`
+    or `true`, the `NaN` Python's json writes, `1e999`, a BOM, a line that is not JSON) or was turned
+    into text and scored (`false` or `5411` as a category, `true` as an id: a request is refused 422)."""
+    good = {key: value for key, value in ROWS[0].items() if key != "label_fraud"}
+    line = '{"transaction_id": "%s", "account_id": "a-1", "amount": %s, "currency": "USD", ' + (
+        '"merchant_category": %s, "country": "US", "event_time": "2026-11-03T09:30:00Z"}'
+    )
+    lines = [
+        b"\xef\xbb\xbf" + json.dumps(good).encode(),
+        (line % ("as-text", '"12.5"', '"grocery"')).encode(),
+        (line % ("as-true", "true", '"grocery"')).encode(),
+        (line % ("nan", "NaN", '"grocery"')).encode(),
+        (line % ("huge", "1e999", '"grocery"')).encode(),
+        (line % ("cat-false", "1.0", "false")).encode(),
+        (line % ("cat-number", "1.0", "5411")).encode(),
+        json.dumps({**good, "transaction_id": True}).encode(),
+        b'{"transaction_id": "cut", "amount": ',
+        (line % ("latin-1", "1.0", '"caf\xe9"')).encode("latin-1"),
+        b"",
+        json.dumps({**good, "transaction_id": "last"}).encode(),
+    ]
+    (tmp_path / "2026-11-03.ndjson").write_bytes(b"\n".join(lines) + b"\n")
+
+    frame = FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(DAY).frame
+    checked = validate(frame)
+
+    assert checked.height == 11  # every line but the blank one is a row
+    problems = dict(enumerate(checked["source_problem"]))
+    reasons = checked["reject_reason"].to_list()
+    assert checked["transaction_id"].to_list()[:2] == ["u-1", "as-text"]
+    assert reasons[:2] == [None, None] and checked["amount"][1] == 12.5  # a request's "12.5" is 12.5 too
+    assert problems[0] is problems[1] is problems[3] is problems[4] is problems[10] is None
+    assert reasons[3:5] == [RejectReason.AMOUNT_NOT_FINITE.value] * 2  # the user's data, refused by validation
+    assert problems[2] == "line 3: amount: true is a JSON boolean, not a number"
+    assert problems[5] == "line 6: merchant_category: false is a JSON boolean, not text"
+    assert problems[6] == "line 7: merchant_category: 5411 is a JSON number, not text"
+    assert problems[7] == "line 8: transaction_id: true is a JSON boolean, not text"
+    assert problems[8] is not None and problems[8].startswith("line 9: not JSON (")
+    assert problems[9] is not None and problems[9].startswith("line 10: not UTF-8 (")
+    assert problems[9].endswith('"caf\\xe9", "country": "US", "event_time": "2026-11-03T09:30:00Z"}')
+    # Validation alone refuses them too: the unreadable value is null, never its text.
+    assert all(reasons[i] is not None for i in (2, 5, 6, 7, 8, 9))
+    assert checked["merchant_category"][5] is None and checked["transaction_id"][7] is None
+    assert checked["transaction_id"][10] == "last" and reasons[10] is None
+
+
+def test_an_ndjson_field_wrong_on_every_line_is_the_files_error(tmp_path: Path) -> None:
+    path = tmp_path / "2026-11-03.ndjson"
+    path.write_text("\n".join(json.dumps({**ROWS[0], "merchant_category": n}) for n in (5411, 5412)) + "\n")
+    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson"), str(path), "'merchant_category': expected text")
 
 
 def test_the_version_of_a_day_changes_when_its_file_does(tmp_path: Path) -> None:
