@@ -4,6 +4,7 @@ directory or anything fsspec opens; CSV, Parquet or NDJSON."""
 from __future__ import annotations
 
 import codecs
+import csv
 import hashlib
 import io
 import json
@@ -291,15 +292,83 @@ class FileSource:
             data = self._store.source(name)
             if fmt == "csv":
                 # Every column as text: a bad cell becomes one quarantined row, not a failed day.
-                frame = pl.read_csv(data, infer_schema=False)
+                try:
+                    frame = pl.read_csv(data, infer_schema=False)
+                except pl.exceptions.ComputeError:
+                    # A line polars cannot take (more fields than the header, bytes that are not
+                    # UTF-8) fails the whole read: read again line by line, so it is one bad row.
+                    # Not `truncate_ragged_lines` or `encoding="utf8-lossy"`: they alter the row
+                    # silently, and the altered row would be scored.
+                    frame, problems = _read_csv_by_line(data)
+                    return _with_problems(conform(frame, where, typed=False), problems)
             elif fmt == "parquet":
                 frame = pl.read_parquet(data)
             else:
                 frame, problems = _read_ndjson(data, where)
                 return _with_problems(conform(frame, where, typed=False), problems)
-        except (pl.exceptions.PolarsError, OSError, ValueError) as error:
+        except (pl.exceptions.PolarsError, OSError, ValueError, csv.Error) as error:
             raise SourceError(f"{where}: cannot be read as {fmt}: {_one_line(error)}") from error
         return conform(frame, where, typed=fmt != "csv")
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV, line by line, for a file polars refuses as a whole.
+
+
+def _read_csv_by_line(data: Any) -> tuple[pl.DataFrame, list[str | None]]:
+    """Every cell as text, as `pl.read_csv(infer_schema=False)` reads it (an empty cell is null, a
+    short line is padded with nulls), and for each row why it could not be read as written, or
+    None. A line with more cells than the header has no reliable cells: all are null. A cell that
+    is not UTF-8 is null; the detail keeps its bytes, escaped."""
+    raw = data.read_bytes() if isinstance(data, Path) else bytes(data)
+    # surrogateescape keeps each undecodable byte recognisable in the cell it belongs to.
+    text = raw.decode("utf-8-sig", errors="surrogateescape")
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    header = next(reader, [])
+    columns: list[list[str | None]] = [[] for _ in header]
+    problems: list[str | None] = []
+    for cells in reader:
+        if not cells:
+            continue  # a blank line, which polars skips too
+        problem = None
+        if len(cells) > len(header):
+            problem = f"line {reader.line_num}: {len(cells)} cells, the header has {len(header)}"
+            values: list[str | None] = [None] * len(header)
+        else:
+            values = [cell or None for cell in cells] + [None] * (len(header) - len(cells))
+            undecodable = [i for i, cell in enumerate(cells) if _SURROGATE.search(cell)]
+            for i in undecodable:
+                values[i] = None
+            # In a column the record is not made of (an extra one, the label), a null costs nothing.
+            fields = ", ".join(header[i].strip() for i in undecodable if header[i].strip() in RAW_COLUMNS)
+            if fields:
+                problem = f"line {reader.line_num}: not UTF-8 in {fields}"
+        if problem is not None:
+            written = ",".join(cells).encode("utf-8", errors="surrogateescape")
+            problem = f"{problem}: {_excerpt(written)}"
+        for column, value in zip(columns, values, strict=True):
+            column.append(value)
+        problems.append(problem)
+    names = _unique(header)
+    frame = pl.DataFrame(dict(zip(names, columns, strict=True)), schema=dict.fromkeys(names, pl.String()))
+    return frame, problems
+
+
+_SURROGATE = re.compile("[\udc80-\udcff]")
+
+
+def _unique(header: list[str]) -> list[str]:
+    """polars' names for a header that repeats a name (`_named` tells the file's error from that)."""
+    seen: dict[str, int] = {}
+    names = []
+    for name in header:
+        if name in seen:
+            seen[name] += 1
+            names.append(f"{name}_duplicated_{seen[name] - 1}")
+        else:
+            seen[name] = 1
+            names.append(name)
+    return names
 
 
 # ---------------------------------------------------------------------------------------------

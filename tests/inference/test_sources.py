@@ -304,6 +304,36 @@ def test_an_ndjson_field_wrong_on_every_line_is_the_files_error(tmp_path: Path) 
     _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson"), str(path), "'merchant_category': expected text")
 
 
+def test_a_csv_line_that_cannot_be_read_as_written_is_one_rows_problem(tmp_path: Path) -> None:
+    """Before, one unquoted comma (`Home, Garden`) or one Latin-1 byte failed the whole day."""
+    header = b"transaction_id,account_id,amount,currency,merchant_category,country,event_time,note\n"
+    good = b"u-%d,a-1,12.5,USD,grocery,US,2026-11-03T09:30:00Z,\n"
+    lines = [
+        good % 1,
+        b"u-2,a-1,1.0,USD,Home, Garden,US,2026-11-03T09:30:00Z,x\n",
+        b"u-3,a-1,1.0,USD,caf\xe9,US,2026-11-03T09:30:00Z,\n",
+        b"u-4,a-1,1.0,USD,grocery,US,2026-11-03T09:30:00Z,caf\xe9\n",  # in a column that is not read
+        b'u-5,a-1,1.0,USD,Home & Garden,US,2026-11-03T09:30:00Z,"two\nlines, quoted"\n',
+        good % 6,
+    ]
+    (tmp_path / "2026-11-03.csv").write_bytes(header + b"".join(lines))
+
+    checked = validate(FileSource(str(tmp_path)).read(DAY).frame)
+
+    assert checked["source_problem"].to_list() == [
+        None,
+        "line 3: 9 cells, the header has 8: u-2,a-1,1.0,USD,Home, Garden,US,2026-11-03T09:30:00Z,x",
+        "line 4: not UTF-8 in merchant_category: u-3,a-1,1.0,USD,caf\\xe9,US,2026-11-03T09:30:00Z,",
+        None,
+        None,
+        None,
+    ]
+    assert checked["transaction_id"].to_list() == [None if i == 2 else f"u-{i}" for i in range(1, 7)]
+    assert checked["merchant_category"][2] is None  # never the text with a replacement character
+    assert checked["merchant_category"][4] == "Home & Garden"
+    assert [reason is None for reason in checked["reject_reason"]] == [True, False, False, True, True, True]
+
+
 def test_the_version_of_a_day_changes_when_its_file_does(tmp_path: Path) -> None:
     path = _write_csv(tmp_path / "2026-11-03.csv", ROWS)
     os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
