@@ -24,6 +24,12 @@ EXTENSIONS: dict[str, SourceFormat] = {
     ".ndjson": "ndjson",
     ".jsonl": "ndjson",
 }
+# A compression read transparently after any of EXTENSIONS (`part-0001.csv.gz`, as Spark writes).
+GZIP = ".gz"
+# Extensions a day folder's data file may carry that Tandem does not read (another compression,
+# another format): such a file fails the day by name instead of vanishing from it. A README or a
+# `_SUCCESS` marker carries none of them and is passed over.
+DATA_LOOKING = frozenset((*EXTENSIONS, ".json", ".tsv", ".avro", ".orc", ".zst", ".bz2", ".xz", ".zip", ".snappy"))
 DEMO_FILE = "demo.csv"  # the demo's file name inside a day folder (a pattern ending in "/")
 CANONICAL_EVENT_TIME = "%Y-%m-%dT%H:%M:%S.%6fZ"
 _ID_COLUMNS = ("transaction_id", "account_id")

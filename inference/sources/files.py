@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import codecs
 import csv
+import gzip
 import hashlib
 import io
 import json
 import re
 import string
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
@@ -22,8 +24,10 @@ from pydantic_core import from_json
 from inference.records import RAW_COLUMNS
 from inference.sources.common import (
     _DIRECTIVE_REGEX,
+    DATA_LOOKING,
     DEFAULT_PATTERN,
     EXTENSIONS,
+    GZIP,
     LABEL,
     PROBLEM,
     SourceError,
@@ -196,7 +200,19 @@ class _Remote:
 
 
 def _format_of(name: str) -> SourceFormat | None:
-    return EXTENSIONS.get(Path(name).suffix.lower())
+    suffixes = [suffix.lower() for suffix in Path(name).suffixes]
+    if suffixes and suffixes[-1] == GZIP:
+        suffixes.pop()
+    return EXTENSIONS.get(suffixes[-1]) if suffixes else None
+
+
+def _looks_like_data(name: str, fmt: SourceFormat | None) -> bool:
+    """Data, by its extensions (`part-0001.csv.zst`); of `fmt` when a format is configured, as a
+    folder then holds other files on purpose."""
+    suffixes = {suffix.lower() for suffix in Path(name).suffixes}
+    if fmt is not None:
+        return any(EXTENSIONS[suffix] == fmt for suffix in suffixes & EXTENSIONS.keys())
+    return bool(suffixes & DATA_LOOKING)
 
 
 class FileSource:
@@ -225,11 +241,18 @@ class FileSource:
         if self.pattern.is_folder or store.is_dir(relative):
             if not store.is_dir(relative):
                 raise SourceError(f"no folder for {day} at {store.display(relative)}")
-            names = [
-                name
-                for name in store.files_in(relative)
-                if not Path(name).name.startswith((".", "_")) and self._format_for(name, strict=False) is not None
-            ]
+            names = []
+            for name in store.files_in(relative):
+                if Path(name).name.startswith((".", "_")):
+                    continue  # `.part.crc`, `_SUCCESS`: a writer's bookkeeping
+                if self._format_for(name, strict=False) is not None:
+                    names.append(name)
+                elif _looks_like_data(name, self.format):
+                    # Passed over, its rows would be missing from the day without a word.
+                    raise SourceError(
+                        f"{store.display(name)}: a data file of a kind Tandem does not read; "
+                        f"write {'/'.join(EXTENSIONS)} files, uncompressed or {GZIP}, or move it out of the folder"
+                    )
             if not names:
                 wanted = self.format or "/".join(sorted(set(EXTENSIONS.values())))
                 raise SourceError(f"{store.display(relative)}: no {wanted} files in the folder for {day}")
@@ -290,6 +313,8 @@ class FileSource:
         fmt = self._format_for(name)
         try:
             data = self._store.source(name)
+            if name.lower().endswith(GZIP):
+                data = gzip.decompress(data.read_bytes() if isinstance(data, Path) else data)
             if fmt == "csv":
                 # Every column as text: a bad cell becomes one quarantined row, not a failed day.
                 try:
@@ -306,7 +331,7 @@ class FileSource:
             else:
                 frame, problems = _read_ndjson(data, where)
                 return _with_problems(conform(frame, where, typed=False), problems)
-        except (pl.exceptions.PolarsError, OSError, ValueError, csv.Error) as error:
+        except (pl.exceptions.PolarsError, OSError, EOFError, zlib.error, ValueError, csv.Error) as error:
             raise SourceError(f"{where}: cannot be read as {fmt}: {_one_line(error)}") from error
         return conform(frame, where, typed=fmt != "csv")
 

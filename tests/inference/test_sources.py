@@ -7,6 +7,8 @@ stays a row, for validation to quarantine alone.
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import json
 import os
 from collections.abc import Callable
@@ -117,6 +119,40 @@ def test_a_day_folder_reads_every_file_of_its_format_in_name_order(tmp_path: Pat
     assert read.frame.equals(EXPECTED)
     assert read.paths == (str(folder / "part-0.parquet"), str(folder / "part-1.parquet"))
     assert source.versions() == {DAY: read.version}
+
+
+def test_gzip_part_files_are_read_and_versioned_and_bookkeeping_files_passed_over(tmp_path: Path) -> None:
+    """Before, `part-0001.csv.gz` was passed over without a word: its rows were missing from the day."""
+    folder = tmp_path / "2026-11-03"
+    _write_csv(folder / "part-0000.csv", ROWS[:1])
+    plain = io.BytesIO()
+    _frame(ROWS[1:]).write_ndjson(plain)
+    (folder / "part-0001.ndjson.gz").write_bytes(gzip.compress(plain.getvalue()))
+    for name in ("_SUCCESS", ".part-0000.csv.crc", "README.md"):
+        (folder / name).write_text("")
+    source = FileSource(str(tmp_path), "{date:%Y-%m-%d}/")
+
+    read = source.read(DAY)
+
+    assert [Path(path).name for path in read.paths] == ["part-0000.csv", "part-0001.ndjson.gz"]
+    assert read.frame.equals(EXPECTED), read.frame
+    before = source.versions()[DAY]
+    (folder / "part-0001.ndjson.gz").write_bytes(gzip.compress(plain.getvalue() * 2))
+    assert source.versions()[DAY] != before
+
+
+@pytest.mark.parametrize("name", ["part-0001.csv.zst", "part-0001.json", "part-0001.csv.bz2"])
+def test_a_data_file_of_a_kind_not_read_fails_the_day_by_name(tmp_path: Path, name: str) -> None:
+    folder = tmp_path / "2026-11-03"
+    _write_csv(folder / "part-0000.csv", ROWS)
+    (folder / name).write_bytes(b"\x28\xb5\x2f\xfd")
+    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}/"), str(folder / name), "does not read")
+
+
+def test_a_truncated_gzip_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "2026-11-03.csv.gz"
+    path.write_bytes(gzip.compress(b"transaction_id,account_id\nu-1,a-1\n" * 50)[:40])
+    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}.csv.gz"), str(path), "cannot be read as csv")
 
 
 def test_a_compact_date_pattern_is_parsed_back_from_file_names(tmp_path: Path) -> None:
