@@ -47,16 +47,25 @@ class SqlSource:
         try:
             # A connection refused here propagates: it may be transient, the caller's retry policy decides.
             with engine.connect() as conn:
+                _times_out_of_range_as_text(conn.connection.driver_connection)
                 try:
                     result = conn.execute(sa.text(self.query), {"start": start, "end": end, "day": day})
                     columns = list(result.keys())
-                    rows = result.all()
                 except sa.exc.StatementError as error:
                     if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
                         raise  # the connection dropped mid-query
                     # On a live connection a failing query is the query's fault (a typo, no such
                     # table): retrying runs the same text again.
                     raise SourceError(f"{self.where}: the query failed: {_one_line(error.orig or error)}") from error
+                try:
+                    rows = result.all()
+                except sa.exc.StatementError as error:
+                    if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
+                        raise
+                    # The query ran; a value in its rows could not be read (not the query's fault).
+                    raise SourceError(
+                        f"{self.where}: a row could not be read: {_one_line(error.orig or error)}"
+                    ) from error
         finally:
             engine.dispose()
         _missing(columns, self.where)
@@ -80,6 +89,38 @@ class SqlSource:
 
     def records_for(self, day: date) -> pl.DataFrame:
         return self.read(day).frame
+
+
+def _times_out_of_range_as_text(driver_connection: Any) -> None:
+    """PostgreSQL's timestamptz 'infinity' (a common sentinel) or a year after 9999 has no Python
+    datetime: psycopg failed the whole read on it, and psycopg2 turned 'infinity' into 9999-12-31
+    and '-infinity' into the year 1, which would be scored. Read as its text, such a value is one
+    row for validation to quarantine (timestamp_unparsable)."""
+    module = type(driver_connection).__module__
+    if module.startswith("psycopg2"):
+        from psycopg2 import extensions
+
+        def cast(value: str | None, cursor: Any) -> Any:
+            if value is None or value.lstrip("-") == "infinity":
+                return value
+            try:
+                return extensions.PYDATETIMETZ(value, cursor)
+            except ValueError:
+                return value
+
+        extensions.register_type(extensions.new_type((1184,), "TIMESTAMPTZ_OR_TEXT", cast), driver_connection)
+    elif module.startswith("psycopg"):
+        import psycopg
+        from psycopg.types.datetime import TimestamptzLoader
+
+        class _TimestamptzOrText(TimestamptzLoader):
+            def load(self, data: Any) -> Any:
+                try:
+                    return super().load(data)
+                except psycopg.DataError:
+                    return bytes(data).decode()
+
+        driver_connection.adapters.register_loader("timestamptz", _TimestamptzOrText)
 
 
 def _label_value(value: Any) -> int | None:

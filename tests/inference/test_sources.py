@@ -546,3 +546,24 @@ def test_the_demo_writes_a_day_folder_when_the_pattern_names_one(tmp_path: Path)
     path, _ = write_demo_day(tmp_path, DAY, config, "{date:%Y%m%d}/")
     assert path == demo_path(tmp_path, DAY, "{date:%Y%m%d}/") == tmp_path / "20261103" / "demo.csv"
     assert FileSource(str(tmp_path), "{date:%Y%m%d}/").read(DAY).frame.height == 100
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+@pytest.mark.parametrize("moment", ["infinity", "-infinity", "10000-01-01 00:00:00+00"])
+def test_a_sql_time_no_python_datetime_holds_is_one_rows_problem(postgres_url: str, driver: str, moment: str) -> None:
+    """Before, psycopg failed the whole day on one such row, blaming the query; psycopg2 read
+    'infinity' as 9999-12-31 and '-infinity' as the year 1, and the row was scored."""
+    url = sa.engine.make_url(postgres_url).set(drivername=f"postgresql+{driver}").render_as_string(False)
+    _source_table(url)
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE payments SET event_time = :moment WHERE transaction_id = 'u-2'"), {"moment": moment}
+        )
+    engine.dispose()
+    query = f"SELECT {COLUMNS} FROM payments WHERE transaction_id IN ('u-1', 'u-2') ORDER BY transaction_id"
+
+    checked = validate(SqlSource(url, query).read(DAY).frame)
+
+    assert checked["event_time"].to_list() == ["2026-11-03T09:30:00.000000Z", moment]
+    assert checked["reject_reason"].to_list() == [None, RejectReason.TIMESTAMP_UNPARSABLE.value]
