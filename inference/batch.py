@@ -163,9 +163,9 @@ def score_partition(
     carry = pl.DataFrame(schema=HISTORY_SCHEMA)
 
     def read_history(chunk: pl.DataFrame) -> pl.DataFrame:
-        accounts = chunk["account_id"].drop_nulls().unique().to_list()
+        earliest = chunk.group_by("account_id").agg(pl.col("event_ts").min())
         with engine.connect() as conn:
-            return prior_history(conn, accounts, partition_date, history_length)
+            return prior_history(conn, earliest, partition_date, history_length)
 
     def featurise(chunk: pl.DataFrame, before: pl.DataFrame) -> Any:
         nonlocal carry

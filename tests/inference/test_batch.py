@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter
-from datetime import date
+from datetime import date, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +16,10 @@ import torch
 from sqlalchemy.engine import Engine
 
 from inference.batch import BatchProducer, IngestReport, PartitionReport, ingest_day, score_partition
-from inference.contract import TorchPredictor
+from inference.contract import FrameHistory, TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, day_range, generate_day
 from inference.model import ModelConfig, RiskModel
+from inference.parity import PARITY_TOLERANCE
 from inference.records import (
     COUNTRIES,
     CURRENCIES,
@@ -30,7 +31,7 @@ from inference.records import (
     validate,
 )
 from inference.sources import FileSource
-from inference.store import read_partition_rows, read_predictions, rejected_records, transactions
+from inference.store import StoreHistory, read_partition_rows, read_predictions, rejected_records, transactions
 from tests.inference.support import DAY
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -254,3 +255,52 @@ def test_a_row_its_source_could_not_read_is_quarantined_at_ingest_with_why(engin
             "line 4: not JSON (key must be a string at line 1 column 2): {not json",
         ),
     ]
+
+
+@pytest.mark.parametrize(("chunk_rows", "pipelined"), [(8192, True), (2, True), (1, False)])
+def test_a_late_record_reads_the_history_the_online_path_reads(
+    engine: Engine, chunk_rows: int, pipelined: bool
+) -> None:
+    """A late record (the day before's event, in this day's file) comes before most of that day's
+    rows of its account. Before, the batch path took only the account's K latest rows of earlier
+    days, all after the record, and scored it as if the account had no history, where the online
+    path read its three real predecessors: a wrong score stored silently, `history_changed` in
+    path_agreement. Every row of the day must read what the store says precedes it, whatever
+    the chunks (two or one row here, so the account spans them)."""
+    day, before = DAY, DAY - timedelta(days=1)
+
+    def row(transaction_id: str, at: str, amount: float, category: str = "grocery") -> dict[str, object]:
+        return {
+            "transaction_id": transaction_id,
+            "account_id": "acct-late",
+            "amount": amount,
+            "currency": "EUR",
+            "merchant_category": category,
+            "country": "DE",
+            "event_time": at,
+        }
+
+    morning = [row(f"morning-{i}", f"{before}T0{i + 1}:00:00Z", 20.0 + i) for i in range(3)]
+    evening = [row(f"evening-{i:02d}", f"{before}T20:{i:02d}:00Z", 900.0 + i, "jewelry") for i in range(HISTORY)]
+    ingest_day(engine, raw_frame(morning + evening), before)
+    late = [row("late-1", f"{before}T10:00:00Z", 25.0), row("late-2", f"{before}T21:30:00Z", 30.0, "fuel")]
+    today = [row(f"today-{i}", f"{day}T0{i + 1}:00:00Z", 40.0 + i) for i in range(3)]
+    ingest_day(engine, raw_frame(late + today), day)
+    scorer = predictor(forward_batch_size=1)
+    score_partition(
+        engine,
+        scorer,
+        day,
+        producer=BatchProducer(run_id="run-1", partition_key=day.isoformat(), code_version="test"),
+        history_length=HISTORY,
+        chunk_rows=chunk_rows,
+        pipelined=pipelined,
+    )
+
+    batch = predictions_of(engine, partition_key=day.isoformat()).sort("transaction_id")
+    online = scorer.predict(raw_frame(late + today), StoreHistory(engine)).sort("transaction_id")
+    assert batch["transaction_id"].to_list() == sorted(r["transaction_id"] for r in late + today)
+    assert batch["history_hash"].to_list() == online["history_hash"].to_list()
+    assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
+    no_history = scorer.predict(raw_frame(late[:1]), FrameHistory(raw_frame(late[:1])))
+    assert batch["history_hash"][0] != no_history["history_hash"][0]
