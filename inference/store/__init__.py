@@ -57,8 +57,10 @@ from inference.store.merge import ConflictPolicy
 from inference.store.rejections import (
     count_rejected,
     mark_rejections_fixed,
+    open_score_rejections,
     quarantine,
     quarantine_unwritable_result,
+    resolve_rescored_rejections,
     resolve_superseded_rejections,
 )
 from inference.store.schema import (
@@ -145,6 +147,7 @@ __all__ = [
     "online_activity",
     "online_answers",
     "online_latencies",
+    "open_score_rejections",
     "partition_counts",
     "prediction_frame",
     "prediction_rows",
@@ -157,6 +160,7 @@ __all__ = [
     "record_challenger_report",
     "rejected_records",
     "release_idempotency_key",
+    "resolve_rescored_rejections",
     "resolve_superseded_rejections",
     "sample_batch_predictions",
     "stale_scored_partitions",

@@ -154,6 +154,40 @@ def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> in
     return int(conn.execute(stmt).rowcount)
 
 
+def open_score_rejections(conn: Connection, *, partition_key: str) -> set[str]:
+    """Transaction ids of a partition's open scoring rejections."""
+    r = rejected_records.c
+    stmt = sa.select(r.transaction_id).where(
+        r.partition_key == partition_key,
+        r.stage == RejectStage.SCORE.value,
+        r.resolved.is_(False),
+        r.transaction_id.is_not(None),
+    )
+    return set(conn.execute(stmt).scalars())
+
+
+def resolve_rescored_rejections(conn: Connection, *, partition_key: str, transaction_ids: Sequence[str]) -> int:
+    """Mark a partition's open scoring rejections resolved for records a production run has just
+    scored: a model that refused a record (a non-finite score) is replaced by one that scores it,
+    or a correction is scored, and the record's answer is now its score. Left open, the record
+    counted as scored AND rejected (scored + rejected > input) and kept the reject rate up."""
+    r = rejected_records.c
+    resolved = 0
+    for chunk in _chunks(transaction_ids, 1000):
+        stmt = (
+            sa.update(rejected_records)
+            .where(
+                r.partition_key == partition_key,
+                r.stage == RejectStage.SCORE.value,
+                r.resolved.is_(False),
+                r.transaction_id.in_(chunk),
+            )
+            .values(resolved=True, resolved_at=utc_now(), resolution=Resolution.SUPERSEDED.value)
+        )
+        resolved += int(conn.execute(stmt).rowcount)
+    return resolved
+
+
 def mark_rejections_fixed(conn: Connection, rejection_ids: Sequence[int]) -> int:
     """An operator's word that the source of these rejected records was fixed."""
     stmt = (

@@ -28,7 +28,9 @@ class ResultPath(enum.StrEnum):
 
 class Resolution(enum.StrEnum):
     OPERATOR = "operator"  # someone fixed the source; the partition should be re-ingested and rescored
-    SUPERSEDED = "superseded"  # the record changed and was rescored; nothing left to do
+    # The record changed and was rescored, or a later production run scored it (another model
+    # version); nothing left to do.
+    SUPERSEDED = "superseded"
 
 
 class RejectStage(enum.StrEnum):

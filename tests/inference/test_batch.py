@@ -18,7 +18,8 @@ from sqlalchemy.engine import Engine
 from inference.batch import BatchProducer, IngestReport, PartitionReport, ingest_day, score_partition
 from inference.contract import FrameHistory, TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, day_range, generate_day
-from inference.model import ModelConfig, RiskModel
+from inference.features import FeatureBatch
+from inference.model import ModelConfig, RiskModel, score_batch
 from inference.parity import PARITY_TOLERANCE
 from inference.records import (
     COUNTRIES,
@@ -31,8 +32,15 @@ from inference.records import (
     validate,
 )
 from inference.sources import FileSource
-from inference.store import StoreHistory, read_partition_rows, read_predictions, rejected_records, transactions
-from tests.inference.support import DAY
+from inference.store import (
+    StoreHistory,
+    partition_counts,
+    read_partition_rows,
+    read_predictions,
+    rejected_records,
+    transactions,
+)
+from tests.inference.support import DAY, record
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -304,3 +312,45 @@ def test_a_late_record_reads_the_history_the_online_path_reads(
     assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
     no_history = scorer.predict(raw_frame(late[:1]), FrameHistory(raw_frame(late[:1])))
     assert batch["history_hash"][0] != no_history["history_hash"][0]
+
+
+def open_rejections(engine: Engine, day: date) -> list[tuple[str, str, bool, str | None]]:
+    r = rejected_records.c
+    stmt = (
+        sa.select(r.transaction_id, r.reason, r.resolved, r.resolution)
+        .where(r.partition_key == day.isoformat(), r.stage == "score")
+        .order_by(r.rejection_id)
+    )
+    with engine.connect() as conn:
+        return [tuple(row) for row in conn.execute(stmt)]
+
+
+def accounted_for(engine: Engine, day: date, model_version: str) -> tuple[int, int, int]:
+    with engine.connect() as conn:
+        counts = partition_counts(conn, partition_date=day, partition_key=day.isoformat(), model_version=model_version)
+    return counts.input_rows, counts.scored, counts.rejected
+
+
+def test_a_record_one_model_refused_is_no_longer_rejected_once_another_scores_it(engine: Engine) -> None:
+    """v1 cannot score a record (a non-finite score), the promoted v2 can: the record's answer is
+    now its score. Before, v1's rejection stayed open and the record counted as scored AND
+    rejected (the rows_accounted_for check failed, the reject rate stayed up)."""
+
+    def overflows_on_large_amounts(features: FeatureBatch) -> np.ndarray:
+        scores = score_batch(untrained_model(), features)
+        scores[features.current_numeric[:, 0] > np.log1p(5000.0)] = np.nan  # amount_log
+        return scores
+
+    v1 = TorchPredictor(
+        model=untrained_model(), model_version="risk:v1", forward_batch_size=1, forward=overflows_on_large_amounts
+    )
+    ingest_day(engine, raw_frame([record(), record(transaction_id="tx-2", amount=9000.0)]), DAY)
+
+    score(engine, DAY, scorer=v1, run_id="nightly")
+    assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", False, None)]
+    assert accounted_for(engine, DAY, "risk:v1") == (2, 1, 1)
+
+    report = score(engine, DAY, scorer=predictor("risk:v2"), run_id="after-promotion")
+    assert (report.scored, report.rejected) == (2, 0)
+    assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", True, "superseded")]
+    assert accounted_for(engine, DAY, "risk:v2") == (2, 2, 0)
