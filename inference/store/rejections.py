@@ -76,7 +76,10 @@ def quarantine(
     """Record rejected rows (RAW columns + reject_reason [+ reject_detail]) with their reason.
 
     The same record rejected again for the same reason (a rerun) updates `last_seen` instead of
-    adding a row; a changed record is a new rejection.
+    adding a row, and reopens it if it was resolved: the record is refused again (an operator
+    marked it fixed but the source still sends it, or an old bad version was re-sent after its
+    correction), so it is open in quarantine and counted against its partition (the partition it
+    was last refused in). A changed record is a new rejection.
     """
     if rejected.is_empty():
         return 0
@@ -116,6 +119,10 @@ def quarantine(
             "last_seen": insert.excluded.last_seen,
             "seen_count": rejected_records.c.seen_count + 1,
             "run_id": insert.excluded.run_id,
+            "partition_key": insert.excluded.partition_key,
+            "resolved": False,
+            "resolved_at": None,
+            "resolution": None,
         },
     )
     for chunk in _chunks(records, _SQLITE_ROWS_PER_STATEMENT):

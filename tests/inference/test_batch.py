@@ -34,6 +34,7 @@ from inference.records import (
 from inference.sources import FileSource
 from inference.store import (
     StoreHistory,
+    mark_rejections_fixed,
     partition_counts,
     read_partition_rows,
     read_predictions,
@@ -354,3 +355,33 @@ def test_a_record_one_model_refused_is_no_longer_rejected_once_another_scores_it
     assert (report.scored, report.rejected) == (2, 0)
     assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", True, "superseded")]
     assert accounted_for(engine, DAY, "risk:v2") == (2, 2, 0)
+
+    score(engine, DAY, scorer=v1, run_id="after-rollback")  # refused again: open again
+    assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", False, None)]
+    assert accounted_for(engine, DAY, "risk:v1") == (2, 1, 1)
+
+
+def test_a_record_refused_again_is_open_again(engine: Engine) -> None:
+    """A resolved rejection whose record is refused again is reopened: counted against its
+    partition and shown open in quarantine. Before, it stayed resolved, so the record was neither
+    scored nor rejected (scored + rejected < input): an operator marked it fixed while the source
+    still sent it, or the old bad version was re-sent after its correction."""
+    bad, good = record(transaction_id="tx-2", currency="EURO"), record(transaction_id="tx-2", amount=7.0)
+    ingest_day(engine, raw_frame([record(), bad]), DAY)
+    score(engine, DAY, run_id="nightly")
+    with engine.begin() as conn:
+        ids = conn.execute(sa.select(rejected_records.c.rejection_id)).scalars().all()
+        assert mark_rejections_fixed(conn, ids) == 1
+
+    ingest_day(engine, raw_frame([record(), bad]), DAY)  # the fixed-rejects rerun; the source is not fixed
+    score(engine, DAY, run_id="fixed-rerun")
+    assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
+    assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
+
+    ingest_day(engine, raw_frame([good]), DAY)
+    score(engine, DAY, run_id="corrected")
+    assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", True, "superseded")]
+    ingest_day(engine, raw_frame([bad]), DAY)  # the old version re-sent
+    score(engine, DAY, run_id="bad-again")
+    assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
+    assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)

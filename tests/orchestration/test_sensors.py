@@ -11,6 +11,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import sqlalchemy as sa
 from dagster import AssetObservation, DagsterInstance, SensorDefinition, SensorResult, SkipReason, build_sensor_context
 
 from assets.model import NO_CHALLENGER
@@ -124,7 +125,7 @@ def test_late_records_rerun_exactly_the_changed_partitions_once(
     assert [r.partition_key for r in after.run_requests] == [DAYS[1]]
 
 
-def test_rejections_marked_fixed_rerun_their_partition(scored: str) -> None:
+def test_rejections_marked_fixed_rerun_their_partition(scored: str, assets: list, instance: DagsterInstance) -> None:
     sensor = _sensors()["fixed_rejects_sensor"]
     assert isinstance(_tick(sensor, scored), SkipReason)
     engine = make_engine(scored)
@@ -141,6 +142,20 @@ def test_rejections_marked_fixed_rerun_their_partition(scored: str) -> None:
     assert [r.partition_key for r in result.run_requests] == [DAYS[1]]
     assert result.run_requests[0].run_key.startswith(f"fixed:{DAYS[1]}:")
     assert isinstance(_tick(sensor, scored, result.cursor), SensorResult)  # same key again: a no-op for Dagster
+
+    # The demo source still sends the record: the rerun refuses it again and it is open again, with
+    # nothing marked fixed left to rerun (not a rerun of the partition at every tick).
+    _run(scored, assets, instance, DAYS[1:])
+    engine = make_engine(scored)
+    with engine.connect() as conn:
+        reopened = conn.execute(
+            sa.select(rejected_records.c.resolved, rejected_records.c.resolution).where(
+                rejected_records.c.rejection_id == rejection_id
+            )
+        ).one()
+    engine.dispose()
+    assert tuple(reopened) == (False, None)
+    assert isinstance(_tick(sensor, scored, result.cursor), SkipReason)
 
 
 def test_a_moved_production_pointer_is_observed_once_as_a_new_data_version(tmp_path: Path) -> None:
