@@ -185,10 +185,15 @@ class Transaction(BaseModel):
 
     @field_validator("amount", mode="before")
     @classmethod
-    def _not_a_boolean(cls, value: Any) -> Any:
+    def _a_number(cls, value: Any) -> Any:
         # pydantic alone reads true as 1.0; a frame (`raw_frame`, a CSV cell) has no amount there.
         if isinstance(value, bool):
             raise ValueError("amount must be a number, not a boolean")
+        # A JSON number, as the schema says and an NDJSON file requires (a string amount is that
+        # file's error). Read leniently, pydantic took "1_000" as 1000 and "１２" as 12, which a CSV
+        # cell with the same text is quarantined for.
+        if isinstance(value, str):
+            raise ValueError("amount must be a number, not a string")
         return value
 
     @field_validator("event_time", mode="before")
@@ -250,6 +255,15 @@ def strip_text_fields(frame: pl.DataFrame) -> pl.DataFrame:
 def _as_float(value: Any) -> float | None:
     if value is None or isinstance(value, bool):
         return None
+    if isinstance(value, str):
+        # Read as a CSV cell is (polars' cast after a strip): ASCII digits, sign, point, exponent.
+        # Python's float() alone also reads "1_000" as 1000 and "١٢" or "１２" as 12, which a file
+        # with the same text quarantines: one record would mean two things.
+        value = value.strip(WHITESPACE)
+        if not value:
+            return None  # a blank cell is no amount, as in a CSV
+        if not value.isascii() or "_" in value:
+            return math.nan
     try:
         return float(value)
     except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond float range

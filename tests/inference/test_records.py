@@ -19,9 +19,11 @@ from inference.records import (
     RejectReason,
     Transaction,
     format_event_time,
+    raw_frame,
     split_valid,
     validate,
 )
+from inference.sources.common import conform
 from tests.inference.support import CLEAN_RECORD, DAY, frame_of, record
 
 
@@ -224,6 +226,8 @@ def test_transaction_accepts_a_clean_record_and_normalises_time() -> None:
         ({"amount": math.nan}, "amount"),
         ({"amount": math.inf}, "amount"),
         ({"amount": "inf"}, "amount"),
+        ({"amount": "12.5"}, "amount"),
+        ({"amount": "1_000"}, "amount"),
         ({"amount": -0.01}, "amount"),
         ({"amount": 3.7e9}, "amount"),
         ({"merchant_category": ""}, "merchant_category"),
@@ -344,6 +348,36 @@ def test_a_boolean_amount_is_refused_on_both_paths(value: bool) -> None:
     online, frame = _both_paths({"amount": value})
     assert online is None
     assert frame["reject_reason"].to_list() == [RejectReason.AMOUNT_NOT_FINITE.value]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "12.5",
+        " 12.5\u00a0",
+        "+.5e3",
+        "1E2",
+        "00012",
+        "1_000",
+        "9_99",
+        "\u0661\u0662",
+        "\uff11\uff12",
+        "12,50",
+        "",
+        "inf",
+        "NaN",
+    ],
+)
+def test_an_amount_given_as_text_reads_as_a_csv_cell_does(text: str) -> None:
+    """A SQL source's text amount (`raw_frame`) is read as a CSV cell is (the polars cast): before,
+    Python's float() read "1_000" as 1000 and Arabic-Indic or fullwidth digits as 12, amounts the
+    same file quarantined.
+    A request's amount is a JSON number (test_transaction_model_rejects_the_same_bad_values)."""
+    cells = pl.DataFrame({name: [str(value)] for name, value in record(amount=text).items()})
+    as_csv = validate(conform(cells, "day.csv", typed=False))
+    as_sql = validate(raw_frame([record(amount=text)]))
+    assert as_sql["reject_reason"].to_list() == as_csv["reject_reason"].to_list(), text
+    assert as_sql["amount"].fill_nan(-1.0).to_list() == as_csv["amount"].fill_nan(-1.0).to_list(), text
 
 
 def test_the_canonical_event_time_writes_four_digit_years() -> None:
