@@ -45,9 +45,14 @@ from inference.store import (
     utc_now,
 )
 
-# Rows that cannot be stored as a source record at all (no key, or the key already taken in this
-# batch) are quarantined at ingest; everything else is stored as received and judged at scoring.
-INGEST_REJECTIONS = {RejectReason.MISSING_FIELD.value, RejectReason.DUPLICATE_ID.value}
+# Rows that cannot be stored as a source record at all (no key, the key already taken in this
+# batch, text PostgreSQL cannot hold) are quarantined at ingest; everything else is stored as
+# received and judged at scoring.
+INGEST_REJECTIONS = {
+    RejectReason.NUL_CHARACTER.value,
+    RejectReason.MISSING_FIELD.value,
+    RejectReason.DUPLICATE_ID.value,
+}
 
 
 @dataclass(frozen=True)

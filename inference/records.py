@@ -126,6 +126,9 @@ ID_MAX_LENGTH = 64
 class RejectReason(enum.StrEnum):
     """Why a record was quarantined (validation) or failed scoring (model stage)."""
 
+    # A NUL character in a text field: PostgreSQL text cannot hold one, so the record cannot be
+    # stored (one such row failed the whole day's COPY, at every retry); online it is a 422.
+    NUL_CHARACTER = "nul_character"
     MISSING_FIELD = "missing_field"
     DUPLICATE_ID = "duplicate_id"
     # Malformed, not merely unseen: an unseen well-formed value is scored (see CURRENCIES).
@@ -143,6 +146,7 @@ class RejectReason(enum.StrEnum):
 
 # The order rules are checked in, so a row breaking several rules always gets the same reason.
 REASON_ORDER: tuple[RejectReason, ...] = (
+    RejectReason.NUL_CHARACTER,
     RejectReason.MISSING_FIELD,
     RejectReason.DUPLICATE_ID,
     RejectReason.BAD_CURRENCY,
@@ -166,6 +170,20 @@ RAW_SCHEMA: dict[str, pl.DataType] = {
     "event_time": pl.String(),
 }
 RAW_COLUMNS: tuple[str, ...] = tuple(RAW_SCHEMA)
+TEXT_COLUMNS: tuple[str, ...] = tuple(name for name, dtype in RAW_SCHEMA.items() if dtype == pl.String())
+
+
+def has_nul(value: Any) -> bool:
+    """Whether a value, or any text inside it (a request's JSON), holds a NUL character."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(has_nul(k) or has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_nul(v) for v in value)
+    return False
+
+
 EVENT_TS_DTYPE = pl.Datetime("us", "UTC")
 
 
@@ -319,6 +337,9 @@ def _reject_reason() -> pl.Expr:
     one online batch. Polars expressions are immutable, so every caller may share it."""
     amount = pl.col("amount")
     rules: dict[RejectReason, pl.Expr] = {
+        RejectReason.NUL_CHARACTER: pl.any_horizontal(
+            pl.col(name).str.contains("\x00", literal=True).fill_null(False) for name in TEXT_COLUMNS
+        ),
         RejectReason.MISSING_FIELD: pl.col("transaction_id").is_null()
         | pl.col("account_id").is_null()
         # Blank ids count as missing, as `Transaction` (which strips whitespace) treats them.

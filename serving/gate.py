@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from inference.records import has_nul
 from serving.admission import Decision, StandingMinimum
 from serving.http_protocol import RawHeaders, screen_on_headers
 from serving.metrics import target_seconds
@@ -456,16 +457,6 @@ def _request_problems(parsed: ScoreRequest) -> list[dict[str, Any]]:
     return problems
 
 
-def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_nul(v) for v in value)
-    return False
-
-
 async def _invalid(scorer: OnlineScorer, body: bytes, error: ValidationError, request_id: str, limit: int) -> Refused:
     """422 naming each field and reason; the invalid items are quarantined (off the event loop:
     validation runs polars), never batched."""
@@ -488,8 +479,9 @@ async def _invalid(scorer: OnlineScorer, body: bytes, error: ValidationError, re
         if len(loc) >= 2 and loc[0] == "transactions" and isinstance(loc[1], int):
             name = ".".join(str(part) for part in loc[2:]) or "transaction"
             details.setdefault(loc[1], f"{name}: {e['msg']}")
-    # NUL cannot be stored; such an item is answered 422 but not quarantined.
-    details = {index: detail for index, detail in details.items() if not _has_nul(items[index])}
+    # NUL cannot be stored (the batch path's `nul_character`); such an item is answered 422 but not
+    # quarantined.
+    details = {index: detail for index, detail in details.items() if not has_nul(items[index])}
     try:
         await asyncio.to_thread(scorer.quarantine_invalid, items, details, request_id)
     except Exception:  # best effort: the client's 422 must not turn into a 500

@@ -26,17 +26,19 @@ from inference.store.schema import (
 
 
 # ------------------------------------------------------------------ quarantine
+def _storable(value: Any) -> Any:
+    """Text PostgreSQL can hold: NUL written as the four characters \\x00."""
+    return value.replace("\x00", "\\x00") if isinstance(value, str) else value
+
+
 def quarantine_unwritable_result(conn: Connection, row: dict[str, Any], error: str, *, path: ResultPath) -> None:
     """Keep a result row the store refused (a data error, not an outage) as a rejection, so it is
     seen and kept instead of blocking the rows behind it. Text is made storable first (PostgreSQL
     text cannot hold NUL), because the payload must land even when the original could not."""
 
-    def storable(value: Any) -> Any:
-        return value.replace("\x00", "\\x00") if isinstance(value, str) else value
-
     # json.dumps writes NUL as the six characters \u0000, which text columns hold.
     payload = json.dumps(row, sort_keys=True, default=str, allow_nan=True)
-    transaction_id = storable(row.get("transaction_id"))
+    transaction_id = _storable(row.get("transaction_id"))
     digest = hashlib.sha256(payload.encode()).hexdigest()[:32]
     key = "|".join([path.value, RejectStage.WRITE.value, str(transaction_id), digest])
     now = utc_now()
@@ -47,11 +49,11 @@ def quarantine_unwritable_result(conn: Connection, row: dict[str, Any], error: s
             transaction_id=transaction_id,
             path=path.value,
             stage=RejectStage.WRITE.value,
-            request_id=storable(row.get("request_id")),
+            request_id=_storable(row.get("request_id")),
             reason=UNWRITABLE_RESULT,
-            detail=storable(error)[:500],
+            detail=_storable(error)[:500],
             payload=payload,
-            input_hash=storable(str(row.get("input_hash"))),
+            input_hash=_storable(str(row.get("input_hash"))),
             first_seen=now,
             last_seen=now,
             seen_count=1,
@@ -95,14 +97,16 @@ def quarantine(
         records.append(
             {
                 "rejection_key": hashlib.sha256(key.encode()).hexdigest()[:40],
-                "transaction_id": raw["transaction_id"],
+                # A record refused for a NUL (`nul_character`) must still land: PostgreSQL text
+                # cannot hold one. The payload's json.dumps writes it as \u0000 already.
+                "transaction_id": _storable(raw["transaction_id"]),
                 "path": path.value,
                 "stage": stage.value,
                 "partition_key": partition_key,
                 "run_id": run_id,
                 "request_id": request_id,
                 "reason": reason,
-                "detail": detail,
+                "detail": _storable(detail),
                 "payload": json.dumps(raw, sort_keys=True, default=str, allow_nan=True),
                 "input_hash": digest,
                 "first_seen": now,

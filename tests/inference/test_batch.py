@@ -385,3 +385,31 @@ def test_a_record_refused_again_is_open_again(engine: Engine) -> None:
     score(engine, DAY, run_id="bad-again")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
+
+
+def test_a_nul_in_a_text_field_quarantines_its_row_at_ingest_and_the_day_is_stored(engine: Engine) -> None:
+    """PostgreSQL text cannot hold NUL: before, one such row failed the whole day's COPY at every
+    retry (0 rows stored, 0 quarantined) while SQLite stored it."""
+    nul_rows = [
+        record(transaction_id="nul\x00id"),
+        record(transaction_id="tx-2", account_id="acct\x00"),
+        record(transaction_id="tx-3", merchant_category="groc\x00ery"),
+        record(transaction_id="tx-4", event_time="2026-11-01T12:00:00Z\x00"),
+    ]
+    report = ingest_day(engine, raw_frame([record(), *nul_rows]), DAY)
+    assert (report.rows_stored, report.rejected_at_ingest) == (1, 4)
+
+    r = rejected_records.c
+    with engine.connect() as conn:
+        quarantined = conn.execute(
+            sa.select(r.transaction_id, r.reason, r.stage, r.payload).order_by(r.transaction_id)
+        ).all()
+    assert [(row.transaction_id, row.reason, row.stage) for row in quarantined] == [
+        ("nul\\x00id", "nul_character", "ingest"),
+        ("tx-2", "nul_character", "ingest"),
+        ("tx-3", "nul_character", "ingest"),
+        ("tx-4", "nul_character", "ingest"),
+    ]
+    assert "acct\\u0000" in quarantined[1].payload  # the record as received, NUL escaped
+    scored = score(engine, DAY)
+    assert (scored.scored, scored.rejected) == (1, 0)

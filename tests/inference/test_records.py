@@ -59,6 +59,13 @@ def test_split_valid_partitions_the_frame() -> None:
     ("changes", "expected"),
     [
         ({}, None),
+        # PostgreSQL text cannot hold NUL: in any text field the record cannot be stored.
+        ({"transaction_id": "tx\x001"}, RejectReason.NUL_CHARACTER),
+        ({"account_id": "acct\x00"}, RejectReason.NUL_CHARACTER),
+        ({"currency": "EU\x00"}, RejectReason.NUL_CHARACTER),
+        ({"merchant_category": "groc\x00ery"}, RejectReason.NUL_CHARACTER),
+        ({"country": "\x00DE"}, RejectReason.NUL_CHARACTER),
+        ({"event_time": "2026-11-01T12:00:00Z\x00"}, RejectReason.NUL_CHARACTER),
         ({"transaction_id": None}, RejectReason.MISSING_FIELD),
         ({"transaction_id": ""}, RejectReason.MISSING_FIELD),
         ({"transaction_id": "   "}, RejectReason.MISSING_FIELD),
