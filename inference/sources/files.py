@@ -448,7 +448,7 @@ def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]
                     if column is None:
                         column = columns[key] = [None] * len(problems)
                     filled += 1
-                    if type(value) is str:  # nearly every value: no call
+                    if type(value) is str and name != "amount":  # nearly every value: no call
                         column.append(value)
                         continue
                     text, expected = _as_text(name, value)
@@ -477,7 +477,7 @@ def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]
 
 def _as_text(name: str, value: Any) -> tuple[str | None, str | None]:
     """(the value as conform reads a CSV cell, or None with what was expected instead)."""
-    if value is None or isinstance(value, str):
+    if value is None or (isinstance(value, str) and name != "amount"):
         return value, None
     if name == LABEL and isinstance(value, bool):
         return str(int(value)), None
@@ -495,6 +495,8 @@ def _kind(value: Any) -> str:
         return "boolean"
     if isinstance(value, int | float):
         return "number"
+    if isinstance(value, str):
+        return "string"
     return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else type(value).__name__
 
 

@@ -290,7 +290,8 @@ def test_bad_cells_in_a_csv_are_rows_for_validation_to_reject(tmp_path: Path) ->
 def test_an_ndjson_value_that_cannot_be_read_as_written_is_one_rows_problem(tmp_path: Path) -> None:
     """Each line arrives as written. Before, one off-type value failed the day (an amount `"12.5"`
     or `true`, the `NaN` Python's json writes, `1e999`, a BOM, a line that is not JSON) or was turned
-    into text and scored (`false` or `5411` as a category, `true` as an id: a request is refused 422)."""
+    into text and scored (`false` or `5411` as a category, `true` as an id: a request is refused 422).
+    A JSON string amount is its row's problem, as it is a request's."""
     good = {key: value for key, value in ROWS[0].items() if key != "label_fraud"}
     line = '{"transaction_id": "%s", "account_id": "a-1", "amount": %s, "currency": "USD", ' + (
         '"merchant_category": %s, "country": "US", "event_time": "2026-11-03T09:30:00Z"}'
@@ -318,8 +319,9 @@ def test_an_ndjson_value_that_cannot_be_read_as_written_is_one_rows_problem(tmp_
     problems = dict(enumerate(checked["source_problem"]))
     reasons = checked["reject_reason"].to_list()
     assert checked["transaction_id"].to_list()[:2] == ["u-1", "as-text"]
-    assert reasons[:2] == [None, None] and checked["amount"][1] == 12.5  # a request's "12.5" is 12.5 too
-    assert problems[0] is problems[1] is problems[3] is problems[4] is problems[10] is None
+    assert reasons[0] is None
+    assert problems[1] == 'line 2: amount: "12.5" is a JSON string, not a number'  # a request's "12.5" is a 422
+    assert problems[0] is problems[3] is problems[4] is problems[10] is None
     assert reasons[3:5] == [RejectReason.AMOUNT_NOT_FINITE.value] * 2  # the user's data, refused by validation
     assert problems[2] == "line 3: amount: true is a JSON boolean, not a number"
     assert problems[5] == "line 6: merchant_category: false is a JSON boolean, not text"
