@@ -112,11 +112,12 @@ def service_env(*, database_url: str, data_dir: Path, model_name: str) -> dict[s
 
 
 @contextmanager
-def fresh_postgres_database(admin_url: str, prefix: str = "tandem_test") -> Iterator[str]:
-    """An empty database of its own; dropped afterwards (forcibly, whoever is still connected)."""
+def fresh_postgres_database(admin_url: str, prefix: str = "tandem_test", options: str = "") -> Iterator[str]:
+    """An empty database of its own (`options`: CREATE DATABASE's, a locale say); dropped
+    afterwards (forcibly, whoever is still connected)."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
+        admin.execute(f'CREATE DATABASE "{name}" {options}')
     try:
         yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     finally:

@@ -15,6 +15,9 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.visitors import InternalTraversal
 
 # ------------------------------------------------------------------ engines and the clock
 SUPPORTED_BACKENDS = ("postgresql", "sqlite")
@@ -139,3 +142,30 @@ def _aware(moment: Any) -> datetime:
     """A stored instant in UTC: SQLite hands back naive values, PostgreSQL its session's time zone."""
     value = moment if isinstance(moment, datetime) else datetime.fromisoformat(str(moment))
     return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+# ------------------------------------------------------------------ text in byte order
+class ByteOrder(sa.sql.expression.ColumnElement[str]):
+    """A text column compared and ordered by its bytes, as polars orders strings. Which of two
+    payments of one account at the same second came first is decided by transaction_id, in SQL for
+    the history a request reads and in polars for a partition's rows: under a linguistic collation
+    (en_US, PostgreSQL's usual default) `a-1` sorts before `B-2` in SQL and after it in polars, and
+    the two paths scored the same record with different histories. SQLite compares bytes already."""
+
+    inherit_cache = True
+    # SQLAlchemy's cache key of a statement is built from this class attribute, as on its own elements.
+    _traverse_internals = [("column", InternalTraversal.dp_clauseelement)]  # noqa: RUF012
+
+    def __init__(self, column: sa.ColumnElement[str]) -> None:
+        self.column = column
+        self.type = column.type
+
+
+@compiles(ByteOrder)
+def _byte_order(element: ByteOrder, compiler: SQLCompiler, **kw: Any) -> str:
+    return compiler.process(element.column, **kw)
+
+
+@compiles(ByteOrder, "postgresql")
+def _byte_order_postgresql(element: ByteOrder, compiler: SQLCompiler, **kw: Any) -> str:
+    return f'{compiler.process(element.column, **kw)} COLLATE "C"'

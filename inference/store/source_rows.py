@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from datetime import UTC, date, datetime
+from typing import Any
 
 import polars as pl
 import sqlalchemy as sa
@@ -13,7 +14,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, hash_inputs, run_query
-from inference.store.engine import _as_utc, _chunks, _frame_from_rows, _rows_frame, utc_now
+from inference.store.engine import ByteOrder, _as_utc, _chunks, _frame_from_rows, _rows_frame, utc_now
 from inference.store.merge import _merge, _overwrite_when_changed
 from inference.store.schema import HISTORY_SCHEMA, transactions
 
@@ -59,7 +60,7 @@ def read_partition_rows(conn: Connection, partition_date: date) -> pl.DataFrame:
             transactions.c.label_fraud,
         )
         .where(transactions.c.partition_date == partition_date)
-        .order_by(transactions.c.account_id, transactions.c.event_ts, transactions.c.transaction_id)
+        .order_by(transactions.c.account_id, transactions.c.event_ts, ByteOrder(transactions.c.transaction_id))
     )
     schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16()}
     return _frame_from_rows(conn.execute(stmt).all(), schema)
@@ -161,11 +162,11 @@ def _history_statement(targets: int) -> sa.Executable:
                     t.event_ts < moment,
                     sa.and_(
                         t.event_ts == moment,
-                        t.transaction_id < sa.bindparam(f"before_{index}", type_=t.transaction_id.type),
+                        ByteOrder(t.transaction_id) < sa.bindparam(f"before_{index}", type_=t.transaction_id.type),
                     ),
                 ),
             )
-            .order_by(t.event_ts.desc(), t.transaction_id.desc())
+            .order_by(t.event_ts.desc(), ByteOrder(t.transaction_id).desc())
             .limit(sa.bindparam("history_length", type_=sa.Integer()))
             .subquery()
             .select()
@@ -223,7 +224,7 @@ def _prior_history_statement(dialect: str, bounds: pl.DataFrame, before: date, h
         before_bound = (
             sa.select(*columns)
             .where(*own, t.event_ts < table.c.earliest)
-            .order_by(t.event_ts.desc(), t.transaction_id.desc())
+            .order_by(t.event_ts.desc(), ByteOrder(t.transaction_id).desc())
             .limit(history_length)
             .lateral("before_bound")
         )
@@ -244,7 +245,7 @@ def _prior_history_statement(dialect: str, bounds: pl.DataFrame, before: date, h
         sa.select(
             *columns,
             sa.func.row_number()
-            .over(partition_by=t.account_id, order_by=(t.event_ts.desc(), t.transaction_id.desc()))
+            .over(partition_by=t.account_id, order_by=(t.event_ts.desc(), ByteOrder(t.transaction_id).desc()))
             .label("recency"),
             # The rows at or after the bound come first in `recency`; K more are the history before it.
             sa.func.sum(sa.case((t.event_ts >= values.c.earliest, 1), else_=0))
@@ -281,7 +282,7 @@ def stream_partition_rows(engine: Engine, partition_date: date, chunk_rows: int)
     """
     t = transactions.c
     schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "label_fraud": pl.Int16(), "input_hash": pl.String()}
-    order = (t.account_id, t.event_ts, t.transaction_id)
+    order = (t.account_id, t.event_ts, ByteOrder(t.transaction_id))
     if engine.dialect.name == "postgresql":
         yield from _copy_partition_rows(engine, partition_date, chunk_rows, schema, order)
         return
@@ -301,7 +302,7 @@ def _copy_partition_rows(
     partition_date: date,
     chunk_rows: int,
     schema: dict[str, pl.DataType],
-    order: tuple[sa.ColumnElement[object], ...],
+    order: tuple[sa.ColumnElement[Any], ...],
 ) -> Iterator[pl.DataFrame]:
     t = transactions.c
     text_columns = [name for name, dtype in schema.items() if dtype == pl.String()]

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from inference.records import EVENT_TS_DTYPE
-from inference.store.engine import _as_utc, _aware
+from inference.store.engine import ByteOrder, _as_utc, _aware
 from inference.store.schema import (
     Resolution,
     ResultPath,
@@ -68,7 +68,7 @@ def stale_scored_partitions(
             t.account_id,
             t.partition_date,
             sa.func.row_number()
-            .over(partition_by=t.account_id, order_by=(t.event_ts, t.transaction_id))
+            .over(partition_by=t.account_id, order_by=(t.event_ts, ByteOrder(t.transaction_id)))
             .label("position"),
         )
         .where(

@@ -19,6 +19,7 @@ from inference.batch import BatchProducer, IngestReport, PartitionReport, ingest
 from inference.contract import FrameHistory, TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, day_range, generate_day
 from inference.features import FeatureBatch
+from inference.migrate import upgrade
 from inference.model import ModelConfig, RiskModel, score_batch
 from inference.parity import PARITY_TOLERANCE
 from inference.records import (
@@ -34,6 +35,7 @@ from inference.records import (
 from inference.sources import FileSource
 from inference.store import (
     StoreHistory,
+    make_engine,
     mark_rejections_fixed,
     partition_counts,
     read_partition_rows,
@@ -42,6 +44,7 @@ from inference.store import (
     transactions,
 )
 from tests.inference.support import DAY, record
+from tests.shared import fresh_postgres_database
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -413,3 +416,37 @@ def test_a_nul_in_a_text_field_quarantines_its_row_at_ingest_and_the_day_is_stor
     assert "acct\\u0000" in quarantined[1].payload  # the record as received, NUL escaped
     scored = score(engine, DAY)
     assert (scored.scored, scored.rejected) == (1, 0)
+
+
+def test_payments_of_one_second_are_ordered_by_the_bytes_of_their_ids_on_both_paths(postgres_admin_url: str) -> None:
+    """Two payments of one account at the same second: which is the other's history is decided by
+    transaction_id. Polars orders bytes (`B-2` before `a-1`); PostgreSQL ordered by the database's
+    collation, and under en-US (the official image's default locale) `a-1` came first: the batch
+    answer read `B-2` as history and the online path, on the same store, did not."""
+    linguistic = "TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'"
+    with fresh_postgres_database(postgres_admin_url, options=linguistic) as url:
+        engine = make_engine(url)
+        try:
+            upgrade(engine)
+            with engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT 'a-1' < 'B-2'")).scalar_one()  # the collation at work
+            ingest_day(
+                engine, raw_frame([record(transaction_id="p-1", account_id="acct", event_time=f"{DAY}T08:00:00Z")]), DAY
+            )
+            later = DAY + timedelta(days=1)
+            same_second = [
+                record(transaction_id="B-2", account_id="acct", amount=10.0, event_time=f"{later}T12:00:00Z"),
+                record(transaction_id="a-1", account_id="acct", amount=900.0, event_time=f"{later}T12:00:00Z"),
+            ]
+            ingest_day(engine, raw_frame(same_second), later)
+            scorer = predictor(forward_batch_size=1)
+            producer = BatchProducer(run_id="run-1", partition_key=later.isoformat(), code_version="test")
+            score_partition(engine, scorer, later, producer=producer, history_length=HISTORY)
+
+            batch = predictions_of(engine, partition_key=later.isoformat()).sort("transaction_id")
+            online = pl.concat([scorer.predict(raw_frame([row]), StoreHistory(engine)) for row in same_second])
+            online = online.sort("transaction_id")
+            assert batch["history_hash"].to_list() == online["history_hash"].to_list()
+            assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
+        finally:
+            engine.dispose()
