@@ -111,7 +111,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         jobs=list(jobs.values()),
         schedules=[nightly],
         sensors=[
-            *build_sensors(sensor_settings),
+            *build_sensors(sensor_settings, partitions=partitions),
             automation,
             build_production_model_observer(sensor_settings),
             build_online_observer(sensor_settings),

@@ -141,14 +141,19 @@ def test_dagster_names_in_the_runbook_exist() -> None:
     )
 
     settings = SensorSettings()
+    partitions = DailyPartitionsDefinition(start_date="2026-11-01")
     # The ones an operator acts on in the runbook's scenarios must be there; any it names must exist.
     sensors = {
         s.name
-        for s in [*build_sensors(settings), build_online_observer(settings), build_production_model_observer(settings)]
+        for s in [
+            *build_sensors(settings, partitions=partitions),
+            build_online_observer(settings),
+            build_production_model_observer(settings),
+        ]
     } | {"scoring_automation_sensor"}
     defined = {s.name for s in defs.sensors}
     assert sensors <= defined
-    assets = build_batch_assets(DailyPartitionsDefinition(start_date="2026-11-01"), 16)
+    assets = build_batch_assets(partitions, 16)
     checks = {spec.name for asset in assets for spec in asset.check_specs}
     code = _code(RUNBOOK)
     for name in sensors:

@@ -12,7 +12,15 @@ from pathlib import Path
 import polars as pl
 import pytest
 import sqlalchemy as sa
-from dagster import AssetObservation, DagsterInstance, SensorDefinition, SensorResult, SkipReason, build_sensor_context
+from dagster import (
+    AssetObservation,
+    DagsterInstance,
+    DailyPartitionsDefinition,
+    SensorDefinition,
+    SensorResult,
+    SkipReason,
+    build_sensor_context,
+)
 
 from assets.model import NO_CHALLENGER
 from inference.demo import DemoConfig, generate_day
@@ -27,6 +35,7 @@ from inference.store import (
     upsert_transactions,
     utc_now,
 )
+from orchestration.definitions import build_definitions
 from orchestration.resources import DatabaseResource, ModelStoreResource
 from orchestration.sensors import (
     SensorSettings,
@@ -34,8 +43,16 @@ from orchestration.sensors import (
     build_production_model_observer,
     build_sensors,
 )
+from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
-from tests.orchestration.support import DEMO_SEED, PARTITIONED, batch_resources, predictions_config, run_partition
+from tests.orchestration.support import (
+    DEMO_SEED,
+    PARTITIONED,
+    SETTINGS,
+    batch_resources,
+    predictions_config,
+    run_partition,
+)
 from tests.shared import register_untrained_model
 
 DAYS = ("2026-11-02", "2026-11-03")
@@ -70,10 +87,11 @@ def scored(database_url: str, assets: list, instance: DagsterInstance) -> str:
 
 def _sensors() -> dict[str, SensorDefinition]:
     settings = SensorSettings(interval_seconds=5)
+    partitions = DailyPartitionsDefinition(start_date=SETTINGS.partitions_start, timezone="UTC")
     return {
         s.name: s
         for s in [
-            *build_sensors(settings),
+            *build_sensors(settings, partitions=partitions),
             build_online_observer(settings),
             build_online_observer(settings, shadow=True),
             build_production_model_observer(settings),
@@ -97,6 +115,18 @@ def _correct_records(url: str, day: str, count: int) -> None:
     engine = make_engine(url)
     with engine.begin() as conn:
         upsert_transactions(conn, validate(clean.with_columns(amount=pl.col("amount") + 1.0)), date.fromisoformat(day))
+    engine.dispose()
+
+
+def _fix_one_rejection(url: str, day: str) -> None:
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        rejection_id = (
+            conn.execute(rejected_records.select().where(rejected_records.c.partition_key == day).limit(1))
+            .mappings()
+            .one()["rejection_id"]
+        )
+        assert mark_rejections_fixed(conn, [rejection_id]) == 1
     engine.dispose()
 
 
@@ -128,15 +158,7 @@ def test_late_records_rerun_exactly_the_changed_partitions_once(
 def test_rejections_marked_fixed_rerun_their_partition(scored: str, assets: list, instance: DagsterInstance) -> None:
     sensor = _sensors()["fixed_rejects_sensor"]
     assert isinstance(_tick(sensor, scored), SkipReason)
-    engine = make_engine(scored)
-    with engine.begin() as conn:
-        rejection_id = (
-            conn.execute(rejected_records.select().where(rejected_records.c.partition_key == DAYS[1]).limit(1))
-            .mappings()
-            .one()["rejection_id"]
-        )
-        assert mark_rejections_fixed(conn, [rejection_id]) == 1
-    engine.dispose()
+    _fix_one_rejection(scored, DAYS[1])
     result = _tick(sensor, scored)
     assert isinstance(result, SensorResult)
     assert [r.partition_key for r in result.run_requests] == [DAYS[1]]
@@ -156,6 +178,27 @@ def test_rejections_marked_fixed_rerun_their_partition(scored: str, assets: list
     engine.dispose()
     assert tuple(reopened) == (False, None)
     assert isinstance(_tick(sensor, scored, result.cursor), SkipReason)
+
+
+@pytest.mark.parametrize("name", ["late_records_sensor", "fixed_rejects_sensor"])
+def test_a_changed_day_outside_the_partitions_does_not_hold_back_the_others(scored: str, name: str) -> None:
+    """The partitions start moved forward past a scored day (or the demo wrote today's rows): a
+    request for that day fails the daemon's whole tick, on every tick, and the valid day changed
+    beside it is never rerun. Evaluated as the daemon does, so the request is resolved against
+    the jobs' partitions."""
+    moved = build_definitions(OrchestrationSettings(partitions_start=DAYS[1], history_length=16))
+    sensor = moved.get_repository_def().get_sensor_def(name)
+    for day in DAYS:
+        _correct_records(scored, day, 3)
+        _fix_one_rejection(scored, day)
+    resources = {"database": DatabaseResource(url=scored), "model_store": ModelStoreResource(model_name=SENSOR_MODEL)}
+    cursor = None
+    for _ in range(2):  # and the tick after it, from the cursor it left
+        with build_sensor_context(resources=resources, cursor=cursor, definitions=moved) as context:
+            tick = sensor.evaluate_tick(context)
+        assert [r.partition_key for r in tick.run_requests or []] == [DAYS[1]]
+        assert tick.cursor is not None
+        cursor = tick.cursor
 
 
 def test_a_moved_production_pointer_is_observed_once_as_a_new_data_version(tmp_path: Path) -> None:
