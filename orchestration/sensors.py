@@ -253,15 +253,17 @@ def build_online_observer(settings: SensorSettings, *, shadow: bool = False) -> 
     return observer
 
 
-def _ingested_version(instance: DagsterInstance, partition_key: str) -> str | None:
-    """The file version the latest `transactions` materialization of this day read, if any."""
+def _last_ingest(instance: DagsterInstance, partition_key: str) -> tuple[str | None, str]:
+    """The file version the latest `transactions` materialization of this day read, if any, and
+    that materialization named for a run key ('none' before the first): `version@storage id`."""
     records = instance.fetch_materializations(
         AssetRecordsFilter(asset_key=AssetKey("transactions"), asset_partitions=[partition_key]), limit=1
     ).records
     if not records or records[0].asset_materialization is None:
-        return None
+        return None, "none"
     version = records[0].asset_materialization.metadata.get("source_version")
-    return str(version.value) if version is not None else None
+    read = str(version.value) if version is not None else None
+    return read, f"{read}@{records[0].storage_id}"
 
 
 def _is_scored(instance: DagsterInstance, partition_key: str) -> bool:
@@ -316,11 +318,15 @@ def build_landing_sensor(
                 continue
             if key in busy:
                 continue  # maybe writing this very file (the demo): decide once it is done
-            if _ingested_version(context.instance, key) != version:
+            ingested, last_ingest = _last_ingest(context.instance, key)
+            if ingested != version:
                 job = INGEST_JOB if _is_scored(context.instance, key) else DAILY_JOB
                 requests.append(
                     RunRequest(
-                        run_key=f"landing:{key}:{version}",
+                        # From the day's last ingest to this file: keyed by the file alone, a file
+                        # restored to a version ingested before repeated that run's key, and Dagster
+                        # dropped the request. A tick repeated for the same change asks the same key.
+                        run_key=f"landing:{key}:{last_ingest}->{version}",
                         job_name=job,
                         partition_key=key,
                         tags={"tandem/trigger": "landing", "tandem/source_version": version},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import uuid
 from datetime import date
 from pathlib import Path
@@ -204,7 +205,7 @@ def test_a_new_day_file_requests_daily_scoring_once(instance: DagsterInstance, t
     assert (request.job_name, request.partition_key, request.run_key) == (
         DAILY_JOB,
         PARTITION,
-        f"landing:{PARTITION}:{version}",
+        f"landing:{PARTITION}:none->{version}",
     )
     again = _tick(instance, tmp_path, first.cursor)
     assert isinstance(again, SkipReason)
@@ -229,13 +230,56 @@ def test_a_changed_file_of_a_scored_day_requests_a_reingest(instance: DagsterIns
     assert isinstance(changed, SensorResult)
     (request,) = changed.run_requests
     new_version = _version(tmp_path, PARTITION)
-    assert new_version != first.run_requests[0].run_key.rsplit(":", 1)[1]
+    assert new_version != first.run_requests[0].run_key.rsplit("->", 1)[1]
     assert (request.job_name, request.partition_key, request.run_key) == (
         INGEST_JOB,
         PARTITION,
-        f"landing:{PARTITION}:{new_version}",
+        f"landing:{PARTITION}:none->{new_version}",
     )
     assert isinstance(_tick(instance, tmp_path, changed.cursor), SkipReason)
+
+
+def test_a_file_restored_to_a_version_ingested_before_is_ingested_again(
+    instance: DagsterInstance, tmp_path: Path
+) -> None:
+    """A correction was wrong and upstream re-delivers its first file (`cp -p`, `rsync -a`, an
+    object store restore): same name, size and mtime, so the version ingested first. Its request
+    must not repeat a run key Dagster has seen, or the daemon drops it and the day keeps the
+    correction's content; a tick repeated for this same change must still ask the same key."""
+    path = tmp_path / f"{PARTITION}.csv"
+    _write_csv(path, _user_rows(PARTITION, 5))
+    original = tmp_path / "original.csv.keep"
+    shutil.copy2(path, original)
+    keys: list[str] = []
+    versions: list[str] = []
+    cursor = None
+
+    def ingest(version: str) -> None:  # what the requested run's transactions step records
+        instance.report_runless_asset_event(
+            AssetMaterialization("transactions", partition=PARTITION, metadata={"source_version": version})
+        )
+
+    for change in ("first", "corrected", "restored", "corrected again"):
+        if change in ("corrected", "corrected again"):
+            rows = _user_rows(PARTITION, 5)
+            rows[2]["amount"] = "99.00"
+            _rewrite(path, rows)
+            os.utime(path, ns=(os.stat(original).st_mtime_ns + 10**9,) * 2)  # the same corrected version each time
+        elif change == "restored":
+            shutil.copy2(original, path)
+        result = _tick(instance, tmp_path, cursor)
+        assert isinstance(result, SensorResult), change
+        (request,) = result.run_requests
+        assert request.run_key not in keys, change
+        repeated = _tick(instance, tmp_path, cursor)  # the daemon lost this tick's cursor
+        assert isinstance(repeated, SensorResult)
+        assert [r.run_key for r in repeated.run_requests] == [request.run_key]
+        keys.append(request.run_key)
+        versions.append(_version(tmp_path, PARTITION))
+        ingest(versions[-1])
+        cursor = result.cursor
+    assert versions[2:] == versions[:2]  # each version is delivered, and asked for, twice
+    assert isinstance(_tick(instance, tmp_path, cursor), SkipReason)
 
 
 def test_a_changed_file_of_a_day_never_scored_requests_ingest_and_scoring(
