@@ -14,7 +14,7 @@ are all seen (Dagster #32853 affects `@asset_sensor`, which these are not).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,7 @@ from inference.store import (
     fixed_rejection_partitions,
     online_activity,
     stale_scored_partitions,
+    utc_now,
 )
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.runs import partitions_in_flight
@@ -220,23 +221,41 @@ def build_production_model_observer(settings: SensorSettings) -> SensorDefinitio
     return production_model_observer
 
 
-def build_online_observer(settings: SensorSettings, *, shadow: bool = False) -> SensorDefinition:
+def build_online_observer(
+    settings: SensorSettings, *, shadow: bool = False, clock: Callable[[], datetime] = utc_now
+) -> SensorDefinition:
     """What the online service wrote, as observations: its answers (online_predictions, from
     `predictions`) or, with `shadow`, the challenger's beside them (shadow_predictions, from
-    `challenger_predictions`)."""
+    `challenger_predictions`).
+
+    The service stamps produced_at when it scores; its writer, or the outbox after a database
+    outage, commits the row later with that stamp. So a tick reports the rows produced up to
+    WATERMARK_OVERLAP ago, and the cursor is that bound: a row committed within the overlap is
+    still reported, and each row once. A cursor at the newest stamp seen would skip every row
+    committed after a later-stamped one. Not covered: a row committed more than the overlap
+    after its stamp (an outbox drained after a longer outage); a commit-ordered column would be.
+    Rejected: looking back past the cursor, which needs every row of the overlap remembered to
+    report each once (hundreds of thousands at the service's rates).
+    """
     asset_key, name = (SHADOW_PREDICTIONS, "shadow") if shadow else (ONLINE_PREDICTIONS, "online")
     table = "challenger_predictions" if shadow else "predictions"
 
     @sensor(
         name=f"{name}_predictions_observer",
         **settings.sensor_args(),
-        description=f"Reports what the online service wrote to `{table}` as observations of {name}_predictions.",
+        description=f"Reports what the online service wrote to `{table}` as observations of {name}_predictions, "
+        f"once {WATERMARK_OVERLAP.seconds // 60} minutes old (the writer and the outbox commit after it scores).",
     )
     def observer(context: SensorEvaluationContext, database: DatabaseResource) -> SensorResult | SkipReason:
+        settled = clock() - WATERMARK_OVERLAP
+        after = _watermark(context.cursor)
+        if after is not None and after >= settled:
+            return SkipReason(f"no new {name} results produced before {settled.isoformat()}")
         with database.engine.connect() as conn:
-            activity = online_activity(conn, produced_after=_watermark(context.cursor), shadow=shadow)
+            activity = online_activity(conn, produced_after=after, produced_before=settled, shadow=shadow)
         if activity.rows == 0 or activity.latest is None:
-            return SkipReason(f"no new {name} results")
+            # The cursor stays: a row of this window committed later still counts.
+            return SkipReason(f"no new {name} results produced before {settled.isoformat()}")
         observation = AssetObservation(
             asset_key=asset_key,
             metadata={
@@ -246,9 +265,10 @@ def build_online_observer(settings: SensorSettings, *, shadow: bool = False) -> 
                 "latency_ms_p50": activity.latency_ms_p50 if activity.latency_ms_p50 is not None else float("nan"),
                 "latency_ms_p99": activity.latency_ms_p99 if activity.latency_ms_p99 is not None else float("nan"),
                 "latest_produced_at": activity.latest.isoformat(),
+                "produced_before": settled.isoformat(),
             },
         )
-        return SensorResult(asset_events=[observation], cursor=_cursor(activity.latest))
+        return SensorResult(asset_events=[observation], cursor=_cursor(settled))
 
     return observer
 

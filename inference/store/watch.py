@@ -135,14 +135,19 @@ class OnlineActivity:
     latest: datetime | None
 
 
-def online_activity(conn: Connection, *, produced_after: datetime | None, shadow: bool = False) -> OnlineActivity:
-    """What the online path wrote since `produced_after`, for the online_predictions observations;
-    `shadow`: what the challenger answered beside it (challenger_predictions, path shadow)."""
+def online_activity(
+    conn: Connection, *, produced_after: datetime | None, produced_before: datetime | None = None, shadow: bool = False
+) -> OnlineActivity:
+    """What the online path wrote produced after `produced_after` and up to `produced_before`, for
+    the online_predictions observations; `shadow`: what the challenger answered beside it
+    (challenger_predictions, path shadow)."""
     table, path = (challenger_predictions, ResultPath.SHADOW) if shadow else (predictions, ResultPath.ONLINE)
     p = table.c
     where = [p.path == path.value]
     if produced_after is not None:
         where.append(p.produced_at > produced_after)
+    if produced_before is not None:
+        where.append(p.produced_at <= produced_before)
     rows = conn.execute(sa.select(p.model_version, p.request_id, p.latency_ms, p.produced_at).where(*where)).all()
     if not rows:
         return OnlineActivity(0, 0, {}, None, None, None)

@@ -6,7 +6,7 @@ A promotion's rescore is an AutomationCondition now: tests/orchestration/test_au
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import date
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import polars as pl
@@ -24,6 +24,7 @@ from dagster import (
 
 from assets.model import NO_CHALLENGER
 from inference.demo import DemoConfig, generate_day
+from inference.migrate import upgrade
 from inference.records import EVENT_TS_DTYPE, validate
 from inference.store import (
     make_engine,
@@ -38,6 +39,7 @@ from inference.store import (
 from orchestration.definitions import build_definitions
 from orchestration.resources import DatabaseResource, ModelStoreResource
 from orchestration.sensors import (
+    WATERMARK_OVERLAP,
     SensorSettings,
     build_online_observer,
     build_production_model_observer,
@@ -249,7 +251,7 @@ def test_online_results_are_observed_as_online_predictions(scored: str, shadow: 
         "input_hash": "h",
         "history_hash": "0" * 16,
         "idempotency_key": "online-1:v-online",
-        "produced_at": utc_now(),
+        "produced_at": utc_now() - WATERMARK_OVERLAP,  # reported once its writer had time to commit it
         "latency_ms": 12.5,
     }
     engine = make_engine(scored)
@@ -266,6 +268,66 @@ def test_online_results_are_observed_as_online_predictions(scored: str, shadow: 
     assert observation.metadata["rows"].value == 1
     assert observation.metadata["model_versions"].value == {"v-online": 1}
     assert isinstance(_tick(sensor, scored, result.cursor), SkipReason)
+
+
+def _online_row(transaction_id: str, produced_at: datetime) -> dict[str, object]:
+    return {
+        "transaction_id": transaction_id,
+        "model_version": "v-online",
+        "score": 0.25,
+        "path": "online",
+        "run_id": None,
+        "partition_key": None,
+        "request_id": f"req-{transaction_id}",
+        "batch_id": "batch-1",
+        "code_version": "test",
+        "input_hash": f"h-{transaction_id}",
+        "history_hash": "0" * 16,
+        "idempotency_key": None,
+        "produced_at": produced_at,
+        "latency_ms": 3.0,
+    }
+
+
+def test_an_online_result_committed_after_a_later_one_is_observed_once(tmp_path: Path) -> None:
+    """The service stamps produced_at when it scores; the writer (or the outbox, after an outage)
+    commits later. A row committed after a tick that saw a later-stamped one must still count."""
+    url = f"sqlite:///{tmp_path / 'online.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    now = datetime(2026, 11, 3, 12, tzinfo=UTC)
+    clock = [now]
+    sensor = build_online_observer(SensorSettings(interval_seconds=5), clock=lambda: clock[0])
+
+    def write(transaction_id: str, produced_at: datetime) -> None:
+        frame = pl.DataFrame(
+            [_online_row(transaction_id, produced_at)], schema_overrides={"produced_at": EVENT_TS_DTYPE}
+        )
+        with engine.begin() as conn:
+            upsert_predictions(conn, frame)
+
+    observed: list[int] = []
+    cursor = None
+
+    def tick() -> None:
+        nonlocal cursor
+        result = _tick(sensor, url, cursor)
+        if isinstance(result, SensorResult):
+            (observation,) = result.asset_events
+            assert isinstance(observation, AssetObservation)
+            observed.append(int(observation.metadata["rows"].value))  # type: ignore[arg-type]
+            cursor = result.cursor
+
+    write("scored-later", now)  # committed first
+    tick()
+    clock[0] = now + timedelta(seconds=30)
+    write("scored-first", now - timedelta(seconds=5))  # its write was behind the other's
+    tick()
+    for minutes in (11, 12, 30):
+        clock[0] = now + timedelta(minutes=minutes)
+        tick()
+    assert sum(observed) == 2
+    engine.dispose()
 
 
 def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
