@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -93,12 +94,14 @@ def _cursor(moment: datetime) -> str:
     return json.dumps({"watermark": moment.isoformat()})
 
 
-def _advance(cursor: str | None, changes: list[PartitionChange]) -> str:
-    """The newest watermark seen; never backwards, although ticks look back past it."""
+def _advance(cursor: str | None, changes: list[PartitionChange], held: list[PartitionChange]) -> str:
+    """The newest watermark seen, but not past a held change, so that the next ticks read it again
+    (they look back WATERMARK_OVERLAP from the cursor); never backwards."""
     moments = [change.watermark for change in changes]
+    newest = min([max(moments), *(change.watermark for change in held)])
     if (previous := _watermark(cursor)) is not None:
-        moments.append(previous)
-    return _cursor(max(moments))
+        newest = max(newest, previous)
+    return _cursor(newest)
 
 
 def _rerun(
@@ -109,16 +112,23 @@ def _rerun(
     trigger: str,
     key_prefix: str,
     version: str,
+    busy: AbstractSet[str] = frozenset(),
 ) -> SensorResult:
     """One run per changed partition, keyed by partition, model version and change watermark.
 
     A changed day the partition set does not have (not over yet: the demo writes today's rows; or
     before a partitions start moved forward) is left out, but the cursor still moves past it: one
     request for it would fail the whole tick, and every tick after it, holding back the valid days.
+    A `busy` day is left out too, and the cursor held before its change, for a later tick.
     """
     unknown = sorted(c.partition_key for c in changes if not partitions.has_partition_key(c.partition_key))
     if unknown:
         context.log.info(f"{key_prefix}: {', '.join(unknown)} not a partition (yet); skipped")
+    held = [c for c in changes if c.partition_key in busy and c.partition_key not in unknown]
+    if held:
+        context.log.info(
+            f"{key_prefix}: {', '.join(c.partition_key for c in held)} has a run in flight; left for later"
+        )
     return SensorResult(
         run_requests=[
             RunRequest(
@@ -127,9 +137,9 @@ def _rerun(
                 tags={"tandem/trigger": trigger, "tandem/model_version": version},
             )
             for change in changes
-            if change.partition_key not in unknown
+            if change.partition_key not in unknown and change.partition_key not in busy
         ],
-        cursor=_advance(context.cursor, changes),
+        cursor=_advance(context.cursor, changes, held),
     )
 
 
@@ -155,8 +165,17 @@ def build_sensors(settings: SensorSettings, *, partitions: PartitionsDefinition)
             )
         if not changes:
             return SkipReason("no changed records in scored partitions")
+        # A day's run in flight scores it next (a daily_scoring re-ingest, the rescore requested
+        # here): another rescore would score it twice. Once it is over, what is still stale is.
+        busy = partitions_in_flight(context.instance, partitions)
         return _rerun(
-            context, changes, partitions=partitions, trigger="late_records", key_prefix="late", version=version
+            context,
+            changes,
+            partitions=partitions,
+            trigger="late_records",
+            key_prefix="late",
+            version=version,
+            busy=busy,
         )
 
     # Not an AutomationCondition: a rejection marked fixed (`tandem rejects fixed`) is a row update

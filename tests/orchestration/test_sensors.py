@@ -5,6 +5,8 @@ A promotion's rescore is an AutomationCondition now: tests/orchestration/test_au
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Iterable
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -15,6 +17,8 @@ import sqlalchemy as sa
 from dagster import (
     AssetObservation,
     DagsterInstance,
+    DagsterRun,
+    DagsterRunStatus,
     DailyPartitionsDefinition,
     SensorDefinition,
     SensorResult,
@@ -120,6 +124,33 @@ def _correct_records(url: str, day: str, count: int) -> None:
     engine.dispose()
 
 
+def test_late_records_leave_a_day_with_a_run_in_flight_for_after_it(scored: str, instance: DagsterInstance) -> None:
+    """The day's own daily_scoring run (a fixed-rejects re-ingest) committed its records and scores
+    them next: a rescore requested beside it scores the day twice. Still stale once the run is
+    over (it failed here), the day is rerun then, from a cursor that did not move past it."""
+    sensor = _sensors()["late_records_sensor"]
+    _correct_records(scored, DAYS[0], 3)  # history flows forward: this day's change is the older
+    _correct_records(scored, DAYS[1], 3)
+    run = DagsterRun(
+        job_name="daily_scoring",
+        run_id=str(uuid.uuid4()),
+        status=DagsterRunStatus.STARTED,
+        tags={"dagster/partition": DAYS[0], "tandem/trigger": "fixed_rejects"},
+    )
+    instance.add_run(run)
+
+    during = _tick(sensor, scored, instance=instance)
+    assert isinstance(during, SensorResult)
+    assert [r.partition_key for r in during.run_requests] == [DAYS[1]]
+
+    instance.report_run_failed(run)
+    after = _tick(sensor, scored, during.cursor, instance=instance)
+    assert isinstance(after, SensorResult)
+    assert sorted(r.partition_key for r in after.run_requests) == list(DAYS)
+    (held,) = (r for r in after.run_requests if r.partition_key == DAYS[0])
+    assert json.loads(during.cursor or "{}")["watermark"] <= held.run_key.split(":", 3)[3]
+
+
 def _fix_one_rejection(url: str, day: str) -> None:
     engine = make_engine(url)
     with engine.begin() as conn:
@@ -136,23 +167,23 @@ def test_late_records_rerun_exactly_the_changed_partitions_once(
     scored: str, assets: list, instance: DagsterInstance
 ) -> None:
     sensor = _sensors()["late_records_sensor"]
-    assert isinstance(_tick(sensor, scored), SkipReason)
+    assert isinstance(_tick(sensor, scored, instance=instance), SkipReason)
 
     for day in DAYS:  # several partitions changing within one interval are all seen
         _correct_records(scored, day, 3)
-    first = _tick(sensor, scored)
+    first = _tick(sensor, scored, instance=instance)
     assert isinstance(first, SensorResult)
     assert sorted(r.partition_key for r in first.run_requests) == list(DAYS)
     for request in first.run_requests:
         assert request.run_key.startswith(f"late:{request.partition_key}:{SENSOR_MODEL}:")
     # The next tick looks back past its watermark but asks with the same keys: Dagster runs each once.
-    again = _tick(sensor, scored, first.cursor)
+    again = _tick(sensor, scored, first.cursor, instance=instance)
     assert isinstance(again, SensorResult)
     assert {r.run_key for r in again.run_requests} == {r.run_key for r in first.run_requests}
     assert again.cursor == first.cursor
 
     _run(scored, assets, instance, DAYS[:1], selection=["predictions"])
-    after = _tick(sensor, scored, first.cursor)
+    after = _tick(sensor, scored, first.cursor, instance=instance)
     assert isinstance(after, SensorResult)
     assert [r.partition_key for r in after.run_requests] == [DAYS[1]]
 
@@ -183,7 +214,9 @@ def test_rejections_marked_fixed_rerun_their_partition(scored: str, assets: list
 
 
 @pytest.mark.parametrize("name", ["late_records_sensor", "fixed_rejects_sensor"])
-def test_a_changed_day_outside_the_partitions_does_not_hold_back_the_others(scored: str, name: str) -> None:
+def test_a_changed_day_outside_the_partitions_does_not_hold_back_the_others(
+    scored: str, instance: DagsterInstance, name: str
+) -> None:
     """The partitions start moved forward past a scored day (or the demo wrote today's rows): a
     request for that day fails the daemon's whole tick, on every tick, and the valid day changed
     beside it is never rerun. Evaluated as the daemon does, so the request is resolved against
@@ -196,7 +229,7 @@ def test_a_changed_day_outside_the_partitions_does_not_hold_back_the_others(scor
     resources = {"database": DatabaseResource(url=scored), "model_store": ModelStoreResource(model_name=SENSOR_MODEL)}
     cursor = None
     for _ in range(2):  # and the tick after it, from the cursor it left
-        with build_sensor_context(resources=resources, cursor=cursor, definitions=moved) as context:
+        with build_sensor_context(resources=resources, cursor=cursor, definitions=moved, instance=instance) as context:
             tick = sensor.evaluate_tick(context)
         assert [r.partition_key for r in tick.run_requests or []] == [DAYS[1]]
         assert tick.cursor is not None
@@ -364,7 +397,7 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
 
     before = day_two_rows()
     assert before
-    result = _tick(_sensors()["late_records_sensor"], scored)
+    result = _tick(_sensors()["late_records_sensor"], scored, instance=instance)
     assert isinstance(result, SensorResult)
     assert sorted(r.partition_key for r in result.run_requests) == list(DAYS)
 
