@@ -151,7 +151,7 @@ def test_late_records_leave_a_day_with_a_run_in_flight_for_after_it(scored: str,
     assert json.loads(during.cursor or "{}")["watermark"] <= held.run_key.split(":", 3)[3]
 
 
-def _fix_one_rejection(url: str, day: str) -> None:
+def _fix_one_rejection(url: str, day: str) -> int:
     engine = make_engine(url)
     with engine.begin() as conn:
         rejection_id = (
@@ -161,6 +161,7 @@ def _fix_one_rejection(url: str, day: str) -> None:
         )
         assert mark_rejections_fixed(conn, [rejection_id]) == 1
     engine.dispose()
+    return int(rejection_id)
 
 
 def test_late_records_rerun_exactly_the_changed_partitions_once(
@@ -191,7 +192,7 @@ def test_late_records_rerun_exactly_the_changed_partitions_once(
 def test_rejections_marked_fixed_rerun_their_partition(scored: str, assets: list, instance: DagsterInstance) -> None:
     sensor = _sensors()["fixed_rejects_sensor"]
     assert isinstance(_tick(sensor, scored), SkipReason)
-    _fix_one_rejection(scored, DAYS[1])
+    rejection_id = _fix_one_rejection(scored, DAYS[1])
     result = _tick(sensor, scored)
     assert isinstance(result, SensorResult)
     assert [r.partition_key for r in result.run_requests] == [DAYS[1]]
