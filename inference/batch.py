@@ -38,6 +38,7 @@ from inference.store import (
     quarantine,
     resolve_rescored_rejections,
     resolve_superseded_rejections,
+    stored_elsewhere,
     stream_partition_rows,
     upsert_challenger_predictions,
     upsert_predictions,
@@ -81,6 +82,26 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
     )
     storable, rejected = checked.filter(~unstorable), checked.filter(unstorable)
     with engine.begin() as conn:
+        # An id another day already holds is not this day's record: stored, it vanished (the same
+        # content, a no-op) or moved the record out of its day (other content), without a word.
+        # Corrections of a day land in that day's source.
+        elsewhere = stored_elsewhere(conn, storable["transaction_id"].to_list(), day)
+        if elsewhere:
+            taken = pl.col("transaction_id").is_in(list(elsewhere))
+            stored_on = pl.col("transaction_id").replace_strict(
+                {transaction_id: str(stored) for transaction_id, stored in elsewhere.items()}, default=None
+            )
+            rejected = pl.concat(
+                [
+                    rejected,
+                    storable.filter(taken).with_columns(
+                        reject_reason=pl.lit(RejectReason.DUPLICATE_ID.value),
+                        reject_detail=pl.lit("already stored under partition ") + stored_on,
+                    ),
+                ],
+                how="diagonal_relaxed",
+            )
+            storable = storable.filter(~taken)
         changed = upsert_transactions(conn, storable, day)
         quarantine(conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=day.isoformat())
     return IngestReport(frame.height, storable.height, changed, rejected.height)

@@ -45,9 +45,35 @@ def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date:
     )
     columns = [c.name for c in transactions.columns]
     keys = ["transaction_id"]
-    return _merge(
-        conn, transactions, frame.select(columns), keys, _overwrite_when_changed(transactions, keys, "input_hash")
-    )
+    changed = _overwrite_when_changed(transactions, keys, "input_hash")
+
+    def in_its_own_partition(excluded: Any) -> tuple[dict[str, Any], Any]:
+        # A record never moves to another day: a caller checks `stored_elsewhere` first, and this
+        # holds against a concurrent ingest of another day that stored the same id meanwhile.
+        set_, when = changed(excluded)
+        return set_, sa.and_(when, transactions.c.partition_date == excluded.partition_date)
+
+    return _merge(conn, transactions, frame.select(columns), keys, in_its_own_partition)
+
+
+def stored_elsewhere(conn: Connection, transaction_ids: Sequence[str], partition_date: date) -> dict[str, date]:
+    """Which of these ids are stored under another day than `partition_date`, and which."""
+    t = transactions.c
+    found: dict[str, date] = {}
+    ids = list(transaction_ids)
+    # PostgreSQL takes them as one array parameter; SQLite caps bound values per statement.
+    groups = [ids] if conn.dialect.name == "postgresql" else list(_chunks(ids, 1000))
+    for group in groups:
+        if not group:
+            continue
+        wanted = (
+            t.transaction_id == sa.any_(sa.bindparam("ids", group, type_=postgresql.ARRAY(sa.Text)))
+            if conn.dialect.name == "postgresql"
+            else t.transaction_id.in_(group)
+        )
+        elsewhere = sa.select(t.transaction_id, t.partition_date).where(wanted, t.partition_date != partition_date)
+        found.update({transaction_id: stored_on for transaction_id, stored_on in conn.execute(elsewhere)})
+    return found
 
 
 # ------------------------------------------------------------------ reads: partitions and training

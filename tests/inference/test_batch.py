@@ -450,3 +450,30 @@ def test_payments_of_one_second_are_ordered_by_the_bytes_of_their_ids_on_both_pa
             assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
         finally:
             engine.dispose()
+
+
+@pytest.mark.parametrize("amount", [10.0, 99.0], ids=["same-content", "other-content"])
+def test_an_id_another_day_holds_is_quarantined_not_moved_or_lost(engine: Engine, amount: float) -> None:
+    """A later day's source repeats an id a stored day holds. Stored, it vanished (the same
+    content: a no-op, yet counted as stored) or moved the record out of its day (other content):
+    no rejection either way. It stays where it is, and the copy is quarantined saying where."""
+    later = DAY + timedelta(days=1)
+    first = record(transaction_id="t-1", amount=10.0, event_time=f"{DAY}T09:00:00Z")
+    ingest_day(engine, raw_frame([first]), DAY)
+
+    repeat = {**first, "amount": amount}
+    report = ingest_day(
+        engine, raw_frame([repeat, record(transaction_id="t-2", event_time=f"{later}T09:00:00Z")]), later
+    )
+
+    assert (report.rows_stored, report.rejected_at_ingest) == (1, 1)
+    with engine.connect() as conn:
+        assert read_partition_rows(conn, DAY)["amount"].to_list() == [10.0]
+        assert read_partition_rows(conn, later)["transaction_id"].to_list() == ["t-2"]
+        r = rejected_records.c
+        quarantined = conn.execute(sa.select(r.transaction_id, r.reason, r.detail, r.partition_key)).all()
+    assert [tuple(row) for row in quarantined] == [
+        ("t-1", "duplicate_id", f"already stored under partition {DAY}", later.isoformat())
+    ]
+    # Its own day's correction still lands.
+    assert ingest_day(engine, raw_frame([{**first, "amount": 12.0}]), DAY).rows_changed == 1
