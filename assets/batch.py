@@ -9,7 +9,7 @@ import resource
 import time
 from datetime import date
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 import polars as pl
 from dagster import (
@@ -26,7 +26,7 @@ from dagster import (
     MetadataValue,
     asset,
 )
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from assets.automation import PRODUCTION_MODEL, rescore_after_promotion
 from assets.metadata import score_distribution, table_metadata, table_schema
@@ -74,6 +74,13 @@ class RiskModelConfig(Config):
         "online, replayed by challenger_predictions and judged by challenger_report before any promotion",
     )
 
+    @model_validator(mode="after")
+    def _force_promote_is_for_production(self) -> Self:
+        # A challenger is never promoted by this asset: accepted, force_promote was silently ignored.
+        if self.force_promote and self.register_as == "challenger":
+            raise ValueError("force_promote: true goes with register_as: production (a challenger is never promoted)")
+        return self
+
 
 class PredictionsConfig(BatchScoringConfig):
     reject_rate_warn: float = Field(default=0.02, ge=0, le=1)
@@ -82,6 +89,16 @@ class PredictionsConfig(BatchScoringConfig):
     unseen_share_warn: float = Field(
         default=0.01, ge=0, le=1, description="warn above this share of scored rows with a value outside the vocabulary"
     )
+
+    @model_validator(mode="after")
+    def _warn_before_blocking(self) -> Self:
+        # reject_rate_bounded passes at or below reject_rate_warn: a warn bound above the blocking one
+        # passed a day the blocking bound was set to stop, and path_agreement ran after it.
+        if self.reject_rate_warn > self.reject_rate_max:
+            raise ValueError(
+                f"reject_rate_warn ({self.reject_rate_warn}) is above reject_rate_max ({self.reject_rate_max})"
+            )
+        return self
 
 
 def _peak_rss_mb() -> float:

@@ -14,9 +14,10 @@ from dagster import (
     BackfillPolicy,
     Config,
     DailyPartitionsDefinition,
+    Failure,
     TimeWindowPartitionMapping,
 )
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from assets.retries import TRANSIENT_RETRY
 from inference.batch import (
@@ -59,6 +60,14 @@ def transactions_with_history() -> AssetDep:
 
 
 class BatchScoringConfig(Config):
+    def __init__(self, **config: Any) -> None:
+        # Dagster builds the config inside the step, under its RetryPolicy: a refused value would be
+        # retried three times, with backoff, before the run failed on the same words.
+        try:
+            super().__init__(**config)
+        except ValidationError as refused:
+            raise Failure(description=f"invalid run config: {refused}", allow_retries=False) from refused
+
     chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
     forward_batch_size: int = Field(
         default=FORWARD_BATCH_SIZE,

@@ -183,6 +183,30 @@ def test_unseen_vocabulary_is_reported_and_warned_about_without_blocking(
     assert {name for name, evaluation in evaluations.items() if not evaluation.passed} == {"unseen_vocabulary_share"}
 
 
+def test_a_warn_bound_above_the_blocking_bound_is_refused_at_once(
+    assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
+) -> None:
+    # Accepted, reject_rate_bounded passed any day at or below the warn bound: 27 % of a day
+    # rejected with reject_rate_max 0.05 passed, and path_agreement ran after it.
+    result = run_partition(
+        assets,
+        batch_resources(sqlite_url),
+        instance,
+        selection=["predictions"],
+        run_config=predictions_config(reject_rate_warn=0.9, reject_rate_max=0.05),
+        raise_on_error=False,
+    )
+
+    assert not result.success
+    (failure,) = [event for event in result.all_events if event.event_type_value == "STEP_FAILURE"]
+    assert failure.step_failure_data.user_failure_data is not None
+    assert "reject_rate_warn (0.9) is above reject_rate_max (0.05)" in str(
+        failure.step_failure_data.user_failure_data.description
+    )
+    # A config error is not transient: the step's RetryPolicy must not run it again.
+    assert not [event for event in result.all_events if event.event_type_value == "STEP_UP_FOR_RETRY"]
+
+
 def test_a_model_trained_with_k_8_is_scored_with_8_whatever_the_setting_says(
     assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
 ) -> None:

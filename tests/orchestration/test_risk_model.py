@@ -106,6 +106,25 @@ def test_risk_model_is_trained_registered_and_promoted_only_per_the_rule(
     assert forced["production_tag"] == forced["version_tag"] == modelstore.production_tag(MODEL)
 
 
+def test_force_promote_with_register_as_challenger_is_refused(
+    assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
+) -> None:
+    # A challenger is never promoted: accepted, force_promote was ignored without a word.
+    result = materialize(
+        assets,
+        selection=["risk_model"],
+        instance=instance,
+        resources=batch_resources(sqlite_url, model_name=f"{MODEL}_refused"),
+        run_config={"ops": {"risk_model": {"config": {**QUICK, "force_promote": True, "register_as": "challenger"}}}},
+        raise_on_error=False,
+    )
+
+    assert not result.success
+    (failure,) = [event for event in result.all_events if event.event_type_value == "STEP_FAILURE"]
+    assert failure.step_failure_data.error is not None
+    assert "force_promote: true goes with register_as: production" in str(failure.step_failure_data.error.to_string())
+
+
 def test_a_production_model_of_the_old_vocabulary_is_replaced_not_compared(
     assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
 ) -> None:
