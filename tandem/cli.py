@@ -10,6 +10,7 @@ import uuid
 from datetime import date
 
 import bentoml
+import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine, make_url
 
@@ -20,7 +21,7 @@ from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.model import ModelConfig
 from inference.settings import TandemSettings, get_settings
-from inference.store import latest_challenger_report, make_engine, mark_rejections_fixed
+from inference.store import latest_challenger_report, make_engine, mark_rejections_fixed, rejected_records
 from inference.training import train_from_store
 from tandem import modelstore
 from tandem.version import code_version
@@ -91,11 +92,30 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     return summary
 
 
-def _migrated_engine(settings: TandemSettings) -> Engine:
+# rejected_records.rejection_id is an INTEGER: PostgreSQL's int4 on either backend's schema.
+MAX_REJECTION_ID = 2**31 - 1
+
+
+def _rejection_id(text: str) -> int:
     try:
-        engine = make_engine(settings.resolved_database_url())
+        rejection_id = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rejection id: {text!r}") from None
+    if not 1 <= rejection_id <= MAX_REJECTION_ID:
+        raise argparse.ArgumentTypeError(f"not a rejection id: {text} (ids run from 1 to {MAX_REJECTION_ID})")
+    return rejection_id
+
+
+def _migrated_engine(settings: TandemSettings) -> Engine:
+    url = settings.resolved_database_url()
+    try:
+        engine = make_engine(url)
     except ValueError as unusable:
         raise ValueError(f"DATABASE_URL: {unusable}") from unusable
+    except OSError as unusable:
+        # The SQLite file's folder could not be made: a file stands in its path, or no permission.
+        where = make_url(url).render_as_string(hide_password=True)
+        raise OSError(unusable.errno, f"{unusable.strerror} (the folder of {where})", unusable.filename) from unusable
     upgrade(engine)
     return engine
 
@@ -166,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     rejects = commands.add_parser("rejects", help="quarantined records")
     reject_commands = rejects.add_subparsers(dest="action", required=True)
     fixed = reject_commands.add_parser("fixed", help="mark rejections fixed upstream (the sensor reruns their days)")
-    fixed.add_argument("rejection_ids", nargs="+", type=int)
+    fixed.add_argument("rejection_ids", nargs="+", type=_rejection_id, metavar="rejection_id")
     args = parser.parse_args(argv)
     if args.command == "models" and args.action == "promote" and args.force and not args.from_challenger:
         parser.error("--force goes with --from-challenger (a plain promote has no gate to force)")
@@ -175,7 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     except (LookupError, ValueError, PromotionRefused, bentoml.exceptions.BentoMLException) as error:
         print(f"tandem: {error}", file=sys.stderr)
         return 1
-    except sa_exc.OperationalError as error:
+    except OSError as error:
+        # A path from the environment (TANDEM_DATA_DIR, a SQLite DATABASE_URL) that is a file, or
+        # not writable, or on a full disk.
+        print(f"tandem: {error.filename}: {error.strerror}" if error.filename else f"tandem: {error}", file=sys.stderr)
+        return 1
+    except sa_exc.DatabaseError as error:
+        # Only what the database's state says, never a statement the code got wrong (ProgrammingError,
+        # IntegrityError, DataError: a bug, its traceback wanted). A plain DatabaseError is SQLite's
+        # "file is not a database": DATABASE_URL names a file that is something else.
+        if not isinstance(error, sa_exc.OperationalError) and type(error) is not sa_exc.DatabaseError:
+            raise
         # The driver's own first line says why (refused, no such database, bad password, no disk).
         reason = str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
         where = make_url(get_settings().resolved_database_url()).render_as_string(hide_password=True)
@@ -189,8 +219,7 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
     elif args.command == "lineage":
         return _print_lineage(settings, args.transaction_id, as_json=args.json)
     elif args.command == "rejects":
-        with _migrated_engine(settings).begin() as conn:
-            _say(f"{mark_rejections_fixed(conn, args.rejection_ids)} rejection(s) marked fixed")
+        _mark_fixed(settings, sorted(set(args.rejection_ids)))
     elif args.action == "list":
         current = modelstore.production_tag(settings.model_name)
         challenger = modelstore.challenger_tag(settings.model_name)
@@ -214,6 +243,30 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
 
 class PromotionRefused(Exception):
     pass
+
+
+def _mark_fixed(settings: TandemSettings, rejection_ids: list[int]) -> None:
+    """All of them or none: an id that names no rejection is a typo, and marking the others would
+    leave the user to work out which of their list took effect."""
+    engine = _migrated_engine(settings)
+    try:
+        with engine.begin() as conn:
+            marked = mark_rejections_fixed(conn, rejection_ids)
+            if marked == len(rejection_ids):
+                _say(f"{marked} rejection(s) marked fixed")
+                return
+            found = set(
+                conn.execute(
+                    sa.select(rejected_records.c.rejection_id).where(rejected_records.c.rejection_id.in_(rejection_ids))
+                ).scalars()
+            )
+            missing = [rejection_id for rejection_id in rejection_ids if rejection_id not in found]
+            if missing:
+                # Raised inside the transaction: nothing is marked.
+                raise LookupError(f"no rejection {', '.join(map(str, missing))}: nothing marked fixed")
+            _say(f"{marked} rejection(s) marked fixed, {len(rejection_ids) - marked} already fixed")
+    finally:
+        engine.dispose()
 
 
 def _promote_challenger(settings: TandemSettings, *, force: bool) -> None:

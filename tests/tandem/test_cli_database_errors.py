@@ -1,14 +1,17 @@
-"""A DATABASE_URL the CLI cannot use is the user's mistake: one line on stderr and exit 1, never a
-traceback, and never the password it holds."""
+"""A DATABASE_URL or TANDEM_DATA_DIR the CLI cannot use, or a rejection id that names nothing, is the
+user's mistake: one line on stderr and a non-zero exit, never a traceback, and never the password."""
 
 from __future__ import annotations
 
 import socket
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
-from inference.store import make_engine
+from inference.migrate import upgrade
+from inference.store import make_engine, rejected_records
 from tandem.cli import main
 
 
@@ -69,3 +72,85 @@ def test_make_engine_refuses_text_that_is_no_url_without_echoing_it() -> None:
     with pytest.raises(ValueError, match="not a database URL") as refused:
         make_engine("user:s3cret@nowhere")
     assert "s3cret" not in str(refused.value) and refused.value.__cause__ is None
+
+
+def test_a_data_dir_that_is_a_file_is_one_line_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "afile").touch()
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path / "afile"))
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    code = main(["lineage", "tx-1"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"tandem: {tmp_path / 'afile'}: File exists (the folder of sqlite:///")
+
+
+def test_a_file_that_is_no_database_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "notes.txt").write_text("not a database, and long enough to have a header\n" * 4)
+    said = _one_line_error(capsys, monkeypatch, f"sqlite:///{tmp_path / 'notes.txt'}")
+    assert said.endswith("is unavailable: file is not a database")
+
+
+@pytest.mark.parametrize("rejection_id", ["99999999999999999999", str(2**31), "0", "-3", "12a"])
+def test_a_rejection_id_outside_the_column_is_refused_by_argparse(
+    capsys: pytest.CaptureFixture[str], rejection_id: str
+) -> None:
+    # Passed on, SQLite raised OverflowError and PostgreSQL a DataError with the statement: tracebacks.
+    with pytest.raises(SystemExit) as refused:
+        main(["rejects", "fixed", "1", rejection_id])
+    assert refused.value.code == 2
+    assert f"not a rejection id: {rejection_id}" in capsys.readouterr().err.replace("'", "")
+
+
+def _rejections(url: str, count: int) -> list[int]:
+    engine = make_engine(url)
+    upgrade(engine)
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        for n in range(count):
+            conn.execute(
+                rejected_records.insert().values(
+                    rejection_key=f"key-{n}",
+                    path="batch",
+                    stage="score",
+                    reason="bad",
+                    payload="{}",
+                    input_hash="h",
+                    first_seen=now,
+                    last_seen=now,
+                )
+            )
+        ids = list(conn.execute(sa.select(rejected_records.c.rejection_id)).scalars())
+    engine.dispose()
+    return sorted(ids)
+
+
+def _resolved(url: str) -> dict[int, bool]:
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(rejected_records.c.rejection_id, rejected_records.c.resolved)).all()
+    engine.dispose()
+    return {rejection_id: resolved for rejection_id, resolved in rows}
+
+
+def test_rejects_fixed_with_an_id_that_names_no_rejection_marks_nothing_and_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, sqlite_url: str
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", sqlite_url)
+    first, second = _rejections(sqlite_url, 2)
+
+    # It said "0 rejection(s) marked fixed" and exited 0: the typo went unnoticed.
+    code = main(["rejects", "fixed", str(first), "424242"])
+    captured = capsys.readouterr()
+    assert (code, captured.out, captured.err) == (1, "", "tandem: no rejection 424242: nothing marked fixed\n")
+    assert _resolved(sqlite_url) == {first: False, second: False}
+
+    assert main(["rejects", "fixed", str(first)]) == 0
+    assert capsys.readouterr().out == "1 rejection(s) marked fixed\n"
+    # Marked twice, or once by someone else: the operator's word stands, and is no error.
+    assert main(["rejects", "fixed", str(first), str(second), str(second)]) == 0
+    assert capsys.readouterr().out == "1 rejection(s) marked fixed, 1 already fixed\n"
+    assert _resolved(sqlite_url) == {first: True, second: True}
