@@ -229,7 +229,7 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
     elif args.action == "promote" and args.from_challenger:
         _promote_challenger(settings, force=args.force)
     elif args.action == "promote":
-        modelstore.promote(args.tag)
+        modelstore.promote(_version_of(settings, args.tag, refused="nothing promoted"))
         _say(f"production -> {modelstore.production_tag(settings.model_name)}")
     elif args.action == "rollback":
         _say(f"production -> {modelstore.rollback(settings.model_name)}")
@@ -237,12 +237,25 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
         cleared = modelstore.clear_challenger(settings.model_name)
         _say(f"challenger cleared (was {cleared})" if cleared else "no challenger was set")
     elif args.action == "challenge":
-        _say(f"challenger -> {modelstore.challenge(args.tag)}")
+        _say(f"challenger -> {modelstore.challenge(_version_of(settings, args.tag, refused='no challenger set'))}")
     return 0
 
 
 class PromotionRefused(Exception):
     pass
+
+
+def _version_of(settings: TandemSettings, tag: str, *, refused: str) -> str:
+    """`tag`, resolved, if it is a version of the configured model. The store keeps one pointer per
+    name: another name's version moved that name's pointer, and the command reported the
+    configured model's, which had not moved, as the new production."""
+    resolved = str(bentoml.models.get(tag).tag)
+    name = resolved.split(":", 1)[0]
+    if name != settings.model_name:
+        raise ValueError(
+            f"{resolved} is a version of {name}, not of {settings.model_name} (TANDEM_MODEL_NAME): {refused}"
+        )
+    return resolved
 
 
 def _mark_fixed(settings: TandemSettings, rejection_ids: list[int]) -> None:

@@ -152,6 +152,21 @@ def test_an_unknown_tag_is_one_line_without_a_traceback(
     assert_one_line_error(err, "not a valid BentoML tag")
 
 
+@pytest.mark.parametrize(("action", "refused"), [("promote", "nothing promoted"), ("challenge", "no challenger set")])
+def test_a_version_of_another_model_name_is_refused(
+    store: Store, capsys: pytest.CaptureFixture[str], action: str, refused: str
+) -> None:
+    # The store keeps a pointer per name: promoted, another name's pointer moved and the command
+    # said "production -> " the configured model's unchanged version, exiting 0.
+    other_name = f"{store.name}_other"
+    other = register(other_name, 4)
+    code, out, err = run(capsys, "models", action, other)
+    assert (code, out) == (1, [])
+    assert_one_line_error(err, other, f"not of {store.name} (TANDEM_MODEL_NAME): {refused}")
+    assert (modelstore.production_tag(store.name), modelstore.challenger_tag(store.name)) == (store.champion, None)
+    assert (modelstore.production_tag(other_name), modelstore.challenger_tag(other_name)) == (None, None)
+
+
 def test_a_malformed_tag_is_one_line_too(store: Store, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "models", "challenge", f"{store.name}:a:b")
     assert code == 1
