@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import date
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.features import MAX_HISTORY_LENGTH
@@ -35,7 +36,8 @@ class TandemSettings(BaseSettings):
     dagster_ui_url: str = Field(default="http://127.0.0.1:3000", description="for links in lineage answers")
     history_length: HistoryLength = 16
     demo_seed: int = 7
-    demo_start_date: str = "2026-11-01"
+    # Aliased so that a refusal names the variable ("month must be in 1..12" named nothing).
+    demo_start_date: date = Field(default=date(2026, 11, 1), validation_alias="TANDEM_DEMO_START_DATE")
     demo_days: int = Field(default=7, ge=1)
     demo_rows_per_day: int = Field(default=20_000, ge=1)
     demo_poison_rate: float = Field(default=0.01, ge=0.0, le=1.0)
@@ -70,3 +72,22 @@ class TandemSettings(BaseSettings):
 
 def get_settings() -> TandemSettings:
     return TandemSettings()
+
+
+def settings_error(error: ValidationError, settings: type[BaseSettings]) -> str:
+    """A settings class's refusal on one line, naming each environment variable it refused (for a
+    command line: pydantic's own text spans lines, and names a field, not the variable)."""
+    prefix = str(settings.model_config.get("env_prefix", ""))
+    said = []
+    for refused in error.errors(include_url=False):
+        message = refused["msg"].removeprefix("Value error, ")
+        if not refused["loc"]:  # a model validator's: its message names its variables
+            said.append(message)
+            continue
+        field = str(refused["loc"][0])
+        # An aliased field is reported under its alias, the variable's whole name.
+        variable = f"{prefix}{field}".upper() if field in settings.model_fields else field
+        said.append(
+            f"{variable}={refused['input']!r}: {message}" if refused["type"] != "missing" else f"{variable}: {message}"
+        )
+    return "; ".join(said)

@@ -67,7 +67,7 @@ ASSET_JOBS = [
 
 
 def build_definitions(settings: OrchestrationSettings) -> Definitions:
-    partitions = DailyPartitionsDefinition(start_date=settings.partitions_start, timezone="UTC")
+    partitions = DailyPartitionsDefinition(start_date=settings.partitions_start.isoformat(), timezone="UTC")
     sensor_settings = SensorSettings()
     batch_assets = build_batch_assets(
         partitions, settings.history_length, rescore_days=sensor_settings.promotion_rescore_partitions

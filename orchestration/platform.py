@@ -14,23 +14,22 @@ import subprocess
 import sys
 import time
 import urllib.request
-from datetime import date
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from dagster import AssetsDefinition, DagsterInstance, materialize
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 from sqlalchemy.engine import make_url
 
 from inference.demo import day_range
-from inference.settings import TandemSettings
-from orchestration.definitions import defs
+from inference.settings import TandemSettings, settings_error
+from orchestration.sensors import SensorSettings
+from orchestration.settings import OrchestrationSettings, PlatformSettings
 from tandem import modelstore
 
 ROOT = Path(__file__).resolve().parent.parent
-DAGSTER_PORT = int(os.environ.get("TANDEM_DAGSTER_PORT", "3000"))
-SERVICE_PORT = int(os.environ.get("TANDEM_SERVICE_PORT", "3001"))
-HOST = os.environ.get("TANDEM_HOST", "127.0.0.1")
 CURL_EXAMPLE = (
     "curl -s -X POST http://{host}:{port}/score -H 'Content-Type: application/json' -d "
     '\'{{"transactions": [{{"transaction_id": "demo-1", "account_id": "acct-000042", "amount": 42.5, '
@@ -77,7 +76,11 @@ _QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 def materialize_demo(settings: TandemSettings) -> int:
     """Run the demo days through the real Dagster instance, so the runs show up in the UI; returns
     how many of those runs failed."""
-    days = [d.isoformat() for d in day_range(date.fromisoformat(settings.demo_start_date), settings.demo_days)]
+    # Here, not at the top: importing the code location reads its settings, and main() has checked
+    # them first, so that a bad one is a line naming the variable rather than a traceback.
+    from orchestration.definitions import defs
+
+    days = [d.isoformat() for d in day_range(settings.demo_start_date, settings.demo_days)]
     assets = [asset for asset in defs.assets or [] if isinstance(asset, AssetsDefinition)]
     resources = dict(defs.resources or {})
     totals = {"scored": 0, "rejected": 0, "failed": 0}
@@ -148,7 +151,9 @@ def _wait_for(url: str, seconds: float) -> bool:
     return False
 
 
-def serve_forever() -> int:
+def serve_forever(settings: PlatformSettings | None = None) -> int:
+    settings = settings or PlatformSettings()
+    host, dagster_port, service_port = settings.host, settings.dagster_port, settings.service_port
     bin_dir = Path(sys.executable).parent
     commands = {
         "dagster-webserver": [
@@ -156,9 +161,9 @@ def serve_forever() -> int:
             "-w",
             "workspace.yaml",
             "-h",
-            HOST,
+            host,
             "-p",
-            str(DAGSTER_PORT),
+            str(dagster_port),
         ],
         "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
         "bentoml": [
@@ -166,9 +171,9 @@ def serve_forever() -> int:
             "serve",
             "serving.service:RiskScorer",
             "--host",
-            HOST,
+            host,
             "--port",
-            str(SERVICE_PORT),
+            str(service_port),
         ],
     }
     children = {name: subprocess.Popen(argv, cwd=ROOT, start_new_session=True) for name, argv in commands.items()}
@@ -188,11 +193,11 @@ def serve_forever() -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    if _wait_for(f"http://{HOST}:{DAGSTER_PORT}/server_info", 120):
-        _say(f"Dagster UI:      http://{HOST}:{DAGSTER_PORT}  (asset graph: /asset-groups)")
-    if _wait_for(f"http://{HOST}:{SERVICE_PORT}/readyz", 120):
-        _say(f"Scoring service: http://{HOST}:{SERVICE_PORT}  (OpenAPI: /openapi.json, metrics: /metrics)")
-        _say(f"try: {CURL_EXAMPLE.format(host=HOST, port=SERVICE_PORT)}")
+    if _wait_for(f"http://{host}:{dagster_port}/server_info", 120):
+        _say(f"Dagster UI:      http://{host}:{dagster_port}  (asset graph: /asset-groups)")
+    if _wait_for(f"http://{host}:{service_port}/readyz", 120):
+        _say(f"Scoring service: http://{host}:{service_port}  (OpenAPI: /openapi.json, metrics: /metrics)")
+        _say(f"try: {CURL_EXAMPLE.format(host=host, port=service_port)}")
     _say("Ctrl-C stops everything")
     while True:
         for name, process in children.items():
@@ -202,8 +207,25 @@ def serve_forever() -> int:
         time.sleep(1)
 
 
+def _checked_settings() -> tuple[TandemSettings, PlatformSettings] | None:
+    """Every settings class the launcher and its code location read, checked before any work."""
+    read: dict[str, type[BaseSettings]] = {
+        settings.__name__: settings
+        for settings in (TandemSettings, PlatformSettings, OrchestrationSettings, SensorSettings)
+    }
+    try:
+        OrchestrationSettings(), SensorSettings()
+        return TandemSettings(), PlatformSettings()
+    except ValidationError as error:
+        print(f"[tandem] {settings_error(error, read[error.title])}", file=sys.stderr, flush=True)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    settings = TandemSettings()
+    checked = _checked_settings()
+    if checked is None:
+        return 1
+    settings, platform_settings = checked
     dagster_home = Path(os.environ.get("DAGSTER_HOME", ROOT / "data" / "dagster"))
     os.environ["DAGSTER_HOME"] = str(dagster_home)
     _say(f"Dagster instance config: {prepare_instance(dagster_home)}")
@@ -215,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if failed else 0
     if failed:
         _say(f"{failed} demo run(s) failed; serving anyway, so that the Dagster UI shows why")
-    return serve_forever()
+    return serve_forever(platform_settings)
 
 
 if __name__ == "__main__":

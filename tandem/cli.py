@@ -7,10 +7,10 @@ import json
 import sys
 import time
 import uuid
-from datetime import date
 
 import bentoml
 import sqlalchemy as sa
+from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine, make_url
 
@@ -20,7 +20,7 @@ from inference.demo import DemoConfig, day_range, generate_day
 from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.model import ModelConfig
-from inference.settings import TandemSettings, get_settings
+from inference.settings import TandemSettings, get_settings, settings_error
 from inference.store import latest_challenger_report, make_engine, mark_rejections_fixed, rejected_records
 from inference.training import train_from_store
 from tandem import modelstore
@@ -39,7 +39,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     demo = DemoConfig(
         seed=settings.demo_seed, rows_per_day=settings.demo_rows_per_day, poison_rate=settings.demo_poison_rate
     )
-    days = day_range(date.fromisoformat(settings.demo_start_date), settings.demo_days)
+    days = day_range(settings.demo_start_date, settings.demo_days)
 
     _say(f"[1/4] ingesting {len(days)} generated days x {demo.rows_per_day} rows into {engine.url!r}")
     for day in days:
@@ -191,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "models" and args.action == "promote" and args.force and not args.from_challenger:
         parser.error("--force goes with --from-challenger (a plain promote has no gate to force)")
     try:
-        return _run(args, get_settings())
+        settings = get_settings()
+    except ValidationError as error:
+        print(f"tandem: {settings_error(error, TandemSettings)}", file=sys.stderr)
+        return 1
+    try:
+        return _run(args, settings)
     except (LookupError, ValueError, PromotionRefused, bentoml.exceptions.BentoMLException) as error:
         print(f"tandem: {error}", file=sys.stderr)
         return 1

@@ -1,12 +1,15 @@
-"""The `make run` launcher (orchestration/platform.py): what its exit status says."""
+"""The `make run` launcher (orchestration/platform.py): the settings it refuses, and what its exit status says."""
 
 from __future__ import annotations
 
+from datetime import date
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from orchestration import platform
+from orchestration.settings import OrchestrationSettings
 
 
 @pytest.mark.parametrize(("failed", "code"), [(0, 0), (3, 1)])
@@ -21,3 +24,42 @@ def test_no_serve_exits_non_zero_when_a_demo_run_failed(
     assert platform.main(["--no-serve"]) == code
     said = capsys.readouterr().out
     assert ("3 demo run(s) failed" in said) is bool(failed)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("TANDEM_DAGSTER_PORT", "3000x", "valid integer"),
+        ("TANDEM_SERVICE_PORT", "70000", "less than or equal to 65535"),
+        ("TANDEM_PARTITIONS_START", "2026/11/01", "valid date"),
+        ("TANDEM_DEMO_START_DATE", "2026-13-01", "valid date"),
+        ("TANDEM_DEMO_ROWS_PER_DAY", "0", "greater than or equal to 1"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_its_variable_before_any_work(
+    variable: str,
+    value: str,
+    said: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A traceback that named neither (Dagster's strptime; "month must be in 1..12"), or int() at import.
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(platform, "materialize_demo", lambda settings: pytest.fail("ran with a bad setting"))
+
+    assert platform.main(["--no-serve"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"[tandem] {variable}={value!r}: ") and said in err[0]
+
+
+def test_the_code_location_names_a_bad_partitions_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dagster loads orchestration.definitions itself: there the variable is named by pydantic's own error.
+    monkeypatch.setenv("TANDEM_PARTITIONS_START", "yesterday")
+    with pytest.raises(ValidationError, match="TANDEM_PARTITIONS_START"):
+        OrchestrationSettings()
+    monkeypatch.setenv("TANDEM_PARTITIONS_START", "2026-12-01")
+    assert OrchestrationSettings().partitions_start == date(2026, 12, 1)
+    assert OrchestrationSettings(partitions_start="2026-11-02").partitions_start == date(2026, 11, 2)

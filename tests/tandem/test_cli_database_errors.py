@@ -1,5 +1,6 @@
-"""A DATABASE_URL or TANDEM_DATA_DIR the CLI cannot use, or a rejection id that names nothing, is the
-user's mistake: one line on stderr and a non-zero exit, never a traceback, and never the password."""
+"""A DATABASE_URL, TANDEM_DATA_DIR or other setting the CLI cannot use, or a rejection id that names
+nothing, is the user's mistake: one line on stderr and a non-zero exit, never a traceback, and
+never the password."""
 
 from __future__ import annotations
 
@@ -154,3 +155,15 @@ def test_rejects_fixed_with_an_id_that_names_no_rejection_marks_nothing_and_exit
     assert main(["rejects", "fixed", str(first), str(second), str(second)]) == 0
     assert capsys.readouterr().out == "1 rejection(s) marked fixed, 1 already fixed\n"
     assert _resolved(sqlite_url) == {first: True, second: True}
+
+
+def test_a_bad_setting_is_one_line_naming_its_variable(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It said "tandem: month must be in 1..12", naming neither the value nor where it came from.
+    monkeypatch.setenv("TANDEM_DEMO_START_DATE", "2026-13-01")
+    code = main(["demo"])
+    captured = capsys.readouterr()
+    assert (code, captured.out) == (1, "")
+    assert captured.err.startswith("tandem: TANDEM_DEMO_START_DATE='2026-13-01': Input should be a valid date")
+    assert len(captured.err.splitlines()) == 1
