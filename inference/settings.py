@@ -20,6 +20,11 @@ HistoryLength = Annotated[
     Field(ge=1, le=MAX_HISTORY_LENGTH, description="K for training: account history rows per transaction"),
 ]
 
+# The demo source's size and poison, bounded alike as TANDEM_DEMO_* and as the source resource's
+# config (orchestration/resources.py).
+DemoRowsPerDay = Annotated[int, Field(ge=1)]
+DemoPoisonRate = Annotated[float, Field(ge=0.0, le=1.0)]
+
 
 class TandemSettings(BaseSettings):
     """One place for every knob; `DATABASE_URL` alone switches SQLite to PostgreSQL."""
@@ -39,8 +44,8 @@ class TandemSettings(BaseSettings):
     # Aliased so that a refusal names the variable ("month must be in 1..12" named nothing).
     demo_start_date: date = Field(default=date(2026, 11, 1), validation_alias="TANDEM_DEMO_START_DATE")
     demo_days: int = Field(default=7, ge=1)
-    demo_rows_per_day: int = Field(default=20_000, ge=1)
-    demo_poison_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+    demo_rows_per_day: DemoRowsPerDay = 20_000
+    demo_poison_rate: DemoPoisonRate = 0.01
     source: Literal["demo", "files", "sql"] = Field(
         default="demo", description="where `transactions` reads a day: the demo generator, files, or a SQL query"
     )

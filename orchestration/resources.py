@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 from inference.demo import DemoConfig
 from inference.migrate import upgrade
 from inference.model import RiskModel
-from inference.settings import TandemSettings
+from inference.settings import DemoPoisonRate, DemoRowsPerDay, TandemSettings
 from inference.sources import FileSource, SourceError, SourceFormat, SourceRead, SqlSource, write_demo_day
 from inference.store import make_engine
 from tandem import modelstore
@@ -101,8 +101,9 @@ class TransactionSourceResource(ConfigurableResource):
     url: str | None = None
     query: str | None = None
     seed: int | None = None
-    rows_per_day: int | None = None
-    poison_rate: float | None = None
+    # Bounded as TANDEM_DEMO_*: unbounded, 0 rows a day or a poison rate of 1.5 ran and succeeded.
+    rows_per_day: DemoRowsPerDay | None = None
+    poison_rate: DemoPoisonRate | None = None
 
     @field_validator("kind")
     @classmethod

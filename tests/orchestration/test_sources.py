@@ -24,6 +24,7 @@ from dagster import (
     SkipReason,
     build_sensor_context,
 )
+from pydantic import ValidationError
 
 from inference.records import RAW_COLUMNS, RejectReason
 from inference.sources import FileSource
@@ -164,6 +165,31 @@ def test_the_demo_goes_through_the_landing_folder(assets: list, instance: Dagste
     assert ingested.metadata["source_kind"].value == "demo"
     assert Path(str(path)).name == f"{PARTITION}.csv" and Path(str(path)).is_file()
     assert ingested.metadata["rows_received"].value == 300
+
+
+@pytest.mark.parametrize(("field", "value"), [("rows_per_day", 0), ("poison_rate", 1.5), ("poison_rate", -0.5)])
+def test_the_demo_source_is_bounded_as_its_settings_are(
+    field: str, value: float, assets: list, instance: DagsterInstance, sqlite_url: str, tmp_path: Path
+) -> None:
+    # Unbounded, 0 rows a day and a poison rate of 1.5 ran and succeeded; TANDEM_DEMO_* refuse them.
+    with pytest.raises(ValidationError, match=field):
+        TransactionSourceResource(kind="demo", location=str(tmp_path), **{field: value})
+    TransactionSourceResource(kind="demo", location=str(tmp_path), rows_per_day=1, poison_rate=1.0)
+
+    # Given as run config, the run fails before the step reads a day.
+    resources = _resources(sqlite_url, tmp_path) | {"source": TransactionSourceResource.configure_at_launch()}
+    config = {"kind": "demo", "location": str(tmp_path), field: value}
+    result = run_partition(
+        assets,
+        resources,
+        instance,
+        selection=["transactions"],
+        run_config={"resources": {"source": {"config": config}}},
+        raise_on_error=False,
+    )
+    assert not result.success
+    assert not result.asset_materializations_for_node("transactions")
+    assert not list(tmp_path.glob("*.csv"))
 
 
 # The landing sensor ---------------------------------------------------------------------------
