@@ -30,7 +30,6 @@ class Cause(enum.StrEnum):
     INPUT_CORRECTED = "input_corrected"  # the record the client sent is not the one batch scored
     DEGRADED = "degraded"  # the online answer was scored without history (store unreachable)
     HISTORY_CHANGED = "history_changed"  # the account's history changed after the online answer
-    CODE_CHANGED = "code_changed"  # scored by different code (a rescore after a bumped code version)
     UNEXPLAINED = "unexplained"
 
 
@@ -39,15 +38,15 @@ def cause_of(online: Mapping[str, Any], batch: Mapping[str, Any]) -> Cause:
     a fixed order so that a pair always gets the same one."""
     if abs(float(online["score"]) - float(batch["score"])) <= PARITY_TOLERANCE:
         return Cause.AGREE
-    causes = (
-        (Cause.MODEL_CHANGED, online["model_version"] != batch["model_version"]),
-        (Cause.INPUT_CORRECTED, online["input_hash"] != batch["input_hash"]),
-        (Cause.DEGRADED, bool(online.get("degraded")) or online.get("history_hash") is None),
-        (Cause.HISTORY_CHANGED, online.get("history_hash") != batch.get("history_hash")),
-        # Last: a skew between the paths under one code version must stay unexplained.
-        (Cause.CODE_CHANGED, online.get("code_version") != batch.get("code_version")),
-    )
-    return next((cause for cause, applies in causes if applies), Cause.UNEXPLAINED)
+    if online["model_version"] != batch["model_version"]:
+        return Cause.MODEL_CHANGED
+    if online["input_hash"] != batch["input_hash"]:
+        return Cause.INPUT_CORRECTED
+    if online.get("degraded") or online.get("history_hash") is None:
+        return Cause.DEGRADED
+    if online.get("history_hash") != batch.get("history_hash"):
+        return Cause.HISTORY_CHANGED
+    return Cause.UNEXPLAINED
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ class AgreementReport:
 
 
 def _side(prefix: str, row: Mapping[str, Any]) -> dict[str, Any]:
-    names = ("score", "model_version", "input_hash", "history_hash", "degraded", "code_version")
+    names = ("score", "model_version", "input_hash", "history_hash", "degraded")
     return {name: row.get(f"{prefix}_{name}") for name in names}
 
 

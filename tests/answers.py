@@ -28,7 +28,6 @@ def answer(
     request_id: str = "req-1",
     run_id: str = "run-1",
     partition_key: str | None = None,
-    code_version: str = "test",
 ) -> dict[str, Any]:
     """One answer as its path writes it; a degraded online answer has no history hash."""
     batch = path == "batch"
@@ -41,7 +40,7 @@ def answer(
         "partition_key": partition_key if batch else None,
         "request_id": None if batch else request_id,
         "batch_id": None if batch else f"batch-of-{request_id}",
-        "code_version": code_version,
+        "code_version": "test",
         "input_hash": input_hash,
         "history_hash": None if degraded else history_hash,
         "idempotency_key": None if batch else f"{transaction_id}:{model_version}",

@@ -270,7 +270,6 @@ ANSWER_PAIR_SCHEMA: dict[str, pl.DataType] = {
     "online_input_hash": pl.String(),
     "online_history_hash": pl.String(),
     "online_degraded": pl.Boolean(),
-    "online_code_version": pl.String(),
     "online_request_id": pl.String(),
     "online_produced_at": EVENT_TS_DTYPE,
     # Null when the transaction has no batch answer (yet): not scored, or rejected by batch.
@@ -278,7 +277,6 @@ ANSWER_PAIR_SCHEMA: dict[str, pl.DataType] = {
     "batch_score": pl.Float64(),
     "batch_input_hash": pl.String(),
     "batch_history_hash": pl.String(),
-    "batch_code_version": pl.String(),
     "batch_run_id": pl.String(),
     "batch_produced_at": EVENT_TS_DTYPE,
 }
@@ -316,14 +314,12 @@ def answer_pairs(conn: Connection, partition_date: date) -> pl.DataFrame:
             o.input_hash,
             o.history_hash,
             o.degraded,
-            o.code_version,
             o.request_id,
             o.produced_at,
             b.model_version,
             b.score,
             b.input_hash,
             b.history_hash,
-            b.code_version,
             b.run_id,
             b.produced_at,
         )

@@ -16,7 +16,6 @@ BATCH: dict[str, Any] = {
     "input_hash": "input-1",
     "history_hash": "history-1",
     "degraded": False,
-    "code_version": "0.1.0+gabc",
 }
 
 
@@ -35,7 +34,6 @@ def online(**changes: Any) -> dict[str, Any]:
         ({"degraded": True, "history_hash": None}, Cause.DEGRADED),
         ({"history_hash": None}, Cause.DEGRADED),
         ({"history_hash": "history-before-a-late-record"}, Cause.HISTORY_CHANGED),
-        ({"code_version": "before-the-bump"}, Cause.CODE_CHANGED),
         ({}, Cause.UNEXPLAINED),
         # The first cause in the fixed order wins, so a pair always gets the same one.
         ({"model_version": "risk_model:v1", "input_hash": "x", "history_hash": None}, Cause.MODEL_CHANGED),
@@ -60,7 +58,6 @@ def pair(transaction_id: str, online_score: float, batch_score: float | None, **
         online_input_hash=side["input_hash"],
         online_history_hash=side["history_hash"],
         online_degraded=side["degraded"],
-        online_code_version=side["code_version"],
     )
     if batch_score is not None:
         row.update(
@@ -68,7 +65,6 @@ def pair(transaction_id: str, online_score: float, batch_score: float | None, **
             batch_model_version=BATCH["model_version"],
             batch_input_hash=BATCH["input_hash"],
             batch_history_hash=BATCH["history_hash"],
-            batch_code_version=BATCH["code_version"],
         )
     return row
 
@@ -97,7 +93,6 @@ def test_summarize_counts_every_cause_and_names_the_unexplained() -> None:
         Cause.INPUT_CORRECTED: 1,
         Cause.DEGRADED: 1,
         Cause.HISTORY_CHANGED: 1,
-        Cause.CODE_CHANGED: 0,
         Cause.UNEXPLAINED: 1,
     }
     assert report.unexplained == ["skew"]

@@ -70,17 +70,12 @@ def _agreement(assets: list[AssetsDefinition], url: str, instance: DagsterInstan
 def _disagreeing(batch: dict[str, Any], cause: Cause) -> dict[str, Any]:
     """An online answer to `batch`'s transaction that differs from it for `cause`, crossing 0.5."""
     far = 0.01 if batch["score"] >= 0.5 else 0.99
-    base = {
-        "input_hash": batch["input_hash"],
-        "history_hash": batch["history_hash"],
-        "code_version": batch["code_version"],
-    }
+    base = {"input_hash": batch["input_hash"], "history_hash": batch["history_hash"]}
     changes: dict[str, Any] = {
         Cause.MODEL_CHANGED: {"model_version": "risk_model:retired"},
         Cause.INPUT_CORRECTED: {"input_hash": "the-body-before-its-correction"},
         Cause.DEGRADED: {"degraded": True},
         Cause.HISTORY_CHANGED: {"history_hash": "history-before-a-late-record"},
-        Cause.CODE_CHANGED: {"code_version": "before-a-bumped-code-version"},
         Cause.UNEXPLAINED: {},
     }[cause]
     kwargs = {"model_version": batch["model_version"], **base, **changes}
@@ -93,14 +88,14 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
     scored = run_partition(assets, _resources(database_url), instance, run_config=predictions_config(parity_sample=0))
     assert scored.success
     batch = prediction_rows(database_url)
-    agree, *explained, skew = batch[:7]
+    agree, *explained, skew = batch[:6]
     batch_ids = {row["transaction_id"] for row in batch}
     rejected_id = next(
         row["transaction_id"]
         for row in rejection_rows(database_url)
         if row["stage"] == "score" and row["transaction_id"] and row["transaction_id"] not in batch_ids
     )
-    causes = [Cause.MODEL_CHANGED, Cause.INPUT_CORRECTED, Cause.DEGRADED, Cause.HISTORY_CHANGED, Cause.CODE_CHANGED]
+    causes = [Cause.MODEL_CHANGED, Cause.INPUT_CORRECTED, Cause.DEGRADED, Cause.HISTORY_CHANGED]
     engine = make_engine(database_url)
     write_answers(
         engine,
@@ -122,14 +117,14 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
     (check,) = _checks(result).values()
     assert (check.check_name, check.passed) == ("disagreement_explained", True)
     report = _metadata(result, "path_agreement")
-    assert (report["pairs"], report["online_without_batch"]) == (6, 1)
+    assert (report["pairs"], report["online_without_batch"]) == (5, 1)
     assert report["dagster/row_count"] == report["pairs"]
     assert "online_score" in {column.name for column in report["dagster/column_schema"].columns}
     assert report["by_cause"] == {cause.value: 0 if cause is Cause.UNEXPLAINED else 1 for cause in Cause}
-    assert (report["decision_threshold"], report["crossed_threshold"]) == (0.5, 5)
-    assert report["crossed_threshold_share"] == pytest.approx(5 / 6)
+    assert (report["decision_threshold"], report["crossed_threshold"]) == (0.5, 4)
+    assert report["crossed_threshold_share"] == pytest.approx(4 / 5)
     assert report["abs_difference_p50"] > 1e-5 and report["abs_difference_max"] <= 1.0
-    assert "| [0, 1e-05] | 1 | 16.7% |" in report["abs_difference_histogram"]
+    assert "| [0, 1e-05] | 1 | 20.0% |" in report["abs_difference_histogram"]
     assert report["unexplained_transactions"] == []
 
     # Same model, record and history, another score: nothing in the lineage explains it.
