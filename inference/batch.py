@@ -82,9 +82,12 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
     )
     storable, rejected = checked.filter(~unstorable), checked.filter(unstorable)
     with engine.begin() as conn:
-        # An id another day already holds is not this day's record: stored, it vanished (the same
-        # content, a no-op) or moved the record out of its day (other content), without a word.
-        # Corrections of a day land in that day's source.
+        changed = upsert_transactions(conn, storable, day)
+        # An id another day holds is not this day's record: stored, it vanished (the same content,
+        # a no-op) or moved the record out of its day (other content), without a word. The upsert
+        # leaves such a row alone; asked after it, this also sees a day ingested at the same time
+        # that took the id first (the upsert waited for it to commit). Corrections of a day land
+        # in that day's source.
         elsewhere = stored_elsewhere(conn, storable["transaction_id"].to_list(), day)
         if elsewhere:
             taken = pl.col("transaction_id").is_in(list(elsewhere))
@@ -102,7 +105,6 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
                 how="diagonal_relaxed",
             )
             storable = storable.filter(~taken)
-        changed = upsert_transactions(conn, storable, day)
         quarantine(conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=day.isoformat())
     return IngestReport(frame.height, storable.height, changed, rejected.height)
 

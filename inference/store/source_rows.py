@@ -48,8 +48,7 @@ def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date:
     changed = _overwrite_when_changed(transactions, keys, "input_hash")
 
     def in_its_own_partition(excluded: Any) -> tuple[dict[str, Any], Any]:
-        # A record never moves to another day: a caller checks `stored_elsewhere` first, and this
-        # holds against a concurrent ingest of another day that stored the same id meanwhile.
+        # A record never moves to another day; `stored_elsewhere` then names what was left alone.
         set_, when = changed(excluded)
         return set_, sa.and_(when, transactions.c.partition_date == excluded.partition_date)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections import Counter
 from datetime import date, timedelta
 from pathlib import Path
@@ -42,9 +43,10 @@ from inference.store import (
     read_predictions,
     rejected_records,
     transactions,
+    upsert_transactions,
 )
 from tests.inference.support import DAY, record
-from tests.shared import fresh_postgres_database
+from tests.shared import fresh_postgres_database, until
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -477,3 +479,44 @@ def test_an_id_another_day_holds_is_quarantined_not_moved_or_lost(engine: Engine
     ]
     # Its own day's correction still lands.
     assert ingest_day(engine, raw_frame([{**first, "amount": 12.0}]), DAY).rows_changed == 1
+
+
+def test_an_id_two_days_ingested_at_once_both_hold_is_stored_once_and_quarantined_once(postgres_url: str) -> None:
+    """A backfill ingests two days at once whose sources share an id: the second day's upsert waits
+    for the first's commit and leaves the row in its day. Checked before the upsert, the second
+    day saw nothing stored elsewhere and counted the row as its own: neither stored nor quarantined."""
+    engine = make_engine(postgres_url)
+    try:
+        upgrade(engine)
+        later = DAY + timedelta(days=1)
+        row = record(transaction_id="t-both", event_time=f"{DAY}T10:00:00Z")
+        first = engine.connect()
+        transaction = first.begin()
+        upsert_transactions(first, validate(raw_frame([row])), DAY)  # DAY's ingest, not yet committed
+        reports: list[IngestReport] = []
+        second = threading.Thread(target=lambda: reports.append(ingest_day(engine, raw_frame([row]), later)))
+        second.start()
+        until(lambda: _waiting_on_a_lock(engine), message="the second ingest never waited on the first")
+        transaction.commit()
+        first.close()
+        second.join(timeout=30)
+
+        assert [(report.rows_stored, report.rejected_at_ingest) for report in reports] == [(0, 1)]
+        with engine.connect() as conn:
+            t, r = transactions.c, rejected_records.c
+            assert conn.execute(sa.select(t.transaction_id, t.partition_date)).all() == [("t-both", DAY)]
+            assert conn.execute(sa.select(r.transaction_id, r.reason, r.partition_key)).all() == [
+                ("t-both", "duplicate_id", later.isoformat())
+            ]
+    finally:
+        engine.dispose()
+
+
+def _waiting_on_a_lock(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        waiting = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        ).scalar_one()
+    return bool(waiting)
