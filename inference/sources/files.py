@@ -421,7 +421,6 @@ def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]
     the frame, so validation alone refuses its row too; its detail keeps what was written."""
     columns: dict[str, list[str | None]] = {}  # each kept key as written: its value on every row
     fields: dict[str, str | None] = {}  # each key seen: the field it names, or None (ignored)
-    wrong_kinds: dict[str, dict[str, int]] = {}
     problems: list[str | None] = []
     for number, read in enumerate(_lines(data), start=1):
         line = read.removeprefix(codecs.BOM_UTF8) if number == 1 else read  # what Windows tools write first
@@ -454,8 +453,9 @@ def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]
                     text, expected = _as_text(name, value)
                     column.append(text)
                     if expected is not None:
-                        kinds = wrong_kinds.setdefault(key, {})
-                        kinds[_kind(value)] = kinds.get(_kind(value), 0) + 1
+                        # Each line its own row's problem, even when every line has it (epoch times):
+                        # a file-wide error would fail a one-line correction file for what is one
+                        # quarantined row in a larger file. All rows refused, the reject rate blocks.
                         wrong.append(f"{name}: {json.dumps(value)[:_EXCERPT]} is a JSON {_kind(value)}, not {expected}")
                 problems.append(f"line {number}: {'; '.join(wrong)}" if wrong else None)
             else:
@@ -466,12 +466,6 @@ def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]
                     column.append(None)
     if problems and not columns and all(problems):
         raise ValueError(problems[0])  # not one line of JSON objects: not an NDJSON file at all
-    for key, kinds in wrong_kinds.items():
-        if all(value is None for value in columns[key]):
-            # Wrong on every line that has it: the file's schema, not one row (epoch times, say).
-            expected = {"amount": "a number", "event_time": "ISO-8601 text"}.get(key.strip(), "text")
-            found = " and ".join(f"JSON {kind}s" for kind in sorted(kinds))
-            raise SourceError(f"{where}: column {key.strip()!r}: expected {expected}, found {found}")
     return pl.DataFrame(columns, schema=dict.fromkeys(columns, pl.String())), problems
 
 

@@ -226,7 +226,6 @@ def test_a_file_separated_by_semicolons_says_so(tmp_path: Path) -> None:
     ("fmt", "column", "value", "problem"),
     [
         ("parquet", "amount", pl.lit("12.50"), "expected a number, found String"),
-        ("ndjson", "event_time", pl.lit(1_793_000_000), "expected ISO-8601 text, found JSON numbers"),
         ("parquet", "currency", pl.lit(3), "expected text, found Int32"),
         ("parquet", "event_time", pl.lit(datetime(2026, 11, 3, 9, 30)), "timestamp without a time zone"),
     ],
@@ -336,10 +335,15 @@ def test_an_ndjson_value_that_cannot_be_read_as_written_is_one_rows_problem(tmp_
     assert checked["transaction_id"][10] == "last" and reasons[10] is None
 
 
-def test_an_ndjson_field_wrong_on_every_line_is_the_files_error(tmp_path: Path) -> None:
+def test_an_ndjson_field_wrong_on_every_line_is_each_rows_problem(tmp_path: Path) -> None:
+    """Not the file's error: a one-line correction file would fail its day for what is one
+    quarantined row in a larger file."""
     path = tmp_path / "2026-11-03.ndjson"
-    path.write_text("\n".join(json.dumps({**ROWS[0], "merchant_category": n}) for n in (5411, 5412)) + "\n")
-    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson"), str(path), "'merchant_category': expected text")
+    path.write_text(json.dumps({**ROWS[0], "amount": "12.5", "event_time": 1_793_000_000}) + "\n")
+    checked = validate(FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(DAY).frame)
+    assert checked["source_problem"].to_list() == [
+        'line 1: amount: "12.5" is a JSON string, not a number; event_time: 1793000000 is a JSON number, not text'
+    ]
 
 
 def test_a_csv_line_that_cannot_be_read_as_written_is_one_rows_problem(tmp_path: Path) -> None:
