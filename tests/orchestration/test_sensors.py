@@ -93,7 +93,7 @@ def scored(database_url: str, assets: list, instance: DagsterInstance) -> str:
 
 def _sensors() -> dict[str, SensorDefinition]:
     settings = SensorSettings(interval_seconds=5)
-    partitions = DailyPartitionsDefinition(start_date=SETTINGS.partitions_start, timezone="UTC")
+    partitions = DailyPartitionsDefinition(start_date=SETTINGS.partitions_start.isoformat(), timezone="UTC")
     return {
         s.name: s
         for s in [
