@@ -60,6 +60,21 @@ transactions = sa.Table(
     sa.Column("label_fraud", sa.SmallInteger, nullable=True, comment="ground truth where known (demo data)"),
     sa.Column("input_hash", sa.Text, nullable=False),
     sa.Column("ingested_at", sa.DateTime(timezone=True), nullable=False),
+    # Where the record stood before its last correction: the records that followed it there read it
+    # as history, and are stale once it moved (another account, another time) as much as those at
+    # its new place (migration 0007).
+    sa.Column(
+        "previous_account_id",
+        sa.Text,
+        nullable=True,
+        comment="before the last correction of this record; null = never corrected",
+    ),
+    sa.Column(
+        "previous_event_ts",
+        sa.DateTime(timezone=True),
+        nullable=True,
+        comment="before the last correction of this record; null = never corrected",
+    ),
     sa.Index("ix_transactions_partition_date", "partition_date"),
     sa.Index("ix_transactions_account_event", "account_id", "event_ts", "transaction_id"),
     sa.Index("ix_transactions_ingested_at", "ingested_at"),

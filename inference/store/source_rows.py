@@ -42,6 +42,8 @@ def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date:
     ).with_columns(
         partition_date=pl.lit(partition_date, dtype=pl.Date),
         ingested_at=pl.lit(now, dtype=EVENT_TS_DTYPE),
+        previous_account_id=pl.lit(None, dtype=pl.String),
+        previous_event_ts=pl.lit(None, dtype=EVENT_TS_DTYPE),
     )
     columns = [c.name for c in transactions.columns]
     keys = ["transaction_id"]
@@ -50,6 +52,8 @@ def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date:
     def in_its_own_partition(excluded: Any) -> tuple[dict[str, Any], Any]:
         # A record never moves to another day; `stored_elsewhere` then names what was left alone.
         set_, when = changed(excluded)
+        # The stored row's own values, before this correction (a column unqualified by `excluded`).
+        set_ |= {"previous_account_id": transactions.c.account_id, "previous_event_ts": transactions.c.event_ts}
         return set_, sa.and_(when, transactions.c.partition_date == excluded.partition_date)
 
     return _merge(conn, transactions, frame.select(columns), keys, in_its_own_partition)

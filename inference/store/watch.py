@@ -42,8 +42,10 @@ def stale_scored_partitions(
     Every such partition, however many changed in the same interval, is returned, with the newest
     change that touched it.
 
-    Not covered: a correction that moves a record's event time leaves the records that followed
-    its old position unscheduled (the old position is no longer stored).
+    A correction that moved the record (another account, another event time) also makes stale the
+    account's next `history_length` valid records after its old position (`previous_account_id`,
+    `previous_event_ts`): they read it there. Only the last correction's old position is kept: a
+    record corrected twice between two ticks leaves the first old position's followers unscheduled.
     """
     t, p, r = transactions.c, predictions.c, rejected_records.c
     changed_filter = [
@@ -58,7 +60,16 @@ def stale_scored_partitions(
     if changed_after is not None:
         changed_filter.append(t.ingested_at > changed_after)
     changed = (
-        sa.select(t.transaction_id, t.account_id, t.partition_date, t.ingested_at).where(*changed_filter).cte("changed")
+        sa.select(
+            t.transaction_id,
+            t.account_id,
+            t.partition_date,
+            t.ingested_at,
+            t.previous_account_id,
+            t.previous_event_ts,
+        )
+        .where(*changed_filter)
+        .cte("changed")
     )
     # The affected accounts' records in history order: valid ones (what features read) and the
     # changed ones themselves, numbered per account.
@@ -67,12 +78,18 @@ def stale_scored_partitions(
             t.transaction_id,
             t.account_id,
             t.partition_date,
+            t.event_ts,
             sa.func.row_number()
             .over(partition_by=t.account_id, order_by=(t.event_ts, ByteOrder(t.transaction_id)))
             .label("position"),
         )
         .where(
-            t.account_id.in_(sa.select(changed.c.account_id)),
+            sa.or_(
+                t.account_id.in_(sa.select(changed.c.account_id)),
+                t.account_id.in_(
+                    sa.select(changed.c.previous_account_id).where(changed.c.previous_account_id.is_not(None))
+                ),
+            ),
             sa.or_(t.reject_reason.is_(None), t.transaction_id.in_(sa.select(changed.c.transaction_id))),
         )
         .cte("timeline")
@@ -91,7 +108,45 @@ def stale_scored_partitions(
             ),
         )
     )
-    touched = sa.union_all(sa.select(changed.c.partition_date, changed.c.ingested_at), downstream).subquery("touched")
+    # Where a moved record stood: the first record after its old place, and the K from there on
+    # (one more than K where it moved later within the account, its new place among them).
+    after = timeline.alias("after_old")
+    old_place = (
+        sa.select(after.c.account_id, changed.c.ingested_at, sa.func.min(after.c.position).label("first"))
+        .select_from(changed)
+        .join(
+            after,
+            sa.and_(
+                after.c.account_id == changed.c.previous_account_id,
+                after.c.transaction_id != changed.c.transaction_id,
+                sa.or_(
+                    after.c.event_ts > changed.c.previous_event_ts,
+                    sa.and_(
+                        after.c.event_ts == changed.c.previous_event_ts,
+                        ByteOrder(after.c.transaction_id) > changed.c.transaction_id,
+                    ),
+                ),
+            ),
+        )
+        .group_by(changed.c.transaction_id, after.c.account_id, changed.c.ingested_at)
+        .cte("old_place")
+    )
+    followers = timeline.alias("followers")
+    from_old_place = (
+        sa.select(followers.c.partition_date, old_place.c.ingested_at)
+        .select_from(old_place)
+        .join(
+            followers,
+            sa.and_(
+                followers.c.account_id == old_place.c.account_id,
+                followers.c.position >= old_place.c.first,
+                followers.c.position <= old_place.c.first + history_length,
+            ),
+        )
+    )
+    touched = sa.union_all(
+        sa.select(changed.c.partition_date, changed.c.ingested_at), downstream, from_old_place
+    ).subquery("touched")
     batch_scored = (
         sa.select(p.transaction_id)
         .where(p.partition_key == sa.cast(touched.c.partition_date, sa.String), p.path == ResultPath.BATCH.value)

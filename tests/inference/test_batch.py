@@ -42,8 +42,10 @@ from inference.store import (
     read_partition_rows,
     read_predictions,
     rejected_records,
+    stale_scored_partitions,
     transactions,
     upsert_transactions,
+    utc_now,
 )
 from tests.inference.support import DAY, record
 from tests.shared import fresh_postgres_database, until
@@ -520,3 +522,35 @@ def _waiting_on_a_lock(engine: Engine) -> bool:
             )
         ).scalar_one()
     return bool(waiting)
+
+
+@pytest.mark.parametrize(
+    "correction",
+    [{"account_id": "acct-other"}, {"event_time": f"{DAY + timedelta(days=2)}T12:00:00Z"}],
+    ids=["to-another-account", "to-a-later-time"],
+)
+def test_a_correction_that_moves_a_record_reschedules_the_records_that_followed_its_old_place(
+    engine: Engine, correction: dict[str, str]
+) -> None:
+    """`moved` was the history of `follower`, the next day's record of its account. Corrected to
+    another account, or to a time after `follower`, it is no longer: `follower`'s answer is stale,
+    but only the records after its new place were scheduled (the old place was not stored)."""
+    later = DAY + timedelta(days=1)
+    moved = record(transaction_id="moved", account_id="acct", amount=900.0, event_time=f"{DAY}T10:00:00Z")
+    ingest_day(engine, raw_frame([moved]), DAY)
+    ingest_day(
+        engine,
+        raw_frame([record(transaction_id="follower", account_id="acct", event_time=f"{later}T10:00:00Z")]),
+        later,
+    )
+    scorer = predictor(forward_batch_size=1)
+    for day in (DAY, later):
+        producer = BatchProducer(run_id=f"run-{day}", partition_key=day.isoformat(), code_version="test")
+        score_partition(engine, scorer, day, producer=producer, history_length=HISTORY)
+    before = utc_now()
+
+    ingest_day(engine, raw_frame([{**moved, **correction}]), DAY)
+
+    with engine.connect() as conn:
+        stale = stale_scored_partitions(conn, changed_after=before, history_length=HISTORY)
+    assert [change.partition_key for change in stale] == [DAY.isoformat(), later.isoformat()]
