@@ -11,7 +11,6 @@ from dagster import (
     BetaWarning,
     DailyPartitionsDefinition,
     Definitions,
-    build_schedule_from_partitioned_job,
     define_asset_job,
     in_process_executor,
 )
@@ -29,6 +28,7 @@ from orchestration.sensors import (
     RESCORE_JOB,
     SensorSettings,
     build_landing_sensor,
+    build_nightly_schedule,
     build_online_observer,
     build_production_model_observer,
     build_sensors,
@@ -78,12 +78,8 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         for name, selected, description in ASSET_JOBS
     }
     daily_job, ingest_job = jobs[DAILY_JOB], jobs[INGEST_JOB]
-    nightly = build_schedule_from_partitioned_job(
-        daily_job,
-        name="daily_scoring_schedule",
-        hour_of_day=settings.schedule_hour_utc,
-        minute_of_hour=settings.schedule_minute,
-        description="Scores yesterday's partition every night.",
+    nightly = build_nightly_schedule(
+        daily_job, partitions, hour=settings.schedule_hour_utc, minute=settings.schedule_minute
     )
     # The online path, as Dagster sees it: written by the BentoML service, not by a run, so an
     # external asset downstream of the same production model, observed from the table by a sensor.

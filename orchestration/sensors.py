@@ -28,10 +28,13 @@ from dagster import (
     MetadataValue,
     PartitionsDefinition,
     RunRequest,
+    ScheduleDefinition,
+    ScheduleEvaluationContext,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
+    schedule,
     sensor,
 )
 from pydantic import Field
@@ -377,3 +380,34 @@ def build_landing_sensor(
         return SensorResult(run_requests=requests, cursor=json.dumps(seen, sort_keys=True))
 
     return landing_sensor
+
+
+def build_nightly_schedule(
+    job: UnresolvedAssetJobDefinition, partitions: PartitionsDefinition, *, hour: int, minute: int
+) -> ScheduleDefinition:
+    """The classic nightly run: yesterday's partition at hour:minute UTC, unless that day was
+    ingested already or a run of it is in flight. `landing_sensor` runs a day as soon as its file
+    lands; a schedule derived from the partitioned job ran it again at 02:00 (it deduplicates only
+    against its own runs), scoring every day twice."""
+
+    @schedule(
+        name="daily_scoring_schedule",
+        job=job,
+        cron_schedule=f"{minute} {hour} * * *",
+        execution_timezone="UTC",
+        description="Scores yesterday's partition every night, unless it was ingested already (landing_sensor) "
+        "or a run of it is in flight.",
+    )
+    def nightly(context: ScheduleEvaluationContext) -> RunRequest | SkipReason:
+        scheduled = context.scheduled_execution_time or utc_now()
+        day = (scheduled - timedelta(days=1)).date().isoformat()
+        if not partitions.has_partition_key(day):
+            return SkipReason(f"{day} is not a partition")
+        if day in partitions_in_flight(context.instance, partitions):
+            return SkipReason(f"a run of {day} is in flight")
+        version, last_ingest = _last_ingest(context.instance, day)
+        if last_ingest != "none":
+            return SkipReason(f"{day} was ingested already (source version {version})")
+        return RunRequest(run_key=day, partition_key=day, tags={"tandem/trigger": "schedule"})
+
+    return nightly

@@ -165,8 +165,8 @@ def test_dagster_names_in_the_runbook_exist() -> None:
         assert name in SLO, f"slo.md never mentions asset check {name}"
     for name in set(re.findall(r"-j (\w+)", code)):
         assert name in {DAILY_JOB, RESCORE_JOB}, name
-    definitions = (ROOT / "orchestration" / "definitions.py").read_text()
-    assert 'name="daily_scoring_schedule"' in definitions and "daily_scoring_schedule" in RUNBOOK
+    assert [schedule.name for schedule in defs.schedules or []] == ["daily_scoring_schedule"]
+    assert "daily_scoring_schedule" in RUNBOOK
 
 
 def _commands(prefix: str) -> set[tuple[str, ...]]:

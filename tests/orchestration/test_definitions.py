@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 from dagster import (
     AssetKey,
+    AssetMaterialization,
     AssetsDefinition,
     AutomationConditionSensorDefinition,
     BackfillPolicy,
     Backoff,
     DefaultSensorStatus,
     Definitions,
+    RunRequest,
+    build_schedule_context,
+    instance_for_test,
 )
 
 from orchestration.definitions import defs
@@ -47,6 +53,31 @@ def test_nightly_schedule_scores_the_daily_job_at_two_utc() -> None:
     assert schedule.job_name == "daily_scoring"
     job = defs.resolve_job_def("daily_scoring")
     assert {key.to_user_string() for key in job.asset_layer.selected_asset_keys} == set(PARTITIONED)
+
+
+def test_the_nightly_run_leaves_a_day_the_landing_sensor_ingested_already() -> None:
+    """landing_sensor runs a day when its file lands; the schedule derived from the partitioned job
+    ran it again at 02:00 (it deduplicates only against its own runs): every day scored twice."""
+    schedule = defs.resolve_schedule_def("daily_scoring_schedule")
+    at_two = datetime(2026, 11, 5, 2, 0, tzinfo=UTC)
+    repository = defs.get_repository_def()
+    with instance_for_test() as instance:  # a schedule's context takes a persistent instance
+        first = schedule.evaluate_tick(
+            build_schedule_context(instance=instance, scheduled_execution_time=at_two, repository_def=repository)
+        )
+        assert [(request.partition_key, request.run_key) for request in first.run_requests or []] == [
+            ("2026-11-04", "2026-11-04")
+        ]
+        assert all(isinstance(request, RunRequest) for request in first.run_requests or [])
+
+        instance.report_runless_asset_event(
+            AssetMaterialization("transactions", partition="2026-11-04", metadata={"source_version": "v1"})
+        )
+        again = schedule.evaluate_tick(
+            build_schedule_context(instance=instance, scheduled_execution_time=at_two, repository_def=repository)
+        )
+        assert not again.run_requests
+        assert again.skip_message == "2026-11-04 was ingested already (source version v1)"
 
 
 @pytest.mark.parametrize("key", PARTITIONED)
