@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from dagster import DefaultSensorStatus, RunFailureSensorContext, SensorDefinition, run_failure_sensor
+from dagster._core.storage.tags import WILL_RETRY_TAG
 from dagster._utils.error import SerializableErrorInfo
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -83,6 +84,11 @@ def build_run_failure_alert(interval_seconds: int) -> SensorDefinition:
         settings = AlertSettings()
         payload = failure_payload(context, settings.dagster_ui_url)
         what = f"run {payload['run_id']} of {payload['job']} failed (partition {payload['partition']})"
+        # Dagster marks a failure its run retries will relaunch (a run worker lost, resources that
+        # failed to start); the last attempt is not marked. One page per failure, not per attempt.
+        if context.dagster_run.tags.get(WILL_RETRY_TAG) == "true":
+            context.log.info(f"{what}; Dagster retries it, no alert sent")
+            return
         if not settings.alert_webhook_url:
             context.log.info(f"{what}; TANDEM_ALERT_WEBHOOK_URL is unset, no alert sent")
             return

@@ -10,11 +10,13 @@ import pytest
 from dagster import (
     AssetsDefinition,
     DagsterInstance,
+    DagsterRun,
     ExecuteInProcessResult,
     RunFailureSensorContext,
     build_run_status_sensor_context,
     materialize,
 )
+from dagster._core.storage.tags import WILL_RETRY_TAG
 
 from orchestration.alerts import build_run_failure_alert
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
@@ -51,13 +53,13 @@ def _sensor_log(capsys: pytest.CaptureFixture[str]) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if "dagster" in line]
 
 
-def _evaluate(instance: DagsterInstance, result: ExecuteInProcessResult) -> None:
+def _evaluate(instance: DagsterInstance, result: ExecuteInProcessResult, run: DagsterRun | None = None) -> None:
     sensor = build_run_failure_alert(interval_seconds=5)
     context = build_run_status_sensor_context(
         sensor_name=sensor.name,
         dagster_event=result.get_run_failure_event(),
         dagster_instance=instance,
-        dagster_run=result.dagster_run,
+        dagster_run=run or result.dagster_run,
     ).for_run_failure()
     assert isinstance(context, RunFailureSensorContext)
     sensor(context)
@@ -82,6 +84,22 @@ def test_a_failed_run_is_posted_as_json_with_a_link_to_it(
     (step,) = body["step_errors"]
     assert step["step"] == "transactions"
     assert f"no file for {DAY}" in step["error"], step
+
+
+def test_a_failure_dagster_relaunches_is_not_paged_its_last_attempt_is(
+    failed_run: tuple[DagsterInstance, ExecuteInProcessResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that failed before any step (resources that could not start: the database down) is
+    relaunched by run retries; each attempt paged before, up to three pages for one outage."""
+    instance, result = failed_run
+    attempt = result.dagster_run.with_tags({**result.dagster_run.tags, WILL_RETRY_TAG: "true"})
+    last = result.dagster_run.with_tags({**result.dagster_run.tags, WILL_RETRY_TAG: "false"})
+    with WebhookReceiver() as receiver:
+        monkeypatch.setenv("TANDEM_ALERT_WEBHOOK_URL", receiver.url)
+        _evaluate(instance, result, attempt)
+        assert receiver.received == []
+        _evaluate(instance, result, last)
+    assert [body["run_id"] for body in receiver.received] == [result.run_id]
 
 
 def test_without_a_url_the_failure_is_logged_in_one_line(
