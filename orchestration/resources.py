@@ -32,12 +32,16 @@ class DatabaseResource(ConfigurableResource):
     pool_size: int = 2
 
     _engine: Engine | None = PrivateAttr(default=None)
+    _migrated: bool = PrivateAttr(default=False)
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         url = self.url or TandemSettings().resolved_database_url()
         kwargs = {} if url.startswith("sqlite") else {"pool_size": self.pool_size, "max_overflow": 1}
+        # No connection here (migrated at first use, below): a database down when the run started
+        # failed the resources' setup, a run failure no step RetryPolicy sees, and run retries
+        # relaunch at once, without backoff. At first use it is a step's transient error.
         self._engine = make_engine(url, **kwargs)
-        upgrade(self._engine)
+        self._migrated = False
 
     def teardown_after_execution(self, context: InitResourceContext) -> None:
         if self._engine is not None:
@@ -48,6 +52,9 @@ class DatabaseResource(ConfigurableResource):
     def engine(self) -> Engine:
         if self._engine is None:
             raise RuntimeError("DatabaseResource used outside a run (setup_for_execution not called)")
+        if not self._migrated:
+            upgrade(self._engine)
+            self._migrated = True
         return self._engine
 
 

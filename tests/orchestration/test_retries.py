@@ -63,6 +63,26 @@ def test_transient_database_error_is_retried_and_the_run_succeeds(
     assert isinstance(rows_stored, int) and rows_stored > 0
 
 
+def test_a_database_down_when_the_run_starts_is_a_step_retried_with_backoff(
+    assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
+) -> None:
+    """Connecting (and migrating) when the resources started made a database outage at run start
+    a failure of the run before any step: no RetryPolicy saw it, and run retries relaunched it at
+    once, without backoff. Now it is the step's transient error, retried with backoff."""
+    down = DatabaseResource(url="postgresql://postgres@127.0.0.1:9/nothing-listens-here")
+    result = run_partition(
+        assets,
+        batch_resources(sqlite_url, rows_per_day=500, database=down),
+        instance,
+        selection=["transactions"],
+        raise_on_error=False,
+    )
+
+    assert not result.success
+    assert len(_events(result, DagsterEventType.STEP_UP_FOR_RETRY)) == 3
+    assert _events(result, DagsterEventType.STEP_FAILURE)
+
+
 def test_non_transient_error_fails_at_once_without_retry(
     assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str, tmp_path: Path
 ) -> None:
