@@ -207,8 +207,8 @@ class Transaction(BaseModel):
         # pydantic alone reads true as 1.0; a frame (`raw_frame`, a CSV cell) has no amount there.
         if isinstance(value, bool):
             raise ValueError("amount must be a number, not a boolean")
-        # A JSON number, as the schema says and an NDJSON file requires (a string amount is that
-        # file's error). Read leniently, pydantic took "1_000" as 1000 and "１２" as 12, which a CSV
+        # A JSON number, as the schema says and an NDJSON line requires (a string amount is that
+        # row's problem). Read leniently, pydantic took "1_000" as 1000 and "１２" as 12, which a CSV
         # cell with the same text is quarantined for.
         if isinstance(value, str):
             raise ValueError("amount must be a number, not a string")

@@ -441,7 +441,7 @@ def _request_problems(parsed: ScoreRequest) -> list[dict[str, Any]]:
     problems: list[dict[str, Any]] = []
     # Claimed in idempotency_keys: PostgreSQL text cannot hold NUL, and the failed claim counted
     # against the breaker, so two such requests opened it for every client. (A header cannot carry NUL.)
-    if parsed.idempotency_key is not None and "\x00" in parsed.idempotency_key:
+    if has_nul(parsed.idempotency_key):
         problems.append({"loc": ["idempotency_key"], "msg": "NUL characters are not allowed"})
     seen: set[str] = set()
     for index, tx in enumerate(parsed.transactions):

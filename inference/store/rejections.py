@@ -147,6 +147,15 @@ def count_rejected(conn: Connection, *, partition_key: str, stage: RejectStage |
 
 
 # ------------------------------------------------------------------ resolution
+def _open_score_rejection(partition_key: str) -> sa.ColumnElement[bool]:
+    r = rejected_records.c
+    return sa.and_(r.partition_key == partition_key, r.stage == RejectStage.SCORE.value, r.resolved.is_(False))
+
+
+def _superseded() -> dict[str, Any]:
+    return {"resolved": True, "resolved_at": utc_now(), "resolution": Resolution.SUPERSEDED.value}
+
+
 def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> int:
     """Mark a partition's scoring rejections resolved once their record has changed (a correction):
     the quarantined input no longer exists, so it no longer counts against the partition."""
@@ -154,13 +163,8 @@ def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> in
     changed = sa.select(t.transaction_id).where(t.transaction_id == r.transaction_id, t.input_hash != r.input_hash)
     stmt = (
         sa.update(rejected_records)
-        .where(
-            r.partition_key == partition_key,
-            r.stage == RejectStage.SCORE.value,
-            r.resolved.is_(False),
-            changed.exists(),
-        )
-        .values(resolved=True, resolved_at=utc_now(), resolution=Resolution.SUPERSEDED.value)
+        .where(_open_score_rejection(partition_key), changed.exists())
+        .values(**_superseded())
     )
     return int(conn.execute(stmt).rowcount)
 
@@ -168,12 +172,7 @@ def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> in
 def open_score_rejections(conn: Connection, *, partition_key: str) -> set[str]:
     """Transaction ids of a partition's open scoring rejections."""
     r = rejected_records.c
-    stmt = sa.select(r.transaction_id).where(
-        r.partition_key == partition_key,
-        r.stage == RejectStage.SCORE.value,
-        r.resolved.is_(False),
-        r.transaction_id.is_not(None),
-    )
+    stmt = sa.select(r.transaction_id).where(_open_score_rejection(partition_key), r.transaction_id.is_not(None))
     return set(conn.execute(stmt).scalars())
 
 
@@ -187,13 +186,8 @@ def resolve_rescored_rejections(conn: Connection, *, partition_key: str, transac
     for chunk in _chunks(transaction_ids, 1000):
         stmt = (
             sa.update(rejected_records)
-            .where(
-                r.partition_key == partition_key,
-                r.stage == RejectStage.SCORE.value,
-                r.resolved.is_(False),
-                r.transaction_id.in_(chunk),
-            )
-            .values(resolved=True, resolved_at=utc_now(), resolution=Resolution.SUPERSEDED.value)
+            .where(_open_score_rejection(partition_key), r.transaction_id.in_(chunk))
+            .values(**_superseded())
         )
         resolved += int(conn.execute(stmt).rowcount)
     return resolved

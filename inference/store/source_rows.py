@@ -59,21 +59,25 @@ def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date:
     return _merge(conn, transactions, frame.select(columns), keys, in_its_own_partition)
 
 
+def _one_of(conn: Connection, column: sa.Column[str], values: Sequence[str]) -> Iterator[sa.ColumnElement[bool]]:
+    """`column` in `values`, as the predicates of the statements to run: PostgreSQL takes them as
+    one array parameter (an IN list of a thousand bound values cost this process twice the CPU of
+    the query's result); SQLite caps bound values per statement, so a thousand at a time."""
+    if conn.dialect.name == "postgresql":
+        if values:
+            yield column == sa.any_(
+                sa.bindparam(f"{column.name}_values", list(values), type_=postgresql.ARRAY(sa.Text))
+            )
+        return
+    for group in _chunks(list(values), 1000):
+        yield column.in_(group)
+
+
 def stored_elsewhere(conn: Connection, transaction_ids: Sequence[str], partition_date: date) -> dict[str, date]:
     """Which of these ids are stored under another day than `partition_date`, and which."""
     t = transactions.c
     found: dict[str, date] = {}
-    ids = list(transaction_ids)
-    # PostgreSQL takes them as one array parameter; SQLite caps bound values per statement.
-    groups = [ids] if conn.dialect.name == "postgresql" else list(_chunks(ids, 1000))
-    for group in groups:
-        if not group:
-            continue
-        wanted = (
-            t.transaction_id == sa.any_(sa.bindparam("ids", group, type_=postgresql.ARRAY(sa.Text)))
-            if conn.dialect.name == "postgresql"
-            else t.transaction_id.in_(group)
-        )
+    for wanted in _one_of(conn, transactions.c.transaction_id, transaction_ids):
         elsewhere = sa.select(t.transaction_id, t.partition_date).where(wanted, t.partition_date != partition_date)
         found.update({transaction_id: stored_on for transaction_id, stored_on in conn.execute(elsewhere)})
     return found
@@ -239,17 +243,7 @@ def _latest_rows(conn: Connection, account_ids: Sequence[str], before: date, his
     schema = HISTORY_SCHEMA
     t = transactions.c
     frames = []
-    # PostgreSQL takes every account as one array parameter: an IN list of a thousand bound values
-    # cost this process twice the CPU of the query's result. SQLite caps bound values per statement.
-    groups = [list(account_ids)] if conn.dialect.name == "postgresql" else list(_chunks(list(account_ids), 1000))
-    for group in groups:
-        if not group:
-            continue
-        wanted = (
-            t.account_id == sa.any_(sa.bindparam("accounts", group, type_=postgresql.ARRAY(sa.Text)))
-            if conn.dialect.name == "postgresql"
-            else t.account_id.in_(group)
-        )
+    for wanted in _one_of(conn, transactions.c.account_id, account_ids):
         ranked = (
             sa.select(
                 *(t[name] for name in RAW_COLUMNS),
