@@ -115,12 +115,6 @@ def judge(online: dict[str, Any], target_ms: float) -> dict[str, Any]:
     targets.append(_burst_target(tandem))
     targets.append(_stock_target(online.get("stock_bentoml", {}), ours, target_ms))
     targets.append(_native_target(ours, online.get("tandem_mounted", {}), target_ms))
-    targets += _front_targets(
-        online.get("tandem_front", {}),
-        online.get("tandem_front_postgres", {}),
-        online.get("stock_bentoml", {}),
-        target_ms,
-    )
     return {
         "target_p99_ms": target_ms,
         "generator_limit_p99_ms": GENERATOR_LIMIT_P99_MS,
@@ -132,30 +126,6 @@ def judge(online: dict[str, Any], target_ms: float) -> dict[str, Any]:
         },
         "targets": targets,
     }
-
-
-FRONT_SUFFIX = " [behind HAProxy]"
-
-
-def _front_targets(
-    front: dict[str, Any], front_postgres: dict[str, Any], stock: dict[str, Any], target_ms: float
-) -> list[dict[str, Any]]:
-    """Issue 14's targets again, for the service behind HAProxy (`python -m serving.front`), each
-    against its own capacity measured in this run; the goodput's PostgreSQL figure is that of the
-    same front on PostgreSQL."""
-    if "sweep" not in front:
-        reason = front.get("error", "did not run")
-        return [_target(f"issue 14's targets{FRONT_SUFFIX}", reason, NOT_MEASURABLE)]
-    sweep = front["sweep"]
-    ours = goodput_at_target(sweep, target_ms)
-    postgres = goodput_at_target(front_postgres.get("sweep", []), target_ms)
-    targets = [
-        _goodput_target(sweep, ours, postgres, target_ms),
-        *_overload_targets(front, ours, target_ms),
-        _burst_target(front),
-        _stock_target(stock, ours, target_ms),
-    ]
-    return [t | {"target": t["target"] + FRONT_SUFFIX} for t in targets]
 
 
 def _goodput_target(

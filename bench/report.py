@@ -150,7 +150,7 @@ def write_report(
     tandem = online.get("tandem", {})
     stock = online.get("stock_bentoml", {})
     lines += ["## Overload, bursts, poison", ""]
-    for name, label in (("tandem", "Tandem"), ("tandem_front", "Tandem behind HAProxy (docs/decisions/0007)")):
+    for name, label in (("tandem", "Tandem (SQLite)"), ("tandem_postgres", "Tandem (PostgreSQL)")):
         lines += _past_capacity_section(online.get(name, {}), label)
     for label, service in (("Tandem", tandem), ("stock BentoML", stock)):
         if "poison_2pct" in service:

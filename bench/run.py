@@ -406,17 +406,8 @@ def tandem_spec(workers: int = 1) -> ServiceSpec:
     )
 
 
-FRONTED = ("tandem", "tandem_front")  # the services measured past capacity: alone, and behind HAProxy
-
-
-def tandem_front_spec() -> ServiceSpec:
-    """Tandem as `tandem_spec()`, behind HAProxy enforcing its concurrency limit (docs/decisions/0007)."""
-    return ServiceSpec(
-        "tandem_front",
-        "(1h) Tandem behind HAProxy (python -m serving.front)",
-        lambda p: [sys.executable, "-m", "serving.front", "--port", str(p), "--host", "127.0.0.1"],
-        {"TANDEM_SERVING_WORKERS": "1"},
-    )
+# The services measured past capacity: Tandem as it is deployed (docs/decisions/0009), on both stores.
+FRONTED = ("tandem", "tandem_postgres")
 
 
 def _on_postgres(spec: ServiceSpec, name: str, label: str, database_url: str, data_dir: Path) -> ServiceSpec:
@@ -427,11 +418,6 @@ def _on_postgres(spec: ServiceSpec, name: str, label: str, database_url: str, da
 
 def tandem_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
     return _on_postgres(tandem_spec(), "tandem_postgres", "(1p) Tandem on PostgreSQL", database_url, data_dir)
-
-
-def tandem_front_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
-    label = "(1hp) Tandem behind HAProxy, on PostgreSQL"
-    return _on_postgres(tandem_front_spec(), "tandem_front_postgres", label, database_url, data_dir)
 
 
 def service_specs() -> list[ServiceSpec]:
@@ -449,7 +435,6 @@ def service_specs() -> list[ServiceSpec]:
 
     return [
         tandem_spec(),
-        tandem_front_spec(),
         ServiceSpec(
             "tandem_mounted",
             "(1b) Tandem, /score mounted (before @bentoml.api)",
@@ -675,12 +660,10 @@ def bench_online(
     specs = service_specs()
     if postgres_url is not None:
         specs.insert(1, tandem_postgres_spec(postgres_url, bench.root / "online_postgres"))
-        front_at = next(i for i, s in enumerate(specs) if s.name == "tandem_front") + 1
-        specs.insert(front_at, tandem_front_postgres_spec(postgres_url, bench.root / "online_front_postgres"))
     everything: dict[str, Any] = {}
     if postgres_url is None:
-        for unreachable in (tandem_postgres_spec("", bench.root), tandem_front_postgres_spec("", bench.root)):
-            everything[unreachable.name] = {"label": unreachable.label, "error": "no PostgreSQL reachable"}
+        unreachable = tandem_postgres_spec("", bench.root)
+        everything[unreachable.name] = {"label": unreachable.label, "error": "no PostgreSQL reachable"}
     ceiling_rates = sorted({*rates, *STOCK_LOW_RATES})
     for spec in sorted(specs, key=lambda s: s.name != "do_nothing"):  # the ceiling first
         # At the higher rates every drifted request loads the model: minutes of timeouts, nothing learnt.
@@ -689,9 +672,6 @@ def bench_online(
             "stock_bentoml": sorted({*STOCK_LOW_RATES, *rates}),
             "do_nothing": ceiling_rates,
         }.get(spec.name, rates)
-        if spec.name.startswith("tandem_front") and shutil.which("haproxy") is None:
-            everything[spec.name] = {"label": spec.label, "error": "haproxy is not installed (apt-get install haproxy)"}
-            continue
         service = _start(spec, bench)
         if isinstance(service, str):
             everything[spec.name] = {"label": spec.label, "error": service}

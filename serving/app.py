@@ -26,14 +26,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from inference.lineage import explain
-from inference.records import ID_MAX_LENGTH
+from inference.records import ID_MAX_LENGTH, Transaction
 from inference.settings import TandemSettings
 from serving.batcher import SCORING_PROCESS_DIED
-from serving.gate import Edge, Refused, ScoreCall, ScoreGate, current_call, new_request_id
+from serving.gate import Edge, Refused, ScoreCall, ScoreGate, call_in, new_request_id
 from serving.idempotency import IDEMPOTENCY_IN_PROGRESS, IDEMPOTENCY_REUSED, KeyInProgress, KeyReused
 from serving.metrics import ServingMetrics
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
-from serving.schemas import REQUEST_ID_HEADER, ItemResult, ScoreResponse, openapi_document
+from serving.schemas import REQUEST_ID_HEADER, ItemResult, ScoreRequest, ScoreResponse, openapi_document
 from serving.security import SecuritySettings
 
 logger = logging.getLogger(__name__)
@@ -54,10 +54,12 @@ def build_app(
     """
     edge = _Edge(security)
 
-    async def score(_: Request) -> Response:
-        call = current_call()
-        assert call is not None, "the gate admits every /score request"
-        return await answer(call, get_scorer())
+    async def score(request: Request) -> Response:
+        # The body the gate validated, parsed again as BentoML's API method would.
+        parsed = ScoreRequest.model_validate_json(await request.body())
+        return await answer(
+            call_in(request.scope), get_scorer(), parsed.transactions, parsed.idempotency_key, parsed.deadline_ms
+        )
 
     async def lineage(request: Request) -> Response:
         request_id = new_request_id()
@@ -126,29 +128,43 @@ def build_app(
     return app
 
 
-async def answer(call: ScoreCall, scorer: OnlineScorer) -> Response:
-    """Score an admitted request: one answer per transaction, or the request's refusal."""
+async def answer(
+    call: ScoreCall,
+    scorer: OnlineScorer,
+    transactions: list[Transaction],
+    idempotency_key: str | None,
+    deadline_ms: float | None,
+) -> Response:
+    """Score an admitted request: one answer per transaction, or the request's refusal. The key
+    and deadline are the body's fields, which the request's headers override (`ScoreCall.resolve`)."""
     try:
-        return await _answer(call, scorer)
+        return await _answer(call, scorer, transactions, idempotency_key, deadline_ms)
     except Refused as refused:
         return refused.response(scorer, call.request_id)
 
 
-async def _answer(call: ScoreCall, scorer: OnlineScorer) -> Response:
-    count = len(call.request.transactions)
+async def _answer(
+    call: ScoreCall,
+    scorer: OnlineScorer,
+    transactions: list[Transaction],
+    body_key: str | None,
+    body_deadline_ms: float | None,
+) -> Response:
+    count = len(transactions)
+    key, deadline, deadline_ms = call.resolve(body_key, body_deadline_ms)
     try:
         results, batch_cpu = await scorer.score(
-            call.request.transactions,
+            transactions,
             request_id=call.request_id,
-            idempotency_key=call.idempotency_key,
-            deadline=call.deadline,
-            counted_from=call.counted_from,
+            idempotency_key=key,
+            deadline=deadline,
+            reservation=call.reservation,
         )
     except Shed as shed:
         raise Refused.overloaded(shed.decision, items=count) from shed
     except DeadlineExceeded as late:
         raise Refused(
-            504, "deadline_exceeded", f"no answer within {call.deadline_ms:g} ms", outcome="expired", items=count
+            504, "deadline_exceeded", f"no answer within {deadline_ms:g} ms", outcome="expired", items=count
         ) from late
     except KeyReused as reused:
         # Stripe's rule: a key names one body; answering another body under it would hand back

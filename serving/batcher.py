@@ -60,6 +60,20 @@ ProcessFn = Callable[[list[ItemSpec]], BatchResult]
 BatchHook = Callable[[list[WorkItem], BatchResult], None]
 
 
+class Reservation:
+    """An admitted request's place in the queue before its items are in it; released once."""
+
+    __slots__ = ("_batcher",)
+
+    def __init__(self, batcher: AdaptiveBatcher) -> None:
+        self._batcher: AdaptiveBatcher | None = batcher
+
+    def release(self) -> None:
+        if self._batcher is not None:
+            self._batcher.unreserve()
+            self._batcher = None
+
+
 class AdaptiveBatcher:
     """The queue of admitted items and the one loop that turns it into batches, on the event loop.
 
@@ -81,15 +95,12 @@ class AdaptiveBatcher:
         model_version: str,
         on_batch: BatchHook | None = None,
         clock: Callable[[], float] = time.monotonic,
-        burst_interval_s: float = 0.0,
     ) -> None:
         self.process = process
         self.executor = executor
         self.max_batch = max_batch
         self.capacity = capacity
         self.target_s = target_s
-        self.burst_interval_s = burst_interval_s
-        self._over_target_since: float | None = None
         self.cost = cost
         self.metrics = metrics
         self.on_batch = on_batch
@@ -97,6 +108,7 @@ class AdaptiveBatcher:
         self.clock = clock
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._live = 0  # queued items someone still waits for
+        self._reserved = 0  # admitted requests whose items are not queued yet
         self._wakeup = asyncio.Event()
         self._in_flight_since: float | None = None
         self._in_flight_size = 0
@@ -125,31 +137,11 @@ class AdaptiveBatcher:
         expected = self.cost.batch_seconds(self._in_flight_size)
         return max(expected - (self.clock() - self._in_flight_since), 0.0)
 
-    def oldest_queued(self) -> float:
-        """Seconds the oldest still-wanted item has been queued (0 when the queue is empty)."""
-        while self._queue and self._queue[0].abandoned:
-            self._queue.popleft()
-        return self.clock() - self._queue[0].enqueued_at if self._queue else 0.0
-
-    def standing_queue_age(self) -> float:
-        """The oldest queued item's age, counted against admission once the queue has stayed
-        over the target for `burst_interval_s` (CoDel's interval): a burst that drains within
-        the interval is a good queue and is served; a queue that stands is overload and sheds."""
-        age = self.oldest_queued()
-        if age <= self.target_s:
-            self._over_target_since = None
-            return age
-        now = self.clock()
-        if self._over_target_since is None:
-            self._over_target_since = now
-        return age if now - self._over_target_since >= self.burst_interval_s else 0.0
-
-    def decide(self, items: int, deadline: float, *, waited_s: float = 0.0) -> Decision:
+    def decide(self, items: int, deadline: float) -> Decision:
+        """Admission (`admission.admit`) for `items` more, behind what is queued and reserved."""
         return admit(
-            waited_s=waited_s,
-            oldest_queued_s=self.standing_queue_age(),
             items=items,
-            queued=self._live,
+            queued=self._live + self._reserved,
             capacity=self.capacity,
             in_flight_remaining_s=self.in_flight_remaining(),
             max_batch=self.max_batch,
@@ -157,6 +149,18 @@ class AdaptiveBatcher:
             target_s=self.target_s,
             remaining_deadline_s=deadline - self.clock(),
         )
+
+    def reserve(self, deadline: float) -> Reservation | Decision:
+        """Admit a request whose body is not read yet: it counts as one queued item until its items
+        are enqueued or it ends, so a burst read in one turn of the loop does not all see an empty queue."""
+        decision = self.decide(1, deadline)
+        if not decision.admitted:
+            return decision
+        self._reserved += 1
+        return Reservation(self)
+
+    def unreserve(self) -> None:
+        self._reserved -= 1
 
     def enqueue(self, items: list[WorkItem]) -> None:
         self._queue.extend(items)

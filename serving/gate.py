@@ -1,15 +1,12 @@
-"""The gate in front of `POST /score`: an ASGI middleware (BentoML's `add_asgi_middleware`, served
-outside BentoML's own: `serving.middleware_order`) that refuses what it can before BentoML sees
-the request, cheapest first.
+"""The gate in front of `POST /score`: an ASGI middleware (BentoML's public `add_asgi_middleware`)
+that refuses what it can before BentoML's API method sees the request, cheapest first.
 
-Bearer token (401), headers (400), overload from the headers alone (503, before the body is read:
-reading and parsing are most of what a refusal costs, and an event loop spending them lets the
-socket backlog grow where admission cannot see it), body size (413), a body slower than the
-request's deadline (408), JSON and schema (422, with
-the field and the reason; the invalid items are quarantined), item count (413), a dead scoring
-process (503). What passes is parsed once and handed to the `@bentoml.api` method through
-`schemas.PARSED_REQUEST`, so BentoML neither parses it again nor answers a schema error with its
-own 400. Every refusal is a `Refused`, rendered and counted in one place.
+Bearer token (401), headers (400), admission (503 with Retry-After, decided once, before the body is
+read: reading and parsing are most of what a refusal costs), body size (413), a body slower than the
+request's deadline (408), JSON and schema (422 naming the field; the invalid items are quarantined,
+where BentoML's own parse would answer 400 and keep nothing), item count (413), a dead scoring process
+(503). What passes goes on to BentoML with its body, and the admitted call rides in the ASGI scope's
+`state` (`call_in`). Every refusal is a `Refused`, rendered and counted in one place.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
-from contextvars import ContextVar
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -34,26 +30,19 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inference.records import has_nul
-from serving.admission import Decision, StandingMinimum
-from serving.http_protocol import RawHeaders, screen_on_headers
+from serving.admission import Decision
+from serving.batcher import Reservation
 from serving.metrics import target_seconds
 from serving.runtime import OnlineScorer
-from serving.schemas import (
-    DEADLINE_HEADER,
-    IDEMPOTENCY_HEADER,
-    PARSED_REQUEST,
-    REQUEST_ID_HEADER,
-    Handoff,
-    ScoreRequest,
-)
+from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, REQUEST_ID_HEADER, ScoreRequest
 from serving.security import BearerAuth, BodyRefused, Refusal, SecuritySettings, drain_before_close, read_body
 
 logger = logging.getLogger(__name__)
 
 MAX_IDEMPOTENCY_KEY = 200
 SCORE_PATH = "/score"
-REQUEST_START_HEADER = "X-Request-Start"
-MAX_PROXY_WAIT_S = 60.0
+# The key of the admitted call in the ASGI scope's `state` (Starlette's `request.state`).
+CALL_STATE = "tandem_score_call"
 
 
 class Refused(Exception):
@@ -126,16 +115,33 @@ class Refused(Exception):
 
 @dataclass
 class ScoreCall:
-    """One admitted /score request as the API method sees it."""
+    """One admitted /score request, as the gate saw its headers; the body's own fields (key,
+    deadline) are the API method's parameters, combined with these by `resolve`."""
 
     request_id: str
-    request: ScoreRequest
-    idempotency_key: str | None
-    deadline: float  # monotonic, counted from when the request began to wait (`Wait.arrived`)
-    deadline_ms: float
-    counted_from: float  # monotonic: where its latency starts against the target at admission (`Wait`)
-    arrived: float  # monotonic: when it began to wait (`Wait.arrived`); the concurrency limit's latency starts here
+    arrived: float  # monotonic: when the gate first saw it; its deadline counts from here
+    header_deadline_ms: float | None
+    header_key: str | None
+    default_deadline_ms: float
+    max_deadline_ms: float
+    reservation: Reservation | None = None
     parse_cpu: float = 0.0
+
+    def resolve(self, body_key: str | None, body_deadline_ms: float | None) -> tuple[str | None, float, float]:
+        """(idempotency key, monotonic deadline, deadline in ms): a header wins over its body field,
+        and a deadline longer than the service's longest is cut to it."""
+        key = self.header_key if self.header_key is not None else body_key
+        deadline_ms = self.header_deadline_ms if self.header_deadline_ms is not None else body_deadline_ms
+        deadline_ms = min(deadline_ms if deadline_ms is not None else self.default_deadline_ms, self.max_deadline_ms)
+        return key, self.arrived + deadline_ms / 1000, deadline_ms
+
+
+def call_in(scope: MutableMapping[str, Any]) -> ScoreCall:
+    """The call the gate admitted for this request (its ASGI scope, or `ctx.request.scope` in BentoML)."""
+    call = scope.get("state", {}).get(CALL_STATE)
+    if not isinstance(call, ScoreCall):
+        raise RuntimeError("POST /score was not admitted by the gate (serving.gate.ScoreGate)")
+    return call
 
 
 class _RequestIds:
@@ -157,16 +163,6 @@ class _RequestIds:
 
 # 32 hex digits, as uuid4().hex was: lineage rows and the Idempotency-Key's owner carry them.
 new_request_id = _RequestIds()
-
-# The call the gate admitted, for the API method, which runs inside the gate's call (and any task
-# started meanwhile starts with a copy of this context).
-CURRENT_CALL: ContextVar[Handoff[ScoreCall] | None] = ContextVar("tandem_score_call", default=None)
-
-
-def current_call() -> ScoreCall | None:
-    """The call the gate admitted and is answering now, in the code the gate called."""
-    handoff = CURRENT_CALL.get()
-    return handoff.value if handoff is not None else None
 
 
 class Edge:
@@ -193,7 +189,6 @@ class ScoreGate:
         self.app = app
         self.get_scorer = get_scorer
         self.edge = Edge(security)
-        screen_on_headers(SCORE_PATH, self.refusal_on_headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != SCORE_PATH or scope["method"] != "POST":
@@ -244,83 +239,48 @@ class ScoreGate:
                 status = int(message["status"])
             await send(message)
 
-        call_handoff, parsed_handoff = Handoff(call), Handoff(call.request)
-        call_token, parsed_token = CURRENT_CALL.set(call_handoff), PARSED_REQUEST.set(parsed_handoff)
+        state = scope.setdefault("state", {})
+        state[CALL_STATE] = call
         try:
             await self.app(scope, replay, sending)
         finally:
-            CURRENT_CALL.reset(call_token)
-            PARSED_REQUEST.reset(parsed_token)
-            call_handoff.value = parsed_handoff.value = None
-            # From when the request began to wait, a proxy's stamped wait in full: the limit holds
-            # the p99 the client sees, and HAProxy's queue (5 ms at most) and the socket behind it
-            # are part of that. Counted only as far as it stood, the limit's latency read about 10
-            # ms under the client's past capacity, and at an aim of 0.9 x the target it settled
-            # where the client's p99 was 54-66 ms (bench/findings.md, fifteenth session).
-            # Admission still counts only what stood.
-            scorer.finished(time.monotonic() - call.arrived)
+            # Nothing of the request outlives its answer in whatever keeps the scope alive.
+            state.pop(CALL_STATE, None)
+            if call.reservation is not None:
+                call.reservation.release()
         return status
 
-    def refusal_on_headers(self, raw_headers: RawHeaders) -> tuple[int, RawHeaders, bytes] | None:
-        """The 503 `_admit` would give this request for overload, decided from its headers alone
-        (status, headers, body), or None: every other request, admitted or refused for anything
-        else, is left for `__call__` to answer as always. Called by the HTTP protocol before it
-        starts the request's task (`serving.http_protocol`): past capacity most requests are
-        refused, and the task, the ASGI stack and Starlette's response were most of their cost."""
-        started = time.perf_counter()
-        scorer = self.get_scorer()
-        try:
-            # Without the loop's lag: this runs in the parser's callback, and right after a stall
-            # the lag sampler has not run yet, so the lag reads the whole stall, which a burst
-            # arriving at its end never waited. The gate reads the lag once the sampler has caught
-            # up; a proxy's X-Request-Start still counts here.
-            wait, deadline_ms, _ = self._screen(Headers(raw=raw_headers), scorer, loop_lag_s=0.0)
-        except Refused:
-            return None
-        waited_s = time.monotonic() - wait.counted_from
-        early = scorer.refuse_early(wait.arrived + deadline_ms / 1000, waited_s=waited_s, take_slot=False)
-        if early is None:
-            return None
-        response = Refused.overloaded(early, items=1).response(scorer, new_request_id())
-        scorer.metrics.shed_on_headers.inc()
-        scorer.metrics.latency_by_status[str(response.status_code)].observe(time.perf_counter() - started)
-        return response.status_code, response.raw_headers, bytes(response.body)
-
-    def _screen(self, headers: Headers, scorer: OnlineScorer, *, loop_lag_s: float) -> tuple[Wait, float, str | None]:
-        """(the wait before the service saw it, deadline in ms, idempotency key) from a /score
-        request's headers; Refused for its token (401) or a malformed header (400)."""
-        stamps = scorer.proxy_wait if scorer.settings.trust_request_start else None
-        wait = _wait_before(headers, loop_lag_s, stamps)
-        refusal = self.edge.auth.check(headers.get("authorization"))
+    async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:
+        arrived = time.monotonic()
+        refusal = self.edge.auth.check(request.headers.get("authorization"))
         if refusal is not None:
             raise Refused.at_edge(refusal)
-        deadline_ms, key = _headers(headers, scorer.settings.request_timeout_ms, scorer.settings.max_deadline_ms)
-        return wait, deadline_ms, key
-
-    async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:
-        wait, deadline_ms, key = self._screen(request.headers, scorer, loop_lag_s=scorer.loop_lag.lag_s)
-        early = scorer.refuse_early(wait.arrived + deadline_ms / 1000, waited_s=time.monotonic() - wait.counted_from)
-        if early is not None:
-            raise Refused.overloaded(early, items=1)  # at least one item; the body is never read
+        settings = scorer.settings
+        call = ScoreCall(
+            request_id=request_id,
+            arrived=arrived,
+            header_deadline_ms=_deadline_header(request.headers),
+            header_key=_key_header(request.headers),
+            default_deadline_ms=settings.request_timeout_ms,
+            max_deadline_ms=settings.max_deadline_ms,
+        )
+        _, deadline, _ = call.resolve(None, None)
+        admitted = scorer.admit(deadline)
+        if isinstance(admitted, Decision):
+            raise Refused.overloaded(admitted, items=1)  # at least one item; the body is never read
+        call.reservation = admitted
         try:
-            return await self._read_and_parse(request, scorer, request_id, wait, deadline_ms, key)
+            body = await self._read_and_parse(request, scorer, call)
         except BaseException:
-            scorer.finished(None)  # refused for its body (or the client left): no latency to learn from
+            admitted.release()  # refused for its body (or the client left)
             raise
+        return call, body
 
-    async def _read_and_parse(
-        self,
-        request: Request,
-        scorer: OnlineScorer,
-        request_id: str,
-        wait: Wait,
-        deadline_ms: float,
-        key: str | None,
-    ) -> tuple[ScoreCall, bytes]:
+    async def _read_and_parse(self, request: Request, scorer: OnlineScorer, call: ScoreCall) -> bytes:
+        _, deadline, deadline_ms = call.resolve(None, None)
         try:
-            # BentoML's timeout starts only once the gate passes the request on (middleware_order.py):
-            # without this bound a body that never ends would hold a concurrency slot for good.
-            async with asyncio.timeout(max(wait.arrived + deadline_ms / 1000 - time.monotonic(), 0.0)):
+            # A body that never ends would otherwise hold its place in the queue until BentoML's backstop.
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 body = await read_body(request, self.edge.settings.max_body_bytes)
         except BodyRefused as refused:
             raise Refused.at_edge(refused.refusal, drain_body=refused.body_left) from refused
@@ -336,101 +296,46 @@ class ScoreGate:
         try:
             parsed = ScoreRequest.model_validate_json(body)
         except ValidationError as error:
-            raise await _invalid(scorer, body, error, request_id, limit) from error
+            raise await _invalid(scorer, body, error, call.request_id, limit) from error
         count = len(parsed.transactions)
         if count > limit:
             raise _too_many(limit)
-        key = _one_key(key, parsed.idempotency_key, count)
-        if parsed.deadline_ms is not None and request.headers.get(DEADLINE_HEADER) is None:
-            deadline_ms = min(parsed.deadline_ms, scorer.settings.max_deadline_ms)
+        _check_one_key(call.header_key, parsed.idempotency_key, count)
         problems = _request_problems(parsed)
         if problems:
             raise Refused(422, "invalid_request", problems, outcome="rejected", items=count)
         if not scorer.scoring_available():
             raise Refused.unavailable(items=count)
-        call = ScoreCall(
-            request_id=request_id,
-            request=parsed,
-            idempotency_key=key,
-            deadline=wait.arrived + deadline_ms / 1000,
-            deadline_ms=deadline_ms,
-            counted_from=wait.counted_from,
-            arrived=wait.arrived,
-            parse_cpu=time.thread_time() - cpu_started,
-        )
-        return call, body
+        call.parse_cpu = time.thread_time() - cpu_started
+        return body
 
 
-@dataclass(frozen=True)
-class Wait:
-    """When a request began to wait, before the service read it (the socket backlog, a busy event
-    loop and a proxy's queue, which no queue of ours sees), and how much of that counts."""
-
-    # Monotonic: when it began to wait; the client waited from here, its deadline and the concurrency
-    # limit's latency count from here.
-    arrived: float
-    # Monotonic: the service's read less the part of the wait before it that has stood for a burst
-    # interval; its latency counts from here against the target at admission.
-    counted_from: float
-
-
-def _wait_before(headers: Headers, loop_lag_s: float, proxy_wait: StandingMinimum | None) -> Wait:
-    """The request's wait, from the event loop's standing lag and a proxy's X-Request-Start stamp,
-    whichever says it waited longer. A stamp moves the arrival back in full (the deadline and the
-    concurrency limit's latency count from there), but counts against the target at admission only
-    as far as such waits have stood (`StandingMinimum`), as the loop's lag does: a proxy that
-    stamps every request would otherwise make the service refuse part of a burst that drains
-    within the interval. A stamp in the future, unparsable, or more than a minute old
-    (clock skew) is ignored; so is every stamp without `proxy_wait` (no trusted proxy stamps them)."""
-    now = time.monotonic()
-    waited, standing = loop_lag_s, loop_lag_s
-    if proxy_wait is not None and (stamp := headers.get(REQUEST_START_HEADER)) is not None:
-        started = _epoch_seconds(stamp)
-        stamped_wait = None if started is None else time.time() - started
-        if stamped_wait is not None and 0.0 <= stamped_wait <= MAX_PROXY_WAIT_S:
-            waited = max(waited, stamped_wait)
-            standing = max(standing, proxy_wait.observe(stamped_wait, now))
-    return Wait(arrived=now - waited, counted_from=now - standing)
-
-
-def _epoch_seconds(stamp: str) -> float | None:
-    """`t=1732700000.123` (nginx, seconds), `t=1732700000123` (ms) or `t=1732700000123456` (µs)."""
+def _deadline_header(headers: Headers) -> float | None:
+    """X-Deadline-Ms in ms, None when absent, or a 400 when it is not a positive number."""
+    raw = headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
     try:
-        value = float(stamp.strip().removeprefix("t="))
+        deadline_ms = float(raw)
     except ValueError:
-        return None
-    if not math.isfinite(value) or value <= 0:
-        return None
-    for scale in (1e6, 1e3):
-        if value > scale * 1e9:  # past 2001 in that unit
-            return value / scale
-    return value
+        deadline_ms = math.nan
+    if not math.isfinite(deadline_ms) or deadline_ms <= 0:
+        raise Refused(400, "bad_header", f"{DEADLINE_HEADER} must be a positive number of ms")
+    return deadline_ms
 
 
-def _headers(headers: Headers, default_deadline_ms: float, max_deadline_ms: float) -> tuple[float, str | None]:
-    """(deadline in ms, idempotency key), or a 400 for a malformed one. A deadline longer than
-    `max_deadline_ms` is cut to it: past that, BentoML's backstop would answer in Tandem's place."""
-    deadline_ms = default_deadline_ms
-    if (raw_deadline := headers.get(DEADLINE_HEADER)) is not None:
-        try:
-            deadline_ms = float(raw_deadline)
-        except ValueError:
-            deadline_ms = math.nan
-        if not math.isfinite(deadline_ms) or deadline_ms <= 0:
-            raise Refused(400, "bad_header", f"{DEADLINE_HEADER} must be a positive number of ms")
-        deadline_ms = min(deadline_ms, max_deadline_ms)
+def _key_header(headers: Headers) -> str | None:
     key = headers.get(IDEMPOTENCY_HEADER)
     if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
         raise Refused(400, "bad_header", f"{IDEMPOTENCY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY} chars")
-    return deadline_ms, key
+    return key
 
 
-def _one_key(header: str | None, body: str | None, items: int) -> str | None:
+def _check_one_key(header: str | None, body: str | None, items: int) -> None:
     if header is not None and body is not None and header != body:
         raise Refused(
             400, "bad_request", f"{IDEMPOTENCY_HEADER} and idempotency_key differ", outcome="rejected", items=items
         )
-    return header if header is not None else body
 
 
 def _too_many(limit: int) -> Refused:

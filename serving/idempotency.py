@@ -125,7 +125,7 @@ class Admission:
 
 
 class IdempotencyKeys:
-    def __init__(self, engine: Engine, breaker: CircuitBreaker, *, size: int, stale_after_s: float) -> None:
+    def __init__(self, engine: Engine, breaker: CircuitBreaker, *, stale_after_s: float, size: int = 100_000) -> None:
         """`stale_after_s`: an unanswered claim older than this belongs to a process that died."""
         self.engine = engine
         self.breaker = breaker

@@ -287,7 +287,7 @@ class ChallengerWatcher(_PointerFollower):
             await asyncio.to_thread(
                 warm_up_backend,
                 backend,
-                max_batch_size=self.shadow.settings.shadow_max_batch,
+                max_batch_size=self.shadow.limits.max_batch,
                 rounds=1,
                 timeout_s=self.load_timeout_s,
             )

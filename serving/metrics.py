@@ -39,7 +39,7 @@ SECONDS_PER_DAY: Final = 86_400
 SHADOW_DROP_REASONS: Final = (
     "overload",  # the champion had requests waiting: shadow work is the first thing dropped
     "queue_full",  # the shadow queue was at its bound
-    "stale",  # waited past shadow_max_age_ms for the champion to be idle
+    "stale",  # waited past ShadowLimits.max_age_s for the champion to be idle
     "scoring_failed",  # the challenger's scoring process failed the batch
     "replaced",  # queued for a challenger that was cleared or replaced meanwhile
     "store_error",  # the shadow answers could not be written
@@ -144,16 +144,6 @@ class ServingMetrics:
         )
         self.shed = counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"])
         self.shed_by_reason = Children(self.shed, "reason")
-        self.shed_on_headers = counter(
-            "tandem_serving_shed_on_headers_total",
-            "Of tandem_serving_shed_total, the requests refused from their headers by the HTTP protocol, "
-            "before any task or ASGI call was made for them (serving/http_protocol.py).",
-        )
-        self.concurrency_limit = gauge(
-            "tandem_serving_concurrency_limit",
-            "The adaptive limit on admitted /score requests in flight; at queue_capacity until overload.",
-            multiprocess_mode="livesum",
-        )
         self.batch_size = histogram("tandem_serving_batch_size", "Items per adaptive batch.", buckets=_BATCH_BUCKETS)
         self.batch_seconds = histogram(
             "tandem_serving_batch_seconds", "Service time of one batch.", buckets=_LATENCY_BUCKETS

@@ -16,14 +16,13 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.engine import Engine
 
 from inference.records import Transaction, raw_frame, validate
-from serving.admission import BatchCostModel, ConcurrencyLimit, Decision, LoopLag, StandingMinimum
+from serving.admission import BatchCostModel, Decision
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
-from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, WorkItem
+from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, Reservation, WorkItem
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.idempotency import Admission, IdempotencyKeys, KeyInProgress, KeyReused, request_fingerprint
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.proxy_limit import ProxyLimitPublisher
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
@@ -36,6 +35,8 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 SCHEMA_INVALID = "schema_invalid"
+# Per-batch forgetting factor of the batch cost estimate: it follows a slower machine within tens of batches.
+COST_DECAY = 0.9
 # A scoring process that cannot be replaced this many times running is past in-process repair.
 RESTORE_ATTEMPTS_BEFORE_RESTART = 3
 
@@ -78,44 +79,18 @@ class OnlineScorer:
         self.outbox = outbox
         self.backends = BackendSwitch(ScoringBackend(model_version, executor, process), self._switched)
         self.breaker = CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_reset_s)
-        self.cost = BatchCostModel(settings.cost_decay)
-        self.loop_lag = LoopLag(window_s=settings.burst_interval_ms / 1000)
-        # The waits a proxy's X-Request-Start stamps report (serving/gate.py), held to the same rule.
-        self.proxy_wait = StandingMinimum(window_s=settings.burst_interval_ms / 1000)
-        self.concurrency = ConcurrencyLimit(
-            settings.p99_target_ms / 1000,
-            max_limit=min(settings.max_concurrency, settings.queue_capacity),
-            min_limit=settings.min_concurrency,
-            window_s=settings.concurrency_window_ms / 1000,
-            burst_interval_s=settings.burst_interval_ms / 1000,
-            headroom=settings.concurrency_headroom,
-            burst=settings.concurrency_burst,
-        )
-        # Where HAProxy runs in front, it enforces the limit (serving/proxy_limit.py); admission
-        # here still does, for what reaches this server some other way.
-        self.proxy_limit = (
-            None
-            if settings.proxy_runtime_socket is None
-            else ProxyLimitPublisher(
-                settings.proxy_runtime_socket,
-                settings.proxy_server,
-                self.concurrency.current,
-                scale=settings.workers,
-            )
-        )
+        self.cost = BatchCostModel(COST_DECAY)
         self.writer = ResultWriter(
             engine,
             self.breaker,
             outbox,
             metrics,
             drain_interval_s=settings.outbox_drain_interval_s,
-            drain_chunk=settings.outbox_drain_chunk,
             coalesce_s=settings.write_coalesce_ms / 1000,
         )
         self.keys = IdempotencyKeys(
             engine,
             self.breaker,
-            size=settings.idempotency_cache_size,
             # An unanswered claim outlives its request only when the process holding it died.
             stale_after_s=max(2 * settings.request_timeout_ms / 1000, 10.0),
         )
@@ -155,14 +130,10 @@ class OnlineScorer:
             metrics=self.metrics,
             model_version=self.model_version,
             on_batch=self._after_batch,
-            burst_interval_s=self.settings.burst_interval_ms / 1000,
         )
         self.batcher.start()
-        self.loop_lag.start()
         self.writer.start()
         self.shadow.start()
-        if self.proxy_limit is not None:
-            self.proxy_limit.start()
 
     @property
     def model_version(self) -> str:
@@ -196,9 +167,6 @@ class OnlineScorer:
     async def close(self, drain_s: float = 0.0) -> None:
         """Stop shadowing and batching, write what was submitted, and drain the outbox for up to `drain_s`."""
         await self.shadow.close()
-        if self.proxy_limit is not None:
-            await self.proxy_limit.stop()
-        await self.loop_lag.stop()
         if self.batcher is not None:
             await self.batcher.stop()
         await asyncio.to_thread(self.writer.close, drain_s)
@@ -225,36 +193,15 @@ class OnlineScorer:
         return True
 
     # ------------------------------------------------------------------ requests
-    def refuse_early(self, deadline: float, *, waited_s: float = 0.0, take_slot: bool = True) -> Decision | None:
-        """The refusal a single item would get now, before its request is even read; None to go on,
-        holding one of the concurrency limit's slots (give it back with `finished`). With
-        `take_slot=False` only a refusal is decided, and None holds nothing: for a caller that can
-        refuse but not admit (the headers screen, `serving.http_protocol`)."""
-        decision = self.batcher.decide(1, deadline, waited_s=waited_s) if self.batcher is not None else None
-        if decision is None or decision.admitted:
-            # Either closes an ended window first, so the limit is current.
-            limit_before = self.concurrency.limit
-            admitted = self.concurrency.acquire() if take_slot else not self.concurrency.full()
-            self.metrics.concurrency_limit.set(self.concurrency.limit)
-            self._publish_a_cut(limit_before)
-            if admitted:
-                return None
-            waited = decision.predicted_wait_s if decision is not None else waited_s
-            decision = Decision(False, waited, self.concurrency.target_s, "concurrency_limit")
-        self.metrics.shed_by_reason[decision.reason or "unknown"].inc()
-        return decision
-
-    def finished(self, latency_s: float | None) -> None:
-        """A request `refuse_early` let in is answered (`latency_s` from when it began to wait), or
-        was refused later for what its body held (None)."""
-        limit_before = self.concurrency.limit
-        self.concurrency.release(latency_s)
-        self._publish_a_cut(limit_before)
-
-    def _publish_a_cut(self, limit_before: float) -> None:
-        # At once: until HAProxy holds a cut, this event loop refuses what HAProxy would have.
-        if self.proxy_limit is not None and self.concurrency.limit < limit_before:
-            self.proxy_limit.nudge()
+    def admit(self, deadline: float) -> Reservation | Decision:
+        """Admission, decided once per request before its body is read: a `Reservation` (its place
+        in the queue, given back by `score` or `Reservation.release`) or the refusal's `Decision`."""
+        if self.batcher is None:
+            raise RuntimeError("start() first")
+        admitted = self.batcher.reserve(deadline)
+        if isinstance(admitted, Decision):
+            self.metrics.shed_by_reason[admitted.reason or "unknown"].inc()
+        return admitted
 
     async def score(
         self,
@@ -263,20 +210,19 @@ class OnlineScorer:
         request_id: str,
         idempotency_key: str | None,
         deadline: float,
-        counted_from: float | None = None,
+        reservation: Reservation | None = None,
     ) -> tuple[list[ItemResult], float]:
         """Answers in request order, and the CPU seconds of the batches spent on them.
 
-        `counted_from` (monotonic): where the request's latency starts for the p99 target (the
-        gate's `Wait`: its read, less the part of the wait before it that stood); the time since
-        counts against the target at admission.
+        `reservation`: the request was admitted before its body was read (`admit`); its items take
+        its place in the queue. Without one (in-process callers) the items are admitted here.
 
         Raises Shed (refused at admission), DeadlineExceeded, KeyReused (the key named another
         body) or KeyInProgress (another process is still answering the key).
         """
         if idempotency_key is None:
             return await self._score_items(
-                transactions, request_id=request_id, key=None, deadline=deadline, counted_from=counted_from
+                transactions, request_id=request_id, key=None, deadline=deadline, reservation=reservation
             )
         fingerprint = request_fingerprint(transactions)
         try:
@@ -291,7 +237,7 @@ class OnlineScorer:
             request_id=request_id,
             key=idempotency_key,
             deadline=deadline,
-            counted_from=counted_from,
+            reservation=reservation,
         )
 
     async def _score_keyed(
@@ -302,13 +248,13 @@ class OnlineScorer:
         request_id: str,
         key: str,
         deadline: float,
-        counted_from: float | None,
+        reservation: Reservation | None,
     ) -> tuple[list[ItemResult], float]:
         """Score under a key this request holds; then store the answer, or free the key when the
         request got none (shed, expired, the scoring process died), so that a retry may score."""
         try:
             results, cpu = await self._score_items(
-                transactions, request_id=request_id, key=key, deadline=deadline, counted_from=counted_from
+                transactions, request_id=request_id, key=key, deadline=deadline, reservation=reservation
             )
         except BaseException:
             self.keys.release(key, admission)
@@ -338,7 +284,7 @@ class OnlineScorer:
         request_id: str,
         key: str | None,
         deadline: float,
-        counted_from: float | None,
+        reservation: Reservation | None,
     ) -> tuple[list[ItemResult], float]:
         assert self.batcher is not None, "start() first"
         batcher = self.batcher
@@ -364,14 +310,15 @@ class OnlineScorer:
             self.in_flight[identity] = item
             item.future.add_done_callback(functools.partial(self._forget, identity, item))
         if fresh:
-            waited = 0.0 if counted_from is None else max(now - counted_from, 0.0)
-            decision = batcher.decide(len(fresh), deadline, waited_s=waited)
-            if not decision.admitted:
+            decision = None if reservation is not None else batcher.decide(len(fresh), deadline)
+            if decision is not None and not decision.admitted:
                 for item in fresh:
                     item.future.cancel()  # and so out of in_flight
                 self.metrics.shed_by_reason[decision.reason or "unknown"].inc()
                 raise Shed(decision)
             batcher.enqueue(fresh)
+        if reservation is not None:
+            reservation.release()
         for item in plan:
             if item not in fresh:
                 item.waiters += 1

@@ -3,18 +3,14 @@ specs (its /docs.json, docs page and clients), and that generate Tandem's /opena
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal
 
 import bentoml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
-from starlette.requests import Request
 
 from inference.lineage import TransactionLineage
 from inference.records import COUNTRIES, CURRENCIES, ID_MAX_LENGTH, MERCHANT_CATEGORIES, Transaction
-
-T = TypeVar("T")
 
 DEADLINE_HEADER = "X-Deadline-Ms"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -35,31 +31,6 @@ class ScoreRequest(bentoml.IODescriptor):
     deadline_ms: float | None = Field(
         default=None, gt=0, description="The X-Deadline-Ms header, for clients that cannot set headers."
     )
-
-    @classmethod
-    async def from_http_request(cls, request: Request, serde: Any) -> ScoreRequest:
-        """The request the gate (serving/gate.py) already read, refused or parsed before the body
-        reached BentoML: parsed once, and refused with Tandem's 4xx instead of BentoML's 400."""
-        handoff = PARSED_REQUEST.get()
-        if handoff is not None and handoff.value is not None:
-            return handoff.value
-        return await super().from_http_request(request, serde)
-
-
-class Handoff(Generic[T]):
-    """A value the gate hands to the code it calls through a context variable, emptied once the
-    request is answered: whatever keeps a copy of the request's context alive past its answer
-    (BentoML's own timeout kept one for 10 s with its timer, before middleware_order.Backstop
-    took its place) then holds no parsed request for the full garbage collections to walk."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: T) -> None:
-        self.value: T | None = value
-
-
-# Set by the gate for the request it lets through; read by ScoreRequest.from_http_request.
-PARSED_REQUEST: ContextVar[Handoff[ScoreRequest] | None] = ContextVar("tandem_parsed_request", default=None)
 
 
 class ItemError(BaseModel):

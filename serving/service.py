@@ -28,23 +28,26 @@ from inference.records import Transaction
 from inference.settings import TandemSettings
 from inference.store import make_engine
 from serving import worker
-from serving.accept import serve_accepting
 from serving.app import answer, build_app
 from serving.backends import ScoringBackend
-from serving.gate import ScoreGate, current_call
-from serving.http_protocol import serve_screening
+from serving.gate import ScoreGate, call_in
 from serving.lifecycle import ChallengerWatcher, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
-from serving.middleware_order import bind_api_methods, serve_outermost
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
 from serving.schemas import ScoreRequest, ScoreResponse
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
+from serving.shadow import SHADOW_NICE
 from tandem import modelstore
 from tandem.version import code_version
 
 logger = logging.getLogger(__name__)
+
+DB_CONNECT_TIMEOUT_S = 2  # a database that does not answer this fast is down: the breaker takes over
+MODEL_LOAD_TIMEOUT_S = 120.0  # starting and warming a new version's scoring process
+MODEL_RETRY_MAX_S = 60.0  # the longest wait before retrying a version that failed to load
+POOL_CHECK_INTERVAL_S = 0.5  # how soon a dead scoring process is noticed and replaced
 
 
 def production_model() -> BentoModel:
@@ -68,8 +71,6 @@ def production_model() -> BentoModel:
 
 
 def current_scorer() -> OnlineScorer:
-    # `get_current_service` bound at import: through `bentoml.`'s lazy module attribute every
-    # request paid an import lookup (5.5 us here, more than a prometheus update).
     service: RiskScorer = get_current_service()
     return service.scorer
 
@@ -84,13 +85,10 @@ def current_scorer() -> OnlineScorer:
     metrics={"enabled": False},
     logging={"access": {"enabled": False}},
     # Only a backstop: requests carry their own deadlines (at most max_deadline_ms) and are
-    # answered 504 by the scorer. Served as middleware_order.Backstop, whose timer ends with the
-    # response (BentoML's own outlived it by the whole timeout).
-    # Read when the module loads, as `workers` is.
+    # answered 504 by the scorer. Read when the module loads, as `workers` is.
     traffic={"timeout": ServingSettings().backstop_timeout_s},
-    # No trace exporter is configured; BentoML's OpenTelemetry middleware still cost ~0.2 ms of
-    # event-loop CPU per request (9% of the server process at 200 rps). Drop this to trace /score
-    # (the requests the gate admits: it answers its refusals before tracing starts).
+    # No trace exporter is configured, and BentoML's OpenTelemetry middleware costs event-loop CPU
+    # on every request; drop this to trace /score.
     tracing={"excluded_urls": ["/score"]},
 )
 class RiskScorer:
@@ -104,7 +102,7 @@ class RiskScorer:
         options = (
             {
                 "connect_args": {
-                    "connect_timeout": serving.db_connect_timeout_s,
+                    "connect_timeout": DB_CONNECT_TIMEOUT_S,
                     "options": f"-c statement_timeout={serving.db_statement_timeout_ms}",
                 }
             }
@@ -120,7 +118,6 @@ class RiskScorer:
             forward_batch_size=serving.max_batch_size,
             code_version=code_version(),
             torch_threads=serving.torch_threads,
-            polars_threads=serving.polars_threads,
             breaker_failure_threshold=serving.breaker_failure_threshold,
             breaker_reset_s=serving.breaker_reset_s,
             engine_options=options,
@@ -151,8 +148,8 @@ class RiskScorer:
                 production_tag=functools.partial(modelstore.production_tag, settings.model_name),
                 load=self.load_version,
                 interval_s=serving.model_poll_interval_s,
-                load_timeout_s=serving.model_load_timeout_s,
-                retry_max_s=serving.model_retry_max_s,
+                load_timeout_s=MODEL_LOAD_TIMEOUT_S,
+                retry_max_s=MODEL_RETRY_MAX_S,
                 discard=worker.discard_pool,
             )
             if follow
@@ -163,10 +160,10 @@ class RiskScorer:
             ChallengerWatcher(
                 self.scorer.shadow,
                 challenger_tag=functools.partial(modelstore.challenger_tag, settings.model_name),
-                load=functools.partial(self.load_version, nice=serving.shadow_nice),
+                load=functools.partial(self.load_version, nice=SHADOW_NICE),
                 interval_s=serving.model_poll_interval_s,
-                load_timeout_s=serving.model_load_timeout_s,
-                retry_max_s=serving.model_retry_max_s,
+                load_timeout_s=MODEL_LOAD_TIMEOUT_S,
+                retry_max_s=MODEL_RETRY_MAX_S,
                 discard=worker.discard_pool,
             )
             if follow and serving.shadow_sample > 0
@@ -176,16 +173,16 @@ class RiskScorer:
         self.supervisor = PoolSupervisor(
             self.scorer,
             load=self.load_version,
-            interval_s=serving.pool_check_interval_s,
-            load_timeout_s=serving.model_load_timeout_s,
+            interval_s=POOL_CHECK_INTERVAL_S,
+            load_timeout_s=MODEL_LOAD_TIMEOUT_S,
             discard=worker.discard_pool,
         )
-        bind_api_methods(self)
 
     @bentoml.api(route="/score", input_spec=ScoreRequest, output_spec=ScoreResponse)
     async def score(
         self,
         transactions: list[Transaction],
+        ctx: bentoml.Context,
         idempotency_key: str | None = None,
         deadline_ms: float | None = None,
     ) -> ScoreResponse:
@@ -194,11 +191,10 @@ class RiskScorer:
         size, 422 schema or a reused Idempotency-Key, 409 key in flight, 503 overload or no scoring
         process (Retry-After), 504 deadline. Send the key and the deadline as headers
         (Idempotency-Key, X-Deadline-Ms) or, from a BentoML client, as the fields of the same names."""
-        call = current_call()
-        # The gate admitted this request and parsed it (ScoreRequest.from_http_request hands
-        # BentoML the gate's parse), so the arguments are already in `call`.
-        assert call is not None, "POST /score always passes the gate"
-        return await answer(call, self.scorer)  # type: ignore[return-value]
+        # The gate admitted the request (its headers, its place in the queue) and validated the body.
+        call = call_in(ctx.request.scope)
+        # A Starlette response: the answer's status and headers are Tandem's (refusals included).
+        return await answer(call, self.scorer, transactions, idempotency_key, deadline_ms)  # type: ignore[return-value]
 
     def load_version(self, tag: str, nice: int = 0) -> ScoringBackend:
         """A scoring process for another stored version, started at once (its model loads before the first call)."""
@@ -239,11 +235,6 @@ class RiskScorer:
         return self.scorer.alive()
 
 
-# Outside BentoML's routing, so it runs before BentoML reads or parses the body, and outside BentoML's
-# own middlewares, so that a refusal costs none of them.
+# Before BentoML reads or parses the body: a refusal costs no parse, and a schema error is Tandem's
+# 422 (naming the field, the items quarantined) rather than BentoML's 400.
 typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(ScoreGate, get_scorer=current_scorer)
-serve_outermost(ScoreGate)
-# Overloaded /score requests refused from uvicorn's headers callback, before any task or ASGI call.
-serve_screening()
-# Up to 32 pending connections accepted per wake-up of the listening socket, where uvloop accepts one per iteration.
-serve_accepting()

@@ -4,10 +4,10 @@ path, and its answers go to `challenger_predictions` (path=shadow), never to a c
 What keeps the champion's answers and p99 untouched:
 - an item is offered only after the champion's batch is answered, from the batcher's hook, and the
   offer is a bounded append on the event loop (no I/O, no await);
-- the challenger runs in a scoring process of its own at niceness 19 (ServingSettings.shadow_nice):
+- the challenger runs in a scoring process of its own at niceness 19 (`SHADOW_NICE`):
   on shared cores the scheduler gives it what the champion's process leaves;
 - a shadow batch starts only while the champion is idle (no batch in flight, nothing queued), and
-  gathers up to shadow_max_batch items for shadow_linger_ms first, so the challenger's fixed cost per
+  gathers up to `ShadowLimits.max_batch` items for `ShadowLimits.linger_s` first, so the challenger's fixed cost per
   batch is paid rarely; when the champion has more queued than its next batch takes, new samples are
   dropped ("overload"), and waiting ones age out ("stale") while it stays busy;
 - no shadow work counts in admission, in the champion's cost model or in its latency metrics; what
@@ -48,6 +48,21 @@ def sampled(transaction_id: str, share: float) -> bool:
 
 
 @dataclass(frozen=True)
+class ShadowLimits:
+    """Bounds of the shadow queue: fixed, since they only trade the challenger's cost against its
+    sample, never the champion's latency."""
+
+    queue_capacity: int = 512  # sampled items waiting for the challenger
+    max_batch: int = 32
+    linger_s: float = 0.1  # how long samples gather into one batch: each batch has a fixed cost
+    max_age_s: float = 2.0  # how long a sample may wait for the champion to be idle before it is dropped
+
+
+# Scheduling niceness of the challenger's scoring process: on shared cores it gets what the champion leaves.
+SHADOW_NICE = 19
+
+
+@dataclass(frozen=True)
 class _Offered:
     spec: ItemSpec
     at: float
@@ -72,9 +87,11 @@ class ShadowScorer:
         champion_queued: Callable[[], int],
         champion_busy: Callable[[], bool],
         clock: Callable[[], float] = time.monotonic,
+        limits: ShadowLimits = ShadowLimits(),
     ) -> None:
         self.engine = engine
         self.settings = settings
+        self.limits = limits
         self.metrics = metrics
         self.champion_queued = champion_queued
         self.champion_busy = champion_busy
@@ -118,7 +135,7 @@ class ShadowScorer:
             # More waiting than the champion's next batch can take: it is over capacity.
             self._drop(len(chosen), "overload")
             return
-        room = self.settings.shadow_queue_capacity - len(self._queue)
+        room = self.limits.queue_capacity - len(self._queue)
         now = self.clock()
         self._queue.extend(_Offered(spec, now) for spec in chosen[: max(room, 0)])
         if len(chosen) > room:
@@ -163,7 +180,7 @@ class ShadowScorer:
             return
         if not self._queue:
             return
-        batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.settings.shadow_max_batch))]
+        batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.limits.max_batch))]
         self.metrics.shadow_queue_depth.set(len(self._queue))
         specs = [offered.spec for offered in batch]
         loop = asyncio.get_running_loop()
@@ -196,12 +213,12 @@ class ShadowScorer:
 
     def _lingering(self) -> bool:
         """The batch is not full and its oldest item has not waited shadow_linger_ms yet."""
-        if len(self._queue) >= self.settings.shadow_max_batch:
+        if len(self._queue) >= self.limits.max_batch:
             return False
-        return self.clock() - self._queue[0].at < self.settings.shadow_linger_ms / 1000
+        return self.clock() - self._queue[0].at < self.limits.linger_s
 
     def _expire(self) -> None:
-        oldest_allowed = self.clock() - self.settings.shadow_max_age_ms / 1000
+        oldest_allowed = self.clock() - self.limits.max_age_s
         expired = 0
         while self._queue and self._queue[0].at < oldest_allowed:
             self._queue.popleft()

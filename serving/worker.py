@@ -41,7 +41,6 @@ class WorkerConfig:
     forward_batch_size: int
     code_version: str
     torch_threads: int
-    polars_threads: int
     breaker_failure_threshold: int
     breaker_reset_s: float
     engine_options: dict[str, Any] = field(default_factory=dict)
@@ -83,7 +82,7 @@ def start_pool(config: WorkerConfig) -> ScoringProcess:
     # Read by polars when the fork server imports it (the server process's own polars is already
     # up). One thread: a batch is many small polars operations, and waking a second thread for
     # each cost more CPU for no less latency (bench/findings.md), CPU the event loop needs.
-    os.environ.setdefault("POLARS_MAX_THREADS", str(config.polars_threads))
+    os.environ.setdefault("POLARS_MAX_THREADS", "1")
     # Not fork: the server process already runs threads and an event loop. A fork server is a
     # fresh single-threaded process that imports this module (torch, polars, the store) once, so
     # the pool of a version promoted later forks ready-made instead of spending seconds of CPU

@@ -94,7 +94,7 @@ class ResultWriter:
         metrics: ServingMetrics,
         *,
         drain_interval_s: float,
-        drain_chunk: int,
+        drain_chunk: int = 2000,
         coalesce_s: float = 0.0,
     ) -> None:
         self.engine = engine
