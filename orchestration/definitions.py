@@ -11,6 +11,7 @@ from dagster import (
     BetaWarning,
     DailyPartitionsDefinition,
     Definitions,
+    PreviewWarning,
     define_asset_job,
     in_process_executor,
 )
@@ -19,7 +20,9 @@ from assets.agreement import build_agreement_assets
 from assets.automation import PRODUCTION_MODEL
 from assets.batch import build_batch_assets
 from assets.challenger import build_challenger_assets
+from assets.deadline import build_deadline_check
 from orchestration.alerts import build_run_failure_alert
+from orchestration.deadline import build_deadline_sensor
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.sensors import (
     DAILY_JOB,
@@ -37,8 +40,10 @@ from orchestration.settings import OrchestrationSettings
 
 REPLAY_CHALLENGER_JOB = "replay_challenger"
 
-# Backfill policies and partition mappings are beta in Dagster 1.13; we rely on them deliberately.
+# Backfill policies and partition mappings are beta in Dagster 1.13, partitioned asset checks a
+# preview; we rely on them deliberately.
 warnings.filterwarnings("ignore", category=BetaWarning)
+warnings.filterwarnings("ignore", category=PreviewWarning)
 
 
 # (name, assets, description) of each job the sensors, the schedule and operators launch.
@@ -73,8 +78,15 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         partitions, settings.history_length, rescore_days=sensor_settings.promotion_rescore_partitions
     )
     agreement_assets = build_agreement_assets(partitions)
+    deadline_check = build_deadline_check(partitions)
+    # The deadline is judged by predictions_deadline_sensor when it passes, not by each run: a
+    # job's backfill of last month's days is not a page about last month.
     jobs = {
-        name: define_asset_job(name, selection=AssetSelection.assets(*selected), description=description)
+        name: define_asset_job(
+            name,
+            selection=AssetSelection.assets(*selected) - AssetSelection.checks(deadline_check),
+            description=description,
+        )
         for name, selected, description in ASSET_JOBS
     }
     daily_job, ingest_job = jobs[DAILY_JOB], jobs[INGEST_JOB]
@@ -104,6 +116,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
     )
     return Definitions(
         assets=[*batch_assets, *agreement_assets, online_predictions, *build_challenger_assets(partitions)],
+        asset_checks=[deadline_check],
         jobs=list(jobs.values()),
         schedules=[nightly],
         sensors=[
@@ -113,6 +126,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
             build_online_observer(sensor_settings),
             build_online_observer(sensor_settings, shadow=True),
             build_run_failure_alert(sensor_settings.interval_seconds),
+            build_deadline_sensor(sensor_settings, partitions=partitions),
             build_landing_sensor(sensor_settings, partitions=partitions, jobs=[daily_job, ingest_job]),
         ],
         resources={
