@@ -212,7 +212,7 @@ def ingested(deployment: Deployment, repository: Repository) -> BackfillOutcome:
 
 @pytest.fixture(scope="package")
 def backfill(deployment: Deployment, ingested: BackfillOutcome) -> BackfillOutcome:
-    """The README's backfill: predictions and path_agreement over the week, as the UI launches it."""
+    """docs/batch.md's UI backfill: predictions and path_agreement over the week, as the UI launches it."""
     return run_asset_backfill(deployment, SCORING_ASSETS, "e2e: score the demo week")
 
 

@@ -1,4 +1,4 @@
-"""Issues #6 and #15, the morning after deployment: the week is ingested, then the backfill the README
+"""Issues #6 and #15, the morning after deployment: the week is ingested, then the backfill docs/batch.md
 describes (an asset backfill of `predictions` and `path_agreement` over a date range) scores every
 day and quarantines the poison, never running more runs than `max_concurrent_runs` or more
 `database` steps than the pool allows. Corrected source records then make the late-records sensor

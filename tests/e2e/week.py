@@ -29,7 +29,7 @@ PARTITIONS = [day.isoformat() for day in day_range(date(2026, 11, 1), 7)]
 RESCORED = [key for key in PARTITIONS if date.fromisoformat(key) >= RESCORE_FROM]
 LEFT_STALE = [key for key in PARTITIONS if key not in RESCORED]
 LOCATION = "tandem"  # workspace.yaml
-SCORING_ASSETS = ["path_agreement", "predictions"]  # the README's backfill (sorted, as assets_of lists them)
+SCORING_ASSETS = ["path_agreement", "predictions"]  # docs/batch.md's UI backfill (sorted, as assets_of lists them)
 BACKFILL_TIMEOUT_S = 420
 
 

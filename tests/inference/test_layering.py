@@ -1,4 +1,4 @@
-"""The dependency rules (README.md, "Layout"; the contracts in pyproject.toml), enforced by
+"""The dependency rules (docs/development.md, "Layout"; the contracts in pyproject.toml), enforced by
 import-linter rather than by goodwill."""
 
 from __future__ import annotations

@@ -338,7 +338,7 @@ def test_a_day_already_ingested_from_this_file_requests_nothing(
 
 
 # How each launcher names a run's day: a sensor, a job backfill or the launchpad in
-# dagster/partition; an asset backfill (the README's) as a range, even of one day.
+# dagster/partition; an asset backfill (docs/batch.md's) as a range, even of one day.
 RUN_TAGS_NAMING_THE_DAY = {
     "sensor_or_launchpad": {"dagster/partition": PARTITION},
     "asset_backfill_of_one_day": {
