@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from pydantic_settings import BaseSettings
 
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
@@ -169,9 +171,9 @@ def test_dagster_names_in_the_runbook_exist() -> None:
     assert "daily_scoring_schedule" in RUNBOOK
 
 
-def _commands(prefix: str) -> set[tuple[str, ...]]:
+def _commands(prefix: str, text: str = RUNBOOK) -> set[tuple[str, ...]]:
     found = set()
-    for line in _code(RUNBOOK).replace("\\\n", " ").splitlines():
+    for line in _code(text).replace("\\\n", " ").splitlines():
         for match in re.finditer(rf"(?:^|[\s(]){prefix} ([^|;&)#]*)", line):
             words = []
             for token in shlex.split(match.group(1).replace("$WS", ""), posix=True):
@@ -207,3 +209,193 @@ def test_dagster_cli_commands_in_the_runbook_exist() -> None:
     backfill_help = runner.invoke(cli, ["job", "backfill", "--help"]).output
     for option in ("--partitions", "--noprompt", "--workspace", "--location", "--job"):
         assert option in backfill_help
+
+
+# --- README.md and the reference pages in docs/ ------------------------------------------------
+
+README = ROOT / "README.md"
+README_MAX_LINES = 200
+CONFIGURATION = DOCS / "configuration.md"
+BATCH = DOCS / "batch.md"
+# Every Markdown page a reader can reach from the README: its links are checked.
+LINKED_PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+# Variables the docs may name that no settings class reads: other tools' (BentoML, Dagster), the
+# code version images stamp (tandem/version.py), and the test suite's switches.
+OTHER_VARIABLES = {
+    "BENTOML_HOME",
+    "DAGSTER_HOME",
+    "DAGSTER_POSTGRES_URL",
+    "TANDEM_CODE_VERSION",
+    "TANDEM_TEST_POSTGRES_URL",
+    "TANDEM_REQUIRE_POSTGRES",
+    "TANDEM_RUN_E2E",
+    "TANDEM_E2E_ARTIFACTS",
+}
+
+
+def _settings_classes() -> dict[str, list[type[BaseSettings]]]:
+    """The settings classes by where their variables are documented: docs/configuration.md for the
+    core, the batch path and `make run`; serving/README.md (and a few in configuration.md) for the
+    online path's."""
+    from inference.challenger import PromotionGate
+    from inference.settings import TandemSettings
+    from orchestration.alerts import AlertSettings
+    from orchestration.sensors import SensorSettings
+    from orchestration.settings import OrchestrationSettings, PlatformSettings
+
+    core: list[type[BaseSettings]] = [
+        TandemSettings,
+        OrchestrationSettings,
+        PlatformSettings,
+        SensorSettings,
+        AlertSettings,
+        PromotionGate,
+    ]
+    return {"configuration": core, "serving": [ServingSettings, SecuritySettings]}
+
+
+def _variables(settings: type[BaseSettings]) -> dict[str, object]:
+    """Each environment variable a settings class reads, with its default."""
+    prefix = str(settings.model_config.get("env_prefix", ""))
+    found: dict[str, object] = {}
+    for name, field in settings.model_fields.items():
+        alias = field.validation_alias if isinstance(field.validation_alias, str) else None
+        found[alias or f"{prefix}{name}".upper()] = field.default
+    return found
+
+
+def _all_variables() -> dict[str, object]:
+    return {
+        name: default
+        for group in _settings_classes().values()
+        for s in group
+        for name, default in _variables(s).items()
+    }
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    return {_slug(line.lstrip("#")) for line in text.splitlines() if re.match(r"#{1,6} ", line)}
+
+
+def _links(text: str) -> list[str]:
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return re.findall(r"\]\(([^)\s]+)\)", prose)
+
+
+def test_readme_is_a_guide_under_200_lines_and_keeps_the_two_commands() -> None:
+    text = README.read_text()
+    lines = text.count("\n") + (not text.endswith("\n"))
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines; reference material belongs in docs/"
+    for command in ("make run", "make test"):
+        assert command in text, command
+    assert "127.0.0.1:3000" in text and "127.0.0.1:3001" in text
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_point_at_files_that_exist(page: Path) -> None:
+    broken = []
+    for link in _links(page.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", link):  # http:, https:, mailto:
+            continue
+        target, _, anchor = link.partition("#")
+        resolved = (page.parent / target).resolve() if target else page
+        if not resolved.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{link}: no heading #{anchor} in {resolved.name}")
+    assert not broken, broken
+
+
+def test_readme_states_the_request_limits_the_service_enforces() -> None:
+    text = README.read_text()
+    serving, security = ServingSettings.model_fields, SecuritySettings.model_fields
+    assert f"at most {serving['max_transactions_per_request'].default} transactions" in text
+    assert "TANDEM_SERVING_MAX_TRANSACTIONS_PER_REQUEST" in text
+    assert security["max_body_bytes"].default == 1024 * 1024
+    assert "1 MiB" in text and "TANDEM_SERVING_MAX_BODY_BYTES" in text
+
+
+def test_readme_says_which_request_id_an_idempotent_replay_repeats() -> None:
+    # Only the item-level request_id (the producer of the answer) is replayed; the top-level one and
+    # the X-Request-ID header name the exchange (tests/serving/test_live.py checks the behaviour).
+    text = " ".join(README.read_text().split())
+    assert "in each result, the same `request_id`" in text
+    assert "The top-level `request_id` and the `X-Request-ID` header name this HTTP exchange" in text
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_environment_variables_named_in_the_docs_exist(page: Path) -> None:
+    real = set(_all_variables()) | OTHER_VARIABLES
+    named = set(re.findall(r"\b(?:TANDEM|DAGSTER|BENTOML)_[A-Z0-9_]*[A-Z0-9]\b|\bDATABASE_URL\b", page.read_text()))
+    unknown = {name for name in named - real if not any(variable.startswith(f"{name}_") for variable in real)}
+    assert not unknown, f"no settings class reads {sorted(unknown)}"
+
+
+def test_configuration_page_lists_every_core_and_batch_setting_with_its_default() -> None:
+    text = CONFIGURATION.read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and re.fullmatch(r"`[A-Z0-9_]+`", cells[0]):
+            rows[cells[0].strip("`")] = cells[1]
+    for settings in _settings_classes()["configuration"]:
+        for variable, default in _variables(settings).items():
+            assert variable in rows, f"docs/configuration.md has no row for {variable} ({settings.__name__})"
+            said = rows[variable]
+            if isinstance(default, bool) or default is None:
+                continue
+            if isinstance(default, int | float):
+                number = re.match(r"[\d,.]+", said)
+                assert number and float(number.group().replace(",", "")) == default, (variable, said, default)
+            elif hasattr(default, "isoformat"):
+                assert default.isoformat() in said, (variable, said, default)
+            else:
+                assert str(default) in said, (variable, said, default)
+    # The online path's rows, where there are any, say the service's defaults too.
+    serving = {name: default for s in _settings_classes()["serving"] for name, default in _variables(s).items()}
+    for variable, said in rows.items():
+        if (
+            variable in serving
+            and isinstance(serving[variable], int | float)
+            and not isinstance(serving[variable], bool)
+        ):
+            number = re.match(r"[\d,.]+", said)
+            assert number and float(number.group().replace(",", "")) == serving[variable], (variable, said)
+
+
+def test_batch_page_documents_every_asset_check_sensor_job_and_schedule() -> None:
+    from orchestration.definitions import defs
+
+    text = BATCH.read_text()
+    graph = defs.resolve_asset_graph()
+    names = {
+        *(key.to_user_string() for key in graph.get_all_asset_keys()),
+        *(key.name for key in graph.asset_check_keys),
+        *(sensor.name for sensor in defs.sensors or []),
+        *(job.name for job in defs.jobs or []),
+        *(schedule.name for schedule in defs.schedules or []),
+    }
+    missing = sorted(name for name in names if f"`{name}`" not in text)
+    assert not missing, f"docs/batch.md does not document {missing}"
+    code = _code(text)
+    for name in set(re.findall(r"\b\w+_(?:sensor|observer|schedule)\b", code)):
+        assert name in names, f"docs/batch.md names {name}, which orchestration/definitions.py does not define"
+
+
+@pytest.mark.parametrize("page", [README, *sorted(DOCS.glob("*.md"))], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_tandem_commands_in_the_readme_and_docs_exist(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli import main
+
+    for words in _commands("tandem", page.read_text()):
+        with pytest.raises(SystemExit) as exited:
+            main([*words, "--help"])
+        assert exited.value.code == 0, f"`tandem {' '.join(words)}` is not a command"
+    capsys.readouterr()
