@@ -241,7 +241,7 @@ def _settings_classes() -> dict[str, list[type[BaseSettings]]]:
     from inference.settings import TandemSettings
     from orchestration.alerts import AlertSettings
     from orchestration.sensors import SensorSettings
-    from orchestration.settings import OrchestrationSettings, PlatformSettings
+    from orchestration.settings import DeadlineSettings, OrchestrationSettings, PlatformSettings
 
     core: list[type[BaseSettings]] = [
         TandemSettings,
@@ -249,6 +249,7 @@ def _settings_classes() -> dict[str, list[type[BaseSettings]]]:
         PlatformSettings,
         SensorSettings,
         AlertSettings,
+        DeadlineSettings,
         PromotionGate,
     ]
     return {"configuration": core, "serving": [ServingSettings, SecuritySettings]}
