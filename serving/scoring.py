@@ -9,14 +9,14 @@ import collections
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import polars as pl
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from inference.contract import Predictor
 from inference.records import hash_inputs, raw_frame, validate
@@ -34,6 +34,7 @@ from serving.breaker import CircuitBreaker
 from serving.schemas import ItemError, ItemResult
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 # Answers this process gave, for replays that arrive before the result writer has stored them.
 _RECENT_ANSWERS = 50_000
@@ -75,6 +76,19 @@ class BatchResult:
     breaker_state: int = 0  # of the scoring process's own breaker, for the metric
 
 
+def read_reconnecting(engine: Engine, read: Callable[[Connection], _R]) -> _R:
+    """`read` on a pooled connection, once more on a fresh one if the server had dropped it (a
+    restart): SQLAlchemy's optimistic disconnect handling, in place of a ping before every read."""
+    try:
+        with engine.connect() as conn:
+            return read(conn)
+    except DBAPIError as error:
+        if not error.connection_invalidated:
+            raise
+    with engine.connect() as conn:
+        return read(conn)
+
+
 class GuardedHistory:
     """Account history from the store behind the breaker; an unreachable store yields no history."""
 
@@ -86,8 +100,7 @@ class GuardedHistory:
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         if self.breaker.allow():
             try:
-                with self.engine.connect() as conn:
-                    history = fetch_history(conn, targets, history_length)
+                history = read_reconnecting(self.engine, lambda conn: fetch_history(conn, targets, history_length))
             except SQLAlchemyError as error:
                 self.breaker.record_failure()
                 logger.warning("history read failed, scoring without history: %s", error)
@@ -168,12 +181,11 @@ class ScoringCore:
         if not self.breaker.allow():
             return {}
         try:
-            with self.engine.connect() as conn:
-                rows = online_answers(
-                    conn,
-                    model_version=self.model_version,
-                    transaction_ids=[str(item.raw["transaction_id"]) for item in items],
-                )
+            transaction_ids = [str(item.raw["transaction_id"]) for item in items]
+            rows = read_reconnecting(
+                self.engine,
+                lambda conn: online_answers(conn, model_version=self.model_version, transaction_ids=transaction_ids),
+            )
         except SQLAlchemyError as error:
             self.breaker.record_failure()
             logger.warning("stored-answer lookup failed; answering afresh: %s", error)

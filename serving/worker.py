@@ -59,7 +59,9 @@ def initialize(config: WorkerConfig) -> None:
         model_version=config.model_version,
         forward_batch_size=config.forward_batch_size,
     )
-    engine = make_engine(config.database_url, **config.engine_options)
+    # No ping per checkout: it was a round trip on each of a batch's two reads, which retry once
+    # themselves on a connection the server dropped (`scoring.read_reconnecting`).
+    engine = make_engine(config.database_url, **{**config.engine_options, "pool_pre_ping": False})
     try:
         with engine.connect() as conn:
             warm_history_statements(conn, config.forward_batch_size)

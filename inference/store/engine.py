@@ -60,7 +60,8 @@ def _make_engine(url: sa.engine.URL, **kwargs: Any) -> Engine:
             cursor.close()
 
         return engine
-    return sa.create_engine(url, pool_pre_ping=True, **kwargs)
+    # A stale connection (the server restarted) is replaced before use unless the caller retries itself.
+    return sa.create_engine(url, **{"pool_pre_ping": True, **kwargs})
 
 
 def utc_now() -> datetime:
