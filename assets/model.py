@@ -25,9 +25,8 @@ from dagster import (
 
 # Dagster exports no name for these tags; they are how an observation reported outside an observe
 # function (a sensor, another asset) carries a data version, exactly as ObserveResult writes it.
-from dagster._core.definitions.data_version import DATA_VERSION_IS_USER_PROVIDED_TAG, DATA_VERSION_TAG
-
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL
+from assets.dagster_tags import DATA_VERSION_IS_USER_PROVIDED_TAG, DATA_VERSION_TAG
 from orchestration.resources import ModelStoreResource
 
 # The challenger's data version while the slot is empty.

@@ -9,15 +9,14 @@ stop the sensor, and the run's failure stays on its page in the UI.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from dagster import DefaultSensorStatus, RunFailureSensorContext, SensorDefinition, run_failure_sensor
-from dagster._core.storage.tags import WILL_RETRY_TAG
-from dagster._utils.error import SerializableErrorInfo
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from assets.dagster_tags import WILL_RETRY_TAG
 from orchestration.runs import partition_label
 
 # Enough to say what broke; the run page has the rest.
@@ -34,7 +33,18 @@ class AlertSettings(BaseSettings):
     dagster_ui_url: str = Field(default="http://127.0.0.1:3000", description="base of the run links in alerts")
 
 
-def _chain(error: SerializableErrorInfo) -> list[SerializableErrorInfo]:
+class _ErrorInfo(Protocol):
+    """What a step failure's error (Dagster's SerializableErrorInfo, not exported) is read for."""
+
+    @property
+    def cls_name(self) -> str | None: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def cause(self) -> _ErrorInfo | None: ...
+
+
+def _chain(error: _ErrorInfo) -> list[_ErrorInfo]:
     found = [error]
     while (cause := found[-1].cause) is not None and len(found) < 5:
         found.append(cause)

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dagster import (
     AssetKey,
@@ -52,8 +52,8 @@ from inference.store import (
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.runs import partitions_in_flight
 
-if TYPE_CHECKING:  # what define_asset_job returns; dagster does not export the name
-    from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+# What define_asset_job returns: Dagster does not export its type.
+AssetJob = Any
 
 DAILY_JOB = "daily_scoring"
 RESCORE_JOB = "rescore_predictions"
@@ -320,7 +320,7 @@ def build_landing_sensor(
     settings: SensorSettings,
     *,
     partitions: PartitionsDefinition,
-    jobs: Sequence[UnresolvedAssetJobDefinition],
+    jobs: Sequence[AssetJob],
 ) -> SensorDefinition:
     """Files landing for a day -> ingest and score it; a day's file changing -> re-ingest it.
 
@@ -383,7 +383,7 @@ def build_landing_sensor(
 
 
 def build_nightly_schedule(
-    job: UnresolvedAssetJobDefinition, partitions: PartitionsDefinition, *, hour: int, minute: int
+    job: AssetJob, partitions: PartitionsDefinition, *, hour: int, minute: int
 ) -> ScheduleDefinition:
     """The classic nightly run: yesterday's partition at hour:minute UTC, unless that day was
     ingested already or a run of it is in flight. `landing_sensor` runs a day as soon as its file
