@@ -193,8 +193,11 @@ class RiskScorer:
         (Idempotency-Key, X-Deadline-Ms) or, from a BentoML client, as the fields of the same names."""
         # The gate admitted the request (its headers, its place in the queue) and validated the body.
         call = call_in(ctx.request.scope)
-        # A Starlette response: the answer's status and headers are Tandem's (refusals included).
-        return await answer(call, self.scorer, transactions, idempotency_key, deadline_ms)  # type: ignore[return-value]
+        response = await answer(call, self.scorer, transactions, idempotency_key, deadline_ms)
+        # BentoML gives a method that takes a Context the context's status, not its response's:
+        # a refusal answered here (422 key reused, 409, 504, 503) must keep its own.
+        ctx.response.status_code = response.status_code
+        return response  # type: ignore[return-value]
 
     def load_version(self, tag: str, nice: int = 0) -> ScoringBackend:
         """A scoring process for another stored version, started at once (its model loads before the first call)."""
