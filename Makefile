@@ -4,9 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-export TANDEM_DATA_DIR ?= $(CURDIR)/data
-export BENTOML_HOME ?= $(CURDIR)/data/bentoml
-export DAGSTER_HOME ?= $(CURDIR)/data/dagster
+# TANDEM_DATA_DIR, BENTOML_HOME and DAGSTER_HOME default to folders of ./data in inference/homes.py,
+# not here: a command run outside make must find the same folders.
 
 .PHONY: install run demo test lint format clean bench bench-quick
 
@@ -50,5 +49,7 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# .env too when Tandem wrote it (orchestration/instance.py): it names the data/dagster removed here.
 clean:
 	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache
+	@if head -n 1 .env 2>/dev/null | grep -q '^# Written by Tandem'; then rm .env; fi

@@ -10,6 +10,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.features import MAX_HISTORY_LENGTH
+from inference.homes import default_data_dir
 from inference.sources import DEFAULT_PATTERN, SourceFormat
 
 # TANDEM_HISTORY_LENGTH, validated here once for every settings class that reads it. It is the K a
@@ -31,7 +32,9 @@ class TandemSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore", populate_by_name=True)
 
-    data_dir: Path = Field(default=Path("data"), description="Local state: SQLite file, outbox.")
+    data_dir: Path = Field(
+        default_factory=default_data_dir, description="Local state: SQLite file, outbox (inference/homes.py)."
+    )
     database_url: str | None = Field(
         default=None,
         validation_alias="DATABASE_URL",

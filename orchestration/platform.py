@@ -24,7 +24,9 @@ from pydantic_settings import BaseSettings
 from sqlalchemy.engine import make_url
 
 from inference.demo import day_range
+from inference.homes import resolve_homes
 from inference.settings import TandemSettings, settings_error
+from orchestration.instance import instance_config
 from orchestration.sensors import SensorSettings
 from orchestration.settings import OrchestrationSettings, PlatformSettings
 from tandem import modelstore
@@ -63,9 +65,8 @@ def prepare_instance(dagster_home: Path) -> Path:
     postgres_url = os.environ.get("DAGSTER_POSTGRES_URL")
     if postgres_url:
         os.environ["DAGSTER_POSTGRES_URL"] = dagster_postgres_url(postgres_url)
-    source = "dagster-postgres.yaml" if postgres_url else "dagster.yaml"
     target = dagster_home / "dagster.yaml"
-    shutil.copyfile(Path(__file__).parent / source, target)
+    shutil.copyfile(instance_config(), target)
     return target
 
 
@@ -226,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     if checked is None:
         return 1
     settings, platform_settings = checked
-    dagster_home = Path(os.environ.get("DAGSTER_HOME", ROOT / "data" / "dagster"))
-    os.environ["DAGSTER_HOME"] = str(dagster_home)
+    # The homes were settled when the orchestration package was imported (inference/homes.py).
+    dagster_home = resolve_homes().dagster_home
     _say(f"Dagster instance config: {prepare_instance(dagster_home)}")
     failed = materialize_demo(settings)
     if "--no-serve" in (sys.argv[1:] if argv is None else argv):

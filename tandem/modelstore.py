@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,24 @@ import bentoml
 # bentoml.testing, which imports this too); pinned by tests/tandem/test_modelstore.py.
 from bentoml._internal.configuration.containers import BentoMLContainer
 
+from inference.homes import BENTOML_HOME, resolve_homes
 from inference.model import ModelConfig, RiskModel, TrainingReport, load_model, read_config, save_model
 
 MODEL_LABELS = {"owner": "tandem", "framework": "torch-state-dict"}
+
+
+def restart_in_default_home() -> None:
+    """Start this command again, once, with BENTOML_HOME set, if BentoML opened its own default store.
+
+    `bentoml serve` and `bentoml build` read BENTOML_HOME before they import the service: unset,
+    that is ~/bentoml, not the store every other Tandem command uses. No public BentoML API moves a
+    home it has read, and refusing ("export BENTOML_HOME") would break the README's command. The
+    variable is set by then (tandem/__init__.py), so the second start does not restart again.
+    """
+    homes = resolve_homes()
+    if BENTOML_HOME not in homes.defaulted or Path(BentoMLContainer.bentoml_home.get()) == homes.bentoml_home:
+        return
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 @dataclass(frozen=True)
@@ -149,5 +165,15 @@ def rollback(name: str) -> str:
 def load_production(name: str) -> tuple[RiskModel, str]:
     tag = production_tag(name)
     if tag is None:
-        raise LookupError(f"no production version of {name!r}; train one with `tandem demo` or the risk_model asset")
+        raise LookupError(missing_production(name))
     return load(tag), tag
+
+
+def missing_production(name: str) -> str:
+    """Why there is no production version: which store was looked in, and where that came from
+    (a `dagster` or `tandem` command with another BENTOML_HOME than `make run` finds none)."""
+    looked_in = BentoMLContainer.bentoml_home.get()
+    return (
+        f"no production version of {name!r} in {resolve_homes().model_store_hint(looked_in)}: "
+        "`make run`, `tandem demo` or the risk_model asset trains and promotes one there"
+    )
