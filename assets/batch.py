@@ -17,6 +17,7 @@ from dagster import (
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
+    AssetKey,
     AssetsDefinition,
     Config,
     DailyPartitionsDefinition,
@@ -60,6 +61,9 @@ from tandem.version import code_version
 TRANSACTIONS_CODE_VERSION = "1"
 RISK_MODEL_CODE_VERSION = "1"
 PREDICTIONS_CODE_VERSION = "1"
+
+PREDICTIONS_KEY = AssetKey("predictions")
+RISK_MODEL_KEY = AssetKey("risk_model")
 
 
 class RiskModelConfig(Config):
@@ -120,6 +124,20 @@ def content_version(frame: pl.DataFrame) -> DataVersion:
     return DataVersion(digest.hexdigest()[:16])
 
 
+def _model_for_scoring(context: AssetExecutionContext, model_store: ModelStoreResource) -> None:
+    """Fails a run that is to score the day when there is no model to score it with, before the
+    day is ingested: the run could only fail later, with the stored day already changed. A run
+    that trains risk_model too makes its own."""
+    # A run of a whole job has no asset selection of its own: the 02:00 daily_scoring run scores too.
+    selected = context.run.asset_selection or context.job_def.asset_layer.selected_asset_keys
+    if PREDICTIONS_KEY not in selected or RISK_MODEL_KEY in selected or model_store.production_tag() is not None:
+        return
+    raise Failure(
+        description=f"{modelstore.missing_production(model_store.model_name)} (nothing ingested)",
+        allow_retries=False,
+    )
+
+
 def build_batch_assets(
     partitions: DailyPartitionsDefinition, history_length: int, *, rescore_days: int = 7
 ) -> list[AssetsDefinition]:
@@ -132,9 +150,13 @@ def build_batch_assets(
         description="Source transactions of one UTC day, stored as received (poison included).",
     )
     def transactions(
-        context: AssetExecutionContext, database: DatabaseResource, source: TransactionSourceResource
+        context: AssetExecutionContext,
+        database: DatabaseResource,
+        source: TransactionSourceResource,
+        model_store: ModelStoreResource,
     ) -> MaterializeResult:
         day = date.fromisoformat(context.partition_key)
+        _model_for_scoring(context, model_store)
         try:
             read = source.read(day)
         except SourceError as error:

@@ -13,6 +13,7 @@ from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, Execu
 
 from inference.demo import EXPECTED_REASON, PoisonKind, generate_day
 from inference.features import build_features
+from inference.migrate import upgrade
 from inference.model import ModelConfig, score_batch
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, split_valid
 from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows, transactions
@@ -241,3 +242,26 @@ def test_a_model_trained_with_k_8_is_scored_with_8_whatever_the_setting_says(
     assert max(abs(with_16[t] - with_8[t]) for t in stored) > 1e-4, "K changes scores here, so the test can fail"
     # What the late-records sensor reads for the downstream-partition rule, without loading weights.
     assert ModelStoreResource(model_name=name).history_length(tag) == 8
+
+
+def test_a_run_that_would_score_without_a_model_fails_before_ingesting(
+    assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str
+) -> None:
+    # It ingested the day, then failed scoring it: the stored day had changed for a run that could
+    # only fail.
+    name = f"never_registered_{uuid.uuid4().hex[:8]}"
+    resources = batch_resources(sqlite_url, rows_per_day=200, model_name=name)
+
+    result = run_partition(assets, resources, instance, raise_on_error=False)
+
+    assert not result.success
+    (failure,) = [event for event in result.all_events if event.is_step_failure]
+    assert failure.step_key == "transactions"
+    description = str(failure.step_failure_data.user_failure_data.description)
+    assert description.startswith(f"no production version of {name!r} in the model store at ")
+    assert description.endswith("(nothing ingested)")
+    engine = make_engine(sqlite_url)
+    upgrade(engine)  # the failed run may not have touched the database at all
+    with engine.connect() as conn:
+        assert read_partition_rows(conn, date.fromisoformat(PARTITION)).height == 0
+    engine.dispose()

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,30 @@ def test_bring_your_own_data_after_make_run_from_a_plain_shell(tmp_path: Path) -
         server.wait(timeout=60)
     assert served.status_code == 200, served.text
     assert served.json()["results"][0]["model_version"] == answers["results"][0]["model_version"]
+
+
+def test_no_model_fails_before_the_ingest_naming_the_store_it_looked_in(tmp_path: Path) -> None:
+    # It ingested the day first, then failed with "train one with `tandem demo`", which in that
+    # shell trained one where the failing command did not look.
+    project = checkout(tmp_path)
+    landing = write_landing_day(tmp_path / "landing")
+    materialized = run_child(
+        [
+            str(BIN / "dagster"),
+            *("asset", "materialize", "-m", "orchestration.definitions"),
+            *("--select", "transactions,predictions", "--partition", DAY),
+        ],
+        cwd=project,
+        env=plain_shell(project, tmp_path / "home")
+        | {"TANDEM_SOURCE": "files", "TANDEM_SOURCE_LOCATION": str(landing)},
+        timeout_s=300,
+    )
+    assert materialized.returncode != 0
+    said = materialized.stdout + materialized.stderr
+    store = project / "data" / "bentoml"
+    assert f"no production version of 'risk_model' in the model store at {store} (BENTOML_HOME unset" in said, said
+    assert "(nothing ingested)" in said, said
+    database = project / "data" / "tandem.db"
+    if database.exists():
+        with sqlite3.connect(database) as conn:
+            assert conn.execute("SELECT count(*) FROM transactions").fetchone() == (0,)
