@@ -129,7 +129,8 @@ def _rerun(
         context.log.info(f"{key_prefix}: {', '.join(unknown)} not a partition (yet); skipped")
     held = [c for c in changes if c.partition_key in busy and c.partition_key not in unknown]
     if held:
-        context.log.info(
+        # DEBUG: every tick says it again until that run ends.
+        context.log.debug(
             f"{key_prefix}: {', '.join(c.partition_key for c in held)} has a run in flight; left for later"
         )
     return SensorResult(
@@ -350,13 +351,14 @@ def build_landing_sensor(
         versions = files.versions()
         # Looked up after listing the files: a run that wrote one of them is still seen in flight.
         busy = partitions_in_flight(context.instance, partitions)
+        outside: list[str] = []
         for day, version in sorted(versions.items()):
             key = day.isoformat()
             if seen.get(key) == version:
                 continue
             if not partitions.has_partition_key(key):
                 # Before the first partition, or a day not over yet (a key outside the set is refused).
-                context.log.info(f"landing: {key} is not a partition (yet); skipped")
+                outside.append(key)
                 continue
             if key in busy:
                 continue  # maybe writing this very file (the demo): decide once it is done
@@ -375,8 +377,12 @@ def build_landing_sensor(
                     )
                 )
             seen[key] = version
+        if outside:
+            # DEBUG, and said in the tick's skip reason: such a day is seen again every tick until it is over.
+            context.log.debug(f"landing: {', '.join(outside)} not a partition (yet); skipped")
         if not requests and json.dumps(seen, sort_keys=True) == (context.cursor or "{}"):
-            return SkipReason(f"no new or changed day files at {files.location}")
+            waiting = f" ({', '.join(outside)}: not partitions, before the first or not over yet)" if outside else ""
+            return SkipReason(f"no new or changed day files at {files.location}{waiting}")
         return SensorResult(run_requests=requests, cursor=json.dumps(seen, sort_keys=True))
 
     return landing_sensor

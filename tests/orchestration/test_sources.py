@@ -397,6 +397,26 @@ def test_days_outside_the_partitions_are_skipped(instance: DagsterInstance, tmp_
     assert [r.partition_key for r in result.run_requests] == [PARTITION]
 
 
+def test_a_tick_that_finds_nothing_new_logs_nothing_at_info(
+    instance: DagsterInstance, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # A day not over yet logged "is not a partition (yet); skipped" at INFO on every tick until
+    # midnight, into the daemon's output. (A sensor's context.log writes to the console, not to
+    # Python's logging tree, so the test reads the process's output.)
+    _write_csv(tmp_path / "2999-01-01.csv", _user_rows("2999-01-01", 3))
+    _write_csv(tmp_path / f"{PARTITION}.csv", _user_rows(PARTITION, 3))
+    first = _tick(instance, tmp_path)
+    assert isinstance(first, SensorResult)
+    capfd.readouterr()
+
+    idle = [_tick(instance, tmp_path, first.cursor) for _ in range(3)]
+
+    printed = capfd.readouterr()
+    assert [line for line in (printed.out + printed.err).splitlines() if " - INFO - " in line] == []
+    assert all(isinstance(result, SkipReason) for result in idle)
+    assert "2999-01-01" in str(idle[0].skip_message)  # said where the UI shows the tick
+
+
 def test_a_sql_source_has_no_landing_folder_to_watch(instance: DagsterInstance, tmp_path: Path) -> None:
     source = TransactionSourceResource(kind="sql", url="sqlite://", query="SELECT 1")
     with build_sensor_context(instance=instance, resources={"source": source}) as context:
