@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -152,32 +153,66 @@ def _wait_for(url: str, seconds: float) -> bool:
     return False
 
 
+LOCATION = "tandem"  # workspace.yaml's name for the code location
+
+
+def code_server_workspace(port: int) -> str:
+    """A workspace that loads the code location from the one code server `make run` starts."""
+    return f"load_from:\n  - grpc_server:\n      host: 127.0.0.1\n      port: {port}\n      location_name: {LOCATION}\n"
+
+
+def platform_commands(settings: PlatformSettings, *, code_port: int, workspace: Path) -> dict[str, list[str]]:
+    """The child processes, in start order.
+
+    The webserver and the daemon load the code location from one `dagster code-server`, not each
+    from workspace.yaml: given a module, the daemon starts a code server of its own and replaces it
+    every 60 s (Dagster's RELOAD_WORKSPACE_INTERVAL), so the location was imported again each minute
+    and each old server warned "No heartbeat received in 20 seconds, shutting down" as it went.
+    The daemon logs at WARNING: at INFO it says two lines per sensor tick, even when nothing is due.
+    """
+    bin_dir = Path(sys.executable).parent
+    host = settings.host
+    return {
+        "dagster-code-server": [
+            *(str(bin_dir / "dagster"), "code-server", "start", "-m", "orchestration.definitions"),
+            *("--location-name", LOCATION, "-h", "127.0.0.1", "-p", str(code_port)),
+        ],
+        "dagster-webserver": [
+            *(str(bin_dir / "dagster-webserver"), "-w", str(workspace)),
+            *("-h", host, "-p", str(settings.dagster_port)),
+        ],
+        "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", str(workspace), "--log-level", "warning"],
+        "bentoml": [
+            *(str(bin_dir / "bentoml"), "serve", "serving.service:RiskScorer"),
+            *("--host", host, "--port", str(settings.service_port)),
+        ],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _code_server_ready(server: subprocess.Popen[bytes], port: int, seconds: float) -> bool:
+    """Whether the code server answers its health check within `seconds` (False once it exited)."""
+    health = [str(Path(sys.executable).parent / "dagster"), "api", "grpc-health-check", "-p", str(port)]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and server.poll() is None:
+        if subprocess.run(health, cwd=ROOT, capture_output=True, check=False).returncode == 0:
+            return True
+        time.sleep(1)
+    return False
+
+
 def serve_forever(settings: PlatformSettings | None = None) -> int:
     settings = settings or PlatformSettings()
     host, dagster_port, service_port = settings.host, settings.dagster_port, settings.service_port
-    bin_dir = Path(sys.executable).parent
-    commands = {
-        "dagster-webserver": [
-            str(bin_dir / "dagster-webserver"),
-            "-w",
-            "workspace.yaml",
-            "-h",
-            host,
-            "-p",
-            str(dagster_port),
-        ],
-        "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        "bentoml": [
-            str(bin_dir / "bentoml"),
-            "serve",
-            "serving.service:RiskScorer",
-            "--host",
-            host,
-            "--port",
-            str(service_port),
-        ],
-    }
-    children = {name: subprocess.Popen(argv, cwd=ROOT, start_new_session=True) for name, argv in commands.items()}
+    code_port = _free_port()
+    workspace = resolve_homes().dagster_home / "platform-workspace.yaml"
+    workspace.write_text(code_server_workspace(code_port))
+    children: dict[str, subprocess.Popen[bytes]] = {}
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         _say(f"stopping ({signal.Signals(signum).name})")
@@ -194,6 +229,10 @@ def serve_forever(settings: PlatformSettings | None = None) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    for name, argv in platform_commands(settings, code_port=code_port, workspace=workspace).items():
+        children[name] = subprocess.Popen(argv, cwd=ROOT, start_new_session=True)
+        if name == "dagster-code-server" and not _code_server_ready(children[name], code_port, 120):
+            _say("the Dagster code server is not answering; starting the rest, its error shows in the UI")
     if _wait_for(f"http://{host}:{dagster_port}/server_info", 120):
         _say(f"Dagster UI:      http://{host}:{dagster_port}  (asset graph: /asset-groups)")
     if _wait_for(f"http://{host}:{service_port}/readyz", 120):

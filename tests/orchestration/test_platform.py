@@ -6,10 +6,11 @@ from datetime import date
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from orchestration import platform
-from orchestration.settings import OrchestrationSettings
+from orchestration.settings import OrchestrationSettings, PlatformSettings
 
 
 @pytest.mark.parametrize(("failed", "code"), [(0, 0), (3, 1)])
@@ -63,3 +64,26 @@ def test_the_code_location_names_a_bad_partitions_start(monkeypatch: pytest.Monk
     monkeypatch.setenv("TANDEM_PARTITIONS_START", "2026-12-01")
     assert OrchestrationSettings().partitions_start == date(2026, 12, 1)
     assert OrchestrationSettings(partitions_start="2026-11-02").partitions_start == date(2026, 11, 2)
+
+
+def test_the_webserver_and_the_daemon_share_one_code_server_and_the_daemon_logs_warnings(tmp_path: Path) -> None:
+    # Given workspace.yaml's module, the daemon started a code server of its own and replaced it
+    # every minute: the code location was imported again each time, and each old server warned
+    # "No heartbeat received in 20 seconds, shutting down". At INFO it logged every sensor tick.
+    workspace = tmp_path / "workspace.yaml"
+    commands = platform.platform_commands(
+        PlatformSettings(dagster_port=3100, service_port=3101), code_port=4321, workspace=workspace
+    )
+
+    assert list(commands) == ["dagster-code-server", "dagster-webserver", "dagster-daemon", "bentoml"]
+    server = commands["dagster-code-server"]
+    assert server[1:5] == ["code-server", "start", "-m", "orchestration.definitions"]
+    assert server[server.index("-p") + 1] == "4321" and "--heartbeat" not in server
+    for name in ("dagster-webserver", "dagster-daemon"):
+        argv = commands[name]
+        assert argv[argv.index("-w") + 1] == str(workspace), name
+    daemon = commands["dagster-daemon"]
+    assert daemon[daemon.index("--log-level") + 1] == "warning"
+    assert yaml.safe_load(platform.code_server_workspace(4321)) == {
+        "load_from": [{"grpc_server": {"host": "127.0.0.1", "port": 4321, "location_name": "tandem"}}]
+    }
