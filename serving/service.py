@@ -57,14 +57,16 @@ def production_model() -> BentoModel:
     runs when the service module is loaded. Inside a built Bento there is no pointer file, but the
     Bento carries exactly one version: the one that was production when it was built.
     """
+    if (foreign := modelstore.foreign_store()) is not None:
+        raise LookupError(foreign)
     name = TandemSettings().model_name
     tag = ServingSettings().model_tag or modelstore.production_tag(name)
     if tag is None:
         stored = modelstore.versions(name)
         if len(stored) != 1:
             raise LookupError(
-                f"no production version of {name!r} (found {len(stored)} versions); promote one or set "
-                "TANDEM_SERVING_MODEL_TAG"
+                f"{modelstore.missing_production(name)}; found {len(stored)} stored versions, promote one "
+                "or set TANDEM_SERVING_MODEL_TAG"
             )
         tag = stored[0].tag
     return BentoModel(tag)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,28 +17,11 @@ from typing import Any
 
 import bentoml
 
-# No public API gives BENTOML_HOME as BentoML resolved it (bentoml 1.4: not bentoml.models, nor
-# bentoml.testing, which imports this too); pinned by tests/tandem/test_modelstore.py.
-from bentoml._internal.configuration.containers import BentoMLContainer
-
-from inference.homes import BENTOML_HOME, resolve_homes
+from inference.homes import resolve_homes
 from inference.model import ModelConfig, RiskModel, TrainingReport, load_model, read_config, save_model
+from tandem.bentoml_home import bentoml_home
 
 MODEL_LABELS = {"owner": "tandem", "framework": "torch-state-dict"}
-
-
-def restart_in_default_home() -> None:
-    """Start this command again, once, with BENTOML_HOME set, if BentoML opened its own default store.
-
-    `bentoml serve` and `bentoml build` read BENTOML_HOME before they import the service: unset,
-    that is ~/bentoml, not the store every other Tandem command uses. No public BentoML API moves a
-    home it has read, and refusing ("export BENTOML_HOME") would break the README's command. The
-    variable is set by then (tandem/__init__.py), so the second start does not restart again.
-    """
-    homes = resolve_homes()
-    if BENTOML_HOME not in homes.defaulted or Path(BentoMLContainer.bentoml_home.get()) == homes.bentoml_home:
-        return
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 @dataclass(frozen=True)
@@ -86,7 +68,7 @@ def versions(name: str) -> list[ModelVersion]:
 
 
 def _pointer_file(name: str) -> Path:
-    return Path(BentoMLContainer.bentoml_home.get()) / "tandem" / f"{name}.production.json"
+    return bentoml_home() / "tandem" / f"{name}.production.json"
 
 
 def _read_pointer(name: str) -> dict[str, Any]:
@@ -172,8 +154,18 @@ def load_production(name: str) -> tuple[RiskModel, str]:
 def missing_production(name: str) -> str:
     """Why there is no production version: which store was looked in, and where that came from
     (a `dagster` or `tandem` command with another BENTOML_HOME than `make run` finds none)."""
-    looked_in = BentoMLContainer.bentoml_home.get()
+    looked_in = bentoml_home()
     return (
         f"no production version of {name!r} in {resolve_homes().model_store_hint(looked_in)}: "
         "`make run`, `tandem demo` or the risk_model asset trains and promotes one there"
     )
+
+
+def foreign_store() -> str | None:
+    """Why the store BentoML opened is not Tandem's, or None: BentoML read its home before Tandem set
+    the default (a plain `bentoml serve`), and serving whatever that other store holds would answer
+    with a model no Tandem command trained or promoted."""
+    opened, expected = bentoml_home().expanduser().resolve(), resolve_homes().bentoml_home.expanduser().resolve()
+    if opened == expected:
+        return None
+    return f"BentoML opened the model store at {opened}, not Tandem's at {expected}: export BENTOML_HOME={expected}"

@@ -114,14 +114,21 @@ def test_bring_your_own_data_after_make_run_from_a_plain_shell(tmp_path: Path) -
     assert [answer["path"] for answer in answers["results"]] == ["batch"], answers
     assert not (elsewhere / "data").exists()
 
-    # `bentoml serve` reads BENTOML_HOME before it imports the service, and serves the same model.
+    # `bentoml serve` opens its store before it imports the service: with BENTOML_HOME unset that is
+    # ~/bentoml, and the service refuses in one line naming the variable and Tandem's store.
+    serve = [str(BIN / "bentoml"), "serve", "serving.service:RiskScorer", "--host", "127.0.0.1"]
+    refused = run_child([*serve, "--port", str(free_port())], cwd=project, env=shell, timeout_s=180)
+    assert refused.returncode != 0
+    assert f"export BENTOML_HOME={project / 'data' / 'bentoml'}" in refused.stdout + refused.stderr
+
+    # As the README shows it, with the variable set, it serves the same model.
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("wb") as output:
         server = subprocess.Popen(
-            [str(BIN / "bentoml"), "serve", "serving.service:RiskScorer", "--host", "127.0.0.1", "--port", str(port)],
+            [*serve, "--port", str(port)],
             cwd=project,
-            env=shell,
+            env={**shell, "BENTOML_HOME": str(project / "data" / "bentoml")},
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
