@@ -32,8 +32,9 @@ from serving.batcher import SCORING_PROCESS_DIED
 from serving.gate import Edge, Refused, ScoreCall, ScoreGate, call_in, new_request_id
 from serving.idempotency import IDEMPOTENCY_IN_PROGRESS, IDEMPOTENCY_REUSED, KeyInProgress, KeyReused
 from serving.metrics import ServingMetrics
+from serving.openapi import limits_of, openapi_document
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
-from serving.schemas import REQUEST_ID_HEADER, ItemResult, ScoreRequest, ScoreResponse, openapi_document
+from serving.schemas import REQUEST_ID_HEADER, ItemResult, ScoreRequest, ScoreResponse
 from serving.security import SecuritySettings
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ def build_app(
         return JSONResponse(found.to_dict(), headers={REQUEST_ID_HEADER: request_id})
 
     async def openapi(_: Request) -> Response:
-        return JSONResponse(openapi_document(bearer_auth=edge.auth.enabled))
+        scorer = get_scorer()
+        limits = limits_of(scorer.settings, edge.settings)
+        return JSONResponse(openapi_document(limits, bearer_auth=edge.auth.enabled, model_version=scorer.model_version))
 
     async def metrics(_: Request) -> Response:
         # Off the event loop: in multiprocess mode it reads every worker's files (26 ms measured on

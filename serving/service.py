@@ -33,6 +33,7 @@ from serving.backends import ScoringBackend
 from serving.gate import ScoreGate, call_in
 from serving.lifecycle import ChallengerWatcher, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
+from serving.openapi import ApiDocs, limits_of, openapi_document
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
 from serving.schemas import ScoreRequest, ScoreResponse
@@ -70,6 +71,13 @@ def production_model() -> BentoModel:
             )
         tag = stored[0].tag
     return BentoModel(tag)
+
+
+def api_document() -> dict[str, typing.Any]:
+    scorer = current_scorer()
+    security = SecuritySettings()
+    limits = limits_of(scorer.settings, security)
+    return openapi_document(limits, bearer_auth=security.auth_token is not None, model_version=scorer.model_version)
 
 
 def current_scorer() -> OnlineScorer:
@@ -243,3 +251,5 @@ class RiskScorer:
 # Before BentoML reads or parses the body: a refusal costs no parse, and a schema error is Tandem's
 # 422 (naming the field, the items quarantined) rather than BentoML's 400.
 typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(ScoreGate, get_scorer=current_scorer)
+# BentoML's /docs.json (and its docs page) with every answer /score gives, the limits and the model.
+typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(ApiDocs, document=api_document)

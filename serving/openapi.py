@@ -1,0 +1,269 @@
+"""The service's API documents: Tandem's /openapi.json, and BentoML's /docs.json (which its docs
+page at / renders) amended with what BentoML cannot know: every refusal the service gives with its
+error body, the request limits, Tandem's description and the production model's version."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from inference.lineage import TransactionLineage
+from inference.records import COUNTRIES, CURRENCIES, ID_MAX_LENGTH, MERCHANT_CATEGORIES
+from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, ErrorBody, ScoreRequest, ScoreResponse
+from serving.security import SecuritySettings
+from serving.settings import ServingSettings
+
+BENTOML_DOCS_PATH = "/docs.json"
+RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait before retrying."}}
+UNAUTHORIZED = {
+    "WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer: the scheme to authenticate with."}
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a client must know before sending: each is enforced with the status named in the docs."""
+
+    max_transactions: int
+    max_body_bytes: int
+    default_deadline_ms: float
+    max_deadline_ms: float
+    p99_target_ms: float
+
+    def describe(self) -> str:
+        return (
+            f"Limits: at most {self.max_transactions} transactions and {self.max_body_bytes:,} bytes of body per "
+            f"request (413 beyond); a request's deadline is X-Deadline-Ms (or the body's deadline_ms), "
+            f"{self.default_deadline_ms:g} ms when unset and at most {self.max_deadline_ms:g} ms; a request whose "
+            f"expected wait exceeds its deadline or the declared p99 of {self.p99_target_ms:g} ms is refused at "
+            "once with 503 and Retry-After."
+        )
+
+
+def limits_of(serving: ServingSettings, security: SecuritySettings) -> Limits:
+    return Limits(
+        max_transactions=serving.max_transactions_per_request,
+        max_body_bytes=security.max_body_bytes,
+        default_deadline_ms=min(serving.request_timeout_ms, serving.max_deadline_ms),
+        max_deadline_ms=serving.max_deadline_ms,
+        p99_target_ms=serving.p99_target_ms,
+    )
+
+
+TITLE = "Tandem risk scorer"
+DESCRIPTION = (
+    "Tandem scores payment risk online: one answer per transaction, each on its own (a bad item fails only "
+    "itself), from a warm model behind a bounded queue; the same model scores every day in batch through "
+    "Dagster, and GET /lineage/{transaction_id} says which answer each path gave. "
+)
+
+
+class _Components:
+    """The schemas a document refers to, gathered as the document is built."""
+
+    def __init__(self) -> None:
+        self.schemas: dict[str, Any] = {}
+
+    def ref(self, model: type[Any]) -> dict[str, str]:
+        schema = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
+        self.schemas.update(schema.pop("$defs", {}))
+        self.schemas[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    def body(self, model: type[Any], description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+        answer: dict[str, Any] = {
+            "description": description,
+            "content": {"application/json": {"schema": self.ref(model)}},
+        }
+        return answer | ({"headers": headers} if headers else {})
+
+
+def _score_refusals(components: _Components, limits: Limits) -> dict[str, Any]:
+    error = components.body
+    return {
+        "400": error(
+            ErrorBody, "bad_header / bad_request: a malformed header, or a key in the header and the body that differ."
+        ),
+        "401": error(ErrorBody, "unauthorized: a token is configured and the request lacks it.", UNAUTHORIZED),
+        "408": error(ErrorBody, "body_timeout: the body did not arrive within the request's deadline."),
+        "409": error(
+            ErrorBody, "idempotency_key_in_progress: another request with this key is being answered.", RETRY_AFTER
+        ),
+        "413": error(
+            ErrorBody,
+            f"body_too_large (over {limits.max_body_bytes:,} bytes) or too_many_transactions "
+            f"(over {limits.max_transactions}).",
+        ),
+        "422": error(
+            ErrorBody,
+            "invalid_request: schema-invalid input or malformed JSON, naming each field and reason (the invalid "
+            "items are quarantined); or idempotency_key_reused: the key was used with another request body.",
+        ),
+        "503": error(
+            ErrorBody,
+            "overloaded: the expected wait exceeds the deadline or the p99 target (detail.reason); or "
+            "unavailable: the scoring process died and a new one is starting.",
+            RETRY_AFTER,
+        ),
+        "504": error(ErrorBody, "deadline_exceeded: the deadline passed before an answer was ready."),
+    }
+
+
+def _score_parameters(limits: Limits) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": DEADLINE_HEADER,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "number", "exclusiveMinimum": 0},
+            "description": f"Milliseconds the client will wait; no work starts after it passes. Unset: "
+            f"{limits.default_deadline_ms:g}; a longer one is cut to {limits.max_deadline_ms:g}.",
+        },
+        {
+            "name": IDEMPOTENCY_HEADER,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "minLength": 1, "maxLength": 200},
+            "description": "Names one request body (Stripe's semantics): a retry with the same key and body gets "
+            "the first answer and writes nothing; the same key with another body is refused with 422 "
+            "idempotency_key_reused. Without a key only a truly identical input and history is answered from earlier.",
+        },
+    ]
+
+
+def _lineage_path(components: _Components, guarded: dict[str, Any]) -> dict[str, Any]:
+    error = components.body
+    return {
+        "get": {
+            "summary": "Why does this transaction have this score",
+            "description": "Every stored answer of one transaction (path, producer, model and code version, input "
+            "and history hashes, which is current) and every time it was rejected, where and why.",
+            "parameters": [
+                {
+                    "name": "transaction_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "minLength": 1, "maxLength": ID_MAX_LENGTH},
+                }
+            ],
+            **guarded,
+            "responses": {
+                "200": error(TransactionLineage, "The source record's state, every answer and every rejection."),
+                "401": error(ErrorBody, "A token is configured and the request lacks it.", UNAUTHORIZED),
+                "404": error(ErrorBody, "No record, answer or rejection for this id."),
+                "422": error(ErrorBody, "Not a possible transaction id."),
+                "503": error(ErrorBody, "The result store is unreachable.", RETRY_AFTER),
+            },
+        }
+    }
+
+
+def openapi_document(limits: Limits, *, bearer_auth: bool = False, model_version: str = "unknown") -> dict[str, Any]:
+    """OpenAPI 3.1 for every route of the service. `bearer_auth`: /score and /lineage declare the token."""
+    components = _Components()
+    guarded: dict[str, Any] = {"security": [{"bearer": []}]} if bearer_auth else {}
+    score = {
+        "summary": "Score one or more transactions",
+        "description": "Each transaction is answered on its own: a model failure or a non-finite score fails only "
+        "that item. " + limits.describe(),
+        "parameters": _score_parameters(limits),
+        "requestBody": {"required": True, "content": {"application/json": {"schema": components.ref(ScoreRequest)}}},
+        **guarded,
+        "responses": {
+            "200": components.body(ScoreResponse, "One result per transaction, scored or failed with a reason."),
+            **_score_refusals(components, limits),
+        },
+    }
+    probe = {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}}
+    ready = {"200": {"description": "ready"}, "503": {"description": "not ready"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Tandem risk scorer",
+            "version": model_version,
+            "description": DESCRIPTION + limits.describe(),
+        },
+        "paths": {
+            "/score": {"post": score},
+            "/lineage/{transaction_id}": _lineage_path(components, guarded),
+            "/livez": probe,
+            "/readyz": {
+                "get": {"summary": "Readiness: model warm, the store or the outbox usable", "responses": ready}
+            },
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}},
+        },
+        "components": {
+            "schemas": _with_value_sets(components.schemas),
+            **({"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}} if bearer_auth else {}),
+        },
+    }
+
+
+def _with_value_sets(schemas: dict[str, Any]) -> dict[str, Any]:
+    """List the training vocabularies as examples, not as an `enum`: any value of the field's
+    pattern is accepted (an unseen one is scored through the unknown bucket and flagged), and
+    the known ones show clients (and fuzzers such as schemathesis) what the model knows best."""
+    properties = schemas["Transaction"]["properties"]
+    for name, values in (("currency", CURRENCIES), ("merchant_category", MERCHANT_CATEGORIES), ("country", COUNTRIES)):
+        properties[name] = {**properties[name], "examples": list(values)}
+    return schemas
+
+
+def amend_bentoml_document(bentoml_spec: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    """BentoML's document with Tandem's title, description and version, /score's refusals and
+    headers, and the routes of the mounted app (BentoML documents only its own)."""
+    amended = dict(bentoml_spec)
+    amended["info"] = {**bentoml_spec.get("info", {}), **ours["info"]}
+    paths = dict(bentoml_spec.get("paths", {}))
+    score = dict(paths.get("/score", {}).get("post", {}))
+    ours_score = ours["paths"]["/score"]["post"]
+    score["description"] = ours_score["description"]
+    score["parameters"] = ours_score["parameters"]
+    # BentoML's 200 and request body keep its own schemas; every other status is Tandem's answer.
+    responses = {code: answer for code, answer in score.get("responses", {}).items() if str(code) == "200"}
+    score["responses"] = responses | {code: a for code, a in ours_score["responses"].items() if code != "200"}
+    paths["/score"] = {**paths.get("/score", {}), "post": score}
+    paths["/lineage/{transaction_id}"] = ours["paths"]["/lineage/{transaction_id}"]
+    amended["paths"] = paths
+    components = dict(bentoml_spec.get("components", {}))
+    ours_schemas = ours["components"]["schemas"]
+    components["schemas"] = {**ours_schemas, **components.get("schemas", {})}
+    amended["components"] = components
+    return amended
+
+
+class ApiDocs:
+    """ASGI middleware (BentoML's public `add_asgi_middleware`) that amends BentoML's /docs.json on
+    its way out; every other request passes untouched."""
+
+    def __init__(self, app: ASGIApp, *, document: Callable[[], dict[str, Any]]) -> None:
+        self.app = app
+        self.document = document
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != BENTOML_DOCS_PATH or scope["method"] != "GET":
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        assert start is not None, "BentoML answered /docs.json without a response"
+        body = b"".join(chunks)
+        if start["status"] == 200:
+            body = json.dumps(amend_bentoml_document(json.loads(body), self.document())).encode()
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

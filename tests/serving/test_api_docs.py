@@ -1,0 +1,98 @@
+"""The API documents itself: every answer /score gives, with its error body, the request limits,
+Tandem's description and the production model's version, in /openapi.json and in BentoML's
+/docs.json (which BentoML's docs page renders)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from serving.openapi import ApiDocs, Limits, amend_bentoml_document, limits_of, openapi_document
+from serving.security import SecuritySettings
+from serving.settings import ServingSettings
+
+EVERY_SCORE_ANSWER = {"200", "400", "401", "408", "409", "413", "422", "503", "504"}
+LIMITS = limits_of(ServingSettings.model_construct(), SecuritySettings.model_construct())
+
+
+def bentoml_like_spec() -> dict[str, Any]:
+    """The shape of BentoML 1.4's document: its default title and readme, 200/400/404/500 only."""
+    return {
+        "openapi": "3.0.2",
+        "info": {
+            "title": "RiskScorer",
+            "description": "This is a Machine Learning Service created with BentoML.",
+            "version": "None",
+        },
+        "paths": {
+            "/score": {
+                "post": {
+                    "responses": {"200": {"description": "ok"}, "400": {}, "404": {}, "500": {}},
+                    "requestBody": {"content": {"application/json": {"schema": {"$ref": "#/x/ScoreRequest"}}}},
+                }
+            },
+            "/readyz": {"get": {"responses": {"200": {}}}},
+        },
+        "components": {"schemas": {"BentoOwn": {"type": "object"}}},
+    }
+
+
+def test_the_limits_are_the_services_own_defaults() -> None:
+    assert Limits(
+        max_transactions=256,
+        max_body_bytes=1024 * 1024,
+        default_deadline_ms=2000.0,
+        max_deadline_ms=9000.0,
+        p99_target_ms=50.0,
+    ) == LIMITS
+    text = LIMITS.describe()
+    assert "256 transactions" in text and "1,048,576 bytes" in text and "9000 ms" in text
+
+
+def test_openapi_lists_every_answer_of_score_with_an_error_body() -> None:
+    document = openapi_document(LIMITS, model_version="risk_model:abc")
+    responses = document["paths"]["/score"]["post"]["responses"]
+    assert set(responses) == EVERY_SCORE_ANSWER
+    for status in EVERY_SCORE_ANSWER - {"200"}:
+        schema = responses[status]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": "#/components/schemas/ErrorBody"}, status
+    assert "Retry-After" in responses["503"]["headers"] and "Retry-After" in responses["409"]["headers"]
+    assert document["info"]["version"] == "risk_model:abc"
+    assert "256 transactions" in document["info"]["description"]
+
+
+def test_bentomls_document_gets_tandems_answers_description_and_version() -> None:
+    ours = openapi_document(LIMITS, model_version="risk_model:abc")
+    amended = amend_bentoml_document(bentoml_like_spec(), ours)
+    assert amended["info"]["title"] == "Tandem risk scorer"
+    assert "created with BentoML" not in amended["info"]["description"]
+    assert amended["info"]["version"] == "risk_model:abc"
+    post = amended["paths"]["/score"]["post"]
+    assert set(post["responses"]) == EVERY_SCORE_ANSWER, "BentoML's 404/500 are not answers /score gives"
+    assert post["responses"]["200"] == {"description": "ok"}, "BentoML's own 200 schema stays"
+    assert post["requestBody"] == bentoml_like_spec()["paths"]["/score"]["post"]["requestBody"]
+    assert {p["name"] for p in post["parameters"]} == {"X-Deadline-Ms", "Idempotency-Key"}
+    assert "/lineage/{transaction_id}" in amended["paths"] and "/readyz" in amended["paths"]
+    assert {"ErrorBody", "BentoOwn"} <= set(amended["components"]["schemas"])
+
+
+def test_the_middleware_amends_docs_json_and_passes_everything_else() -> None:
+    async def docs(_: Request) -> Response:
+        return JSONResponse(bentoml_like_spec())
+
+    async def other(_: Request) -> Response:
+        return JSONResponse({"untouched": True})
+
+    app = Starlette(routes=[Route("/docs.json", docs), Route("/other", other)])
+    wrapped = ApiDocs(app, document=lambda: openapi_document(LIMITS, model_version="v9"))
+    with TestClient(wrapped) as client:
+        answer = client.get("/docs.json")
+        assert answer.status_code == 200
+        assert int(answer.headers["content-length"]) == len(answer.content)
+        assert answer.json()["info"]["version"] == "v9"
+        assert client.get("/other").json() == {"untouched": True}
