@@ -7,7 +7,6 @@ Both answers are kept (docs/decisions/0002), so this reads; it rescores nothing.
 # No `from __future__ import annotations`: Dagster reads the Config class from the asset
 # function's annotations, and a string annotation of a local build function cannot be resolved.
 import math
-from datetime import date
 
 from dagster import (
     AssetCheckResult,
@@ -26,7 +25,7 @@ from pydantic import Field
 from assets.automation import follow_predictions
 from assets.metadata import frame_schema, table_metadata
 from assets.retries import retry_only_transient_errors
-from assets.scoring import daily_database_step
+from assets.scoring import daily_database_step, partition_day
 from inference.agreement import DECISION_THRESHOLD, AgreementReport, Cause, summarize
 from inference.parity import PARITY_TOLERANCE
 from inference.store import ANSWER_PAIR_SCHEMA, answer_pairs
@@ -83,8 +82,9 @@ def build_agreement_assets(partitions: DailyPartitionsDefinition) -> list[Assets
     def path_agreement(
         context: AssetExecutionContext, config: PathAgreementConfig, database: DatabaseResource
     ) -> MaterializeResult:
+        day = partition_day(context)
         with retry_only_transient_errors(), database.engine.connect() as conn:
-            pairs = answer_pairs(conn, date.fromisoformat(context.partition_key))
+            pairs = answer_pairs(conn, day)
         report = summarize(pairs, config.decision_threshold)
         by_cause = {cause.value: count for cause, count in report.by_cause.items()}
         return MaterializeResult(

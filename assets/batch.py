@@ -7,7 +7,6 @@ return a MaterializeResult with metadata.
 import hashlib
 import resource
 import time
-from datetime import date
 from pathlib import Path
 from typing import Literal, Self
 
@@ -37,6 +36,7 @@ from assets.scoring import (
     DATABASE_POOL,
     BatchScoringConfig,
     daily_database_step,
+    partition_day,
     score_day,
     transactions_with_history,
 )
@@ -155,7 +155,7 @@ def build_batch_assets(
         source: TransactionSourceResource,
         model_store: ModelStoreResource,
     ) -> MaterializeResult:
-        day = date.fromisoformat(context.partition_key)
+        day = partition_day(context)
         _model_for_scoring(context, model_store)
         try:
             read = source.read(day)
@@ -289,7 +289,7 @@ def build_batch_assets(
         database: DatabaseResource,
         model_store: ModelStoreResource,
     ) -> MaterializeResult:
-        day = date.fromisoformat(context.partition_key)
+        day = partition_day(context)
         with fail_at_once("the production model could not be loaded"):
             loaded = model_store.production()
         version = loaded[1]
@@ -300,7 +300,7 @@ def build_batch_assets(
         started = time.perf_counter()
         with retry_only_transient_errors():
             cpu_started = time.process_time()  # every thread of this process: the pipeline's stages
-            report, predictor = score_day(context, database, loaded, config, on_chunk=progress)
+            report, predictor = score_day(context, day, database, loaded, config, on_chunk=progress)
             cpu_seconds = time.process_time() - cpu_started
             with database.engine.connect() as conn:
                 counts = partition_counts(

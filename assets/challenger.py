@@ -33,7 +33,14 @@ from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICT
 from assets.metadata import frame_schema, table_metadata, table_schema
 from assets.model import build_challenger_model
 from assets.retries import TRANSIENT_RETRY, fail_at_once, retry_only_transient_errors
-from assets.scoring import DATABASE_POOL, BatchScoringConfig, daily_database_step, score_day, transactions_with_history
+from assets.scoring import (
+    DATABASE_POOL,
+    BatchScoringConfig,
+    daily_database_step,
+    partition_day,
+    score_day,
+    transactions_with_history,
+)
 from inference.challenger import BLOCKING_CHECKS, Comparison, PromotionGate, compare
 from inference.store import (
     COMPARISON_SCHEMA,
@@ -114,12 +121,13 @@ def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[Asset
         database: DatabaseResource,
         model_store: ModelStoreResource,
     ) -> MaterializeResult:
+        day = partition_day(context)
         with fail_at_once("the challenger could not be loaded"):
             loaded = model_store.challenger()
         version = loaded[1]
         with retry_only_transient_errors():
-            report, _ = score_day(context, database, loaded, config, as_challenger=True)
-        context.log.info(f"{version}: {report.scored} scored, {report.rejected} rejected on {context.partition_key}")
+            report, _ = score_day(context, day, database, loaded, config, as_challenger=True)
+        context.log.info(f"{version}: {report.scored} scored, {report.rejected} rejected on {day}")
         return MaterializeResult(
             metadata={
                 **table_metadata(table_schema(challenger_predictions), report.scored),

@@ -16,6 +16,7 @@ from dagster import (
     DailyPartitionsDefinition,
     Failure,
     TimeWindowPartitionMapping,
+    partition_loading_context,
 )
 from pydantic import Field, ValidationError
 
@@ -47,6 +48,40 @@ def daily_database_step(partitions: DailyPartitionsDefinition) -> dict[str, Any]
         "backfill_policy": BackfillPolicy.multi_run(1),
         "pool": DATABASE_POOL,
     }
+
+
+def partition_day(context: AssetExecutionContext) -> date:
+    """The run's day, once it is known to be in the asset's partition set: the first call of every
+    day-partitioned asset body, so a key outside the set fails before anything is read or written.
+
+    Dagster checks a key where a launch names it as a partition (`materialize`, a backfill, a
+    RunRequest), not where a run only carries the `dagster/partition` tag (GraphQL's launchRun,
+    `dagster job launch --tags`); every launch path reaches the step. No retry makes a key valid.
+    """
+    partitions = context.assets_def.partitions_def
+    if partitions is None or not (context.has_partition_key or context.has_partition_key_range):
+        raise Failure(
+            description="this asset runs one UTC day per run: launch it with a partition", allow_retries=False
+        )
+    keys = context.partition_key_range
+    # "Now" is the run's partition loading context (Dagster's, or a test's frozen one); the set
+    # grows by one day as each UTC day ends, so a key valid at launch is still valid here.
+    with partition_loading_context(dynamic_partitions_store=context.instance):
+        outside = [key for key in dict.fromkeys((keys.start, keys.end)) if not partitions.has_partition_key(key)]
+        first, last = partitions.get_first_partition_key(), partitions.get_last_partition_key()
+    if outside:
+        valid = f"{first} .. {last}" if first and last else "none yet"
+        raise Failure(
+            description=f"partition {outside[0]!r} is not a day of this asset's partitions (valid now: {valid}, "
+            "each UTC day once it has ended); nothing was read or written",
+            allow_retries=False,
+        )
+    if keys.start != keys.end:
+        raise Failure(
+            description=f"this asset runs one UTC day per run, not {keys.start} .. {keys.end}: launch a backfill",
+            allow_retries=False,
+        )
+    return date.fromisoformat(keys.start)
 
 
 def transactions_with_history() -> AssetDep:
@@ -85,6 +120,7 @@ class BatchScoringConfig(Config):
 
 def score_day(
     context: AssetExecutionContext,
+    day: date,
     database: DatabaseResource,
     loaded: tuple[RiskModel, str],
     config: BatchScoringConfig,
@@ -102,7 +138,7 @@ def score_day(
     report = score_partition(
         database.engine,
         predictor,
-        date.fromisoformat(context.partition_key),
+        day,
         producer=producer,
         history_length=predictor.history_length,
         chunk_rows=config.chunk_rows,
