@@ -22,7 +22,14 @@ from sqlalchemy.engine import Connection, Engine
 
 from inference.contract import FrameHistory, Predictor, StagedPredictor
 from inference.pipeline import END, Aborted, End, Pipeline
-from inference.records import RAW_COLUMNS, RejectReason, strip_text_fields, validate
+from inference.records import (
+    RAW_COLUMNS,
+    RECEIVED_PREFIX,
+    STRIPPED_COLUMNS,
+    RejectReason,
+    strip_text_fields,
+    validate,
+)
 from inference.sources.common import MALFORMED_ROW, PROBLEM
 from inference.store import (
     HISTORY_SCHEMA,
@@ -47,12 +54,14 @@ from inference.store import (
 )
 
 # Rows that cannot be stored as a source record at all (no key, the key already taken in this
-# batch, text PostgreSQL cannot hold) are quarantined at ingest; everything else is stored as
-# received and judged at scoring.
+# batch, text PostgreSQL cannot hold, an amount text the number column cannot hold) are
+# quarantined at ingest, with the fields as received; everything else is stored as received
+# and judged at scoring.
 INGEST_REJECTIONS = {
     RejectReason.NUL_CHARACTER.value,
     RejectReason.MISSING_FIELD.value,
     RejectReason.DUPLICATE_ID.value,
+    RejectReason.AMOUNT_UNPARSABLE.value,
 }
 
 
@@ -66,7 +75,14 @@ class IngestReport:
 
 def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
     """Store one source day idempotently; identical re-sends change nothing."""
-    checked = validate(strip_text_fields(frame))
+    # The text fields as received ride along, for the quarantine payload of a row refused here
+    # (a source that strips them itself hands them over as received already).
+    received = frame.with_columns(
+        pl.col(name).alias(f"{RECEIVED_PREFIX}{name}")
+        for name in STRIPPED_COLUMNS
+        if f"{RECEIVED_PREFIX}{name}" not in frame.columns
+    )
+    checked = validate(strip_text_fields(received))
     if PROBLEM in checked.columns:
         # A row its source could not read as written (see `sources.PROBLEM`) is quarantined as that,
         # with the why, whatever its values would say: they are not what the user wrote.

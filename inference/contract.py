@@ -247,6 +247,7 @@ def describe_rejection(reason: str, row: dict[str, object]) -> str:
         RejectReason.MISSING_FIELD: "transaction_id/account_id",
         RejectReason.DUPLICATE_ID: "transaction_id",
         RejectReason.BAD_CURRENCY: "currency",
+        RejectReason.AMOUNT_UNPARSABLE: "amount",
         RejectReason.AMOUNT_NOT_FINITE: "amount",
         RejectReason.AMOUNT_NEGATIVE: "amount",
         RejectReason.AMOUNT_ABSURD: "amount",

@@ -133,6 +133,9 @@ class RejectReason(enum.StrEnum):
     DUPLICATE_ID = "duplicate_id"
     # Malformed, not merely unseen: an unseen well-formed value is scored (see CURRENCIES).
     BAD_CURRENCY = "bad_currency"
+    # Text that is no number ("12;50", "12,50"): malformed, where `amount_not_finite` is a number
+    # that is NaN or infinite, or no amount at all. Quarantined at ingest with the text received.
+    AMOUNT_UNPARSABLE = "amount_unparsable"
     AMOUNT_NOT_FINITE = "amount_not_finite"
     AMOUNT_NEGATIVE = "amount_negative"
     AMOUNT_ABSURD = "amount_absurd"
@@ -150,6 +153,7 @@ REASON_ORDER: tuple[RejectReason, ...] = (
     RejectReason.MISSING_FIELD,
     RejectReason.DUPLICATE_ID,
     RejectReason.BAD_CURRENCY,
+    RejectReason.AMOUNT_UNPARSABLE,
     RejectReason.AMOUNT_NOT_FINITE,
     RejectReason.AMOUNT_NEGATIVE,
     RejectReason.AMOUNT_ABSURD,
@@ -170,6 +174,12 @@ RAW_SCHEMA: dict[str, pl.DataType] = {
     "event_time": pl.String(),
 }
 RAW_COLUMNS: tuple[str, ...] = tuple(RAW_SCHEMA)
+# A field as its source received it, beside the RAW column that holds it read (stripped, or an
+# amount parsed), null where the two agree: a quarantine payload keeps the text the user wrote.
+# RECEIVED_AMOUNT is set only on a day with an amount text that is no number, since RAW_SCHEMA's
+# float column cannot hold "12;50"; validation names such a row amount_unparsable.
+RECEIVED_PREFIX = "received_"
+RECEIVED_AMOUNT = f"{RECEIVED_PREFIX}amount"
 TEXT_COLUMNS: tuple[str, ...] = tuple(name for name, dtype in RAW_SCHEMA.items() if dtype == pl.String())
 
 
@@ -270,22 +280,45 @@ def strip_text_fields(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.with_columns(pl.col(STRIPPED_COLUMNS).str.strip_chars())
 
 
+def received_columns(records: list[dict[str, Any]]) -> list[pl.Series]:
+    """The fields `raw_frame(records)` does not hold as received (text it strips, an amount text
+    that is no number), as RECEIVED_PREFIX columns: the text on rows where it differs, else null.
+    Only the columns with such a row."""
+    columns = []
+    for name in (*STRIPPED_COLUMNS, "amount"):
+        values = [record.get(name) for record in records]
+        if name == "amount":
+            received = [value if _read_amount(value)[1] else None for value in values]
+        else:
+            received = [
+                value if isinstance(value, str) and value.strip(WHITESPACE) != value else None for value in values
+            ]
+        if any(value is not None for value in received):
+            columns.append(pl.Series(f"{RECEIVED_PREFIX}{name}", received, dtype=pl.String))
+    return columns
+
+
 def _as_float(value: Any) -> float | None:
+    return _read_amount(value)[0]
+
+
+def _read_amount(value: Any) -> tuple[float | None, bool]:
+    """(the amount, NaN when it is no number; whether it was text that is no number)."""
     if value is None or isinstance(value, bool):
-        return None
+        return None, False
     if isinstance(value, str):
         # Read as a CSV cell is (polars' cast after a strip): ASCII digits, sign, point, exponent.
         # Python's float() alone also reads "1_000" as 1000 and "١٢" or "１２" as 12, which a file
         # with the same text quarantines: one record would mean two things.
         value = value.strip(WHITESPACE)
         if not value:
-            return None  # a blank cell is no amount, as in a CSV
+            return None, False  # a blank cell is no amount, as in a CSV
         if not value.isascii() or "_" in value:
-            return math.nan
+            return math.nan, True
     try:
-        return float(value)
+        return float(value), False
     except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond float range
-        return math.nan
+        return math.nan, isinstance(value, str)
 
 
 # Every eager polars operation is a query of its own, with a fixed cost (about 0.1 ms on this
@@ -314,7 +347,8 @@ def parse_event_time(column: pl.Expr) -> pl.Expr:
 def validate(frame: pl.DataFrame) -> pl.DataFrame:
     """Return `frame` plus `event_ts` (parsed) and `reject_reason` (null if valid).
 
-    `frame` needs the RAW_SCHEMA columns; any others (labels, partition keys) are carried along.
+    `frame` needs the RAW_SCHEMA columns; any others (labels, partition keys, RECEIVED_AMOUNT) are
+    carried along.
 
     Duplicated ids: the first occurrence is kept, every later one is rejected, so a frame's valid
     rows always have unique ids.
@@ -327,15 +361,16 @@ def validate(frame: pl.DataFrame) -> pl.DataFrame:
         # A stage of its own: in `parse_event_time` the parse would run twice, and beside the
         # reason a second output costs an online batch more than this stage does.
         .with_columns(event_ts=pl.when(pl.col("event_ts").dt.year().is_between(1, 9999)).then(pl.col("event_ts")))
-        .with_columns(reject_reason=_reject_reason())
+        .with_columns(reject_reason=_reject_reason(RECEIVED_AMOUNT in frame.columns))
     )
 
 
 @functools.cache
-def _reject_reason() -> pl.Expr:
+def _reject_reason(amount_received: bool) -> pl.Expr:
     """validate()'s rules as one expression, built once: building it cost a sixth of validating
     one online batch. Polars expressions are immutable, so every caller may share it."""
     amount = pl.col("amount")
+    unparsable = pl.col(RECEIVED_AMOUNT).is_not_null() if amount_received else pl.lit(False)
     rules: dict[RejectReason, pl.Expr] = {
         RejectReason.NUL_CHARACTER: pl.any_horizontal(
             pl.col(name).str.contains("\x00", literal=True).fill_null(False) for name in TEXT_COLUMNS
@@ -352,6 +387,7 @@ def _reject_reason() -> pl.Expr:
         RejectReason.DUPLICATE_ID: pl.col("transaction_id").is_not_null()
         & ~pl.col("transaction_id").is_first_distinct(),
         RejectReason.BAD_CURRENCY: ~pl.col("currency").str.contains(CURRENCY_PATTERN).fill_null(False),
+        RejectReason.AMOUNT_UNPARSABLE: unparsable,
         RejectReason.AMOUNT_NOT_FINITE: amount.is_null() | ~amount.is_finite().fill_null(False),
         RejectReason.AMOUNT_NEGATIVE: amount < 0,
         RejectReason.AMOUNT_ABSURD: amount > MAX_PLAUSIBLE_AMOUNT,

@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 import polars as pl
 
-from inference.records import RAW_COLUMNS, RAW_SCHEMA
+from inference.records import RAW_COLUMNS, RAW_SCHEMA, RECEIVED_AMOUNT
 
 SourceFormat = Literal["parquet", "csv", "ndjson"]
 DEFAULT_PATTERN = "{date:%Y-%m-%d}.csv"
@@ -132,16 +132,22 @@ def _named(frame: pl.DataFrame, where: str) -> pl.DataFrame:
 def conform(frame: pl.DataFrame, where: str, *, typed: bool) -> pl.DataFrame:
     """`frame` in RAW_SCHEMA (+ label_fraud), or SourceError naming `where` and the column.
 
-    `typed` False (CSV): every column is text and amounts are parsed here, a blank one to null and
-    an unparsable one to NaN, as `raw_frame` does, so validation rejects that row alone. `typed`
-    True (Parquet, NDJSON): a column of the wrong type is the file's error.
+    `typed` False (CSV, NDJSON read as text): every column is text and amounts are parsed here, a
+    blank one to null and an unparsable one to NaN, as `raw_frame` does, its text kept in
+    RECEIVED_AMOUNT (only on a day that has one), so validation rejects that row alone and its
+    quarantine keeps the text. `typed` True (Parquet): a column of the wrong type is the file's error.
     """
     frame = _named(frame, where)
     _missing(frame.columns, where)
     exprs = [_column(name, frame.schema[name], where, typed) for name in RAW_COLUMNS]
     if LABEL in frame.columns:
         exprs.append(_label(frame.schema[LABEL], where, typed))
-    return frame.select(exprs)
+    if typed:
+        return frame.select(exprs)
+    text = pl.col("amount").str.strip_chars()
+    unparsable = (text != "") & text.cast(pl.Float64, strict=False).is_null()
+    read = frame.select(*exprs, pl.when(unparsable).then(pl.col("amount")).alias(RECEIVED_AMOUNT))
+    return read if read[RECEIVED_AMOUNT].is_not_null().any() else read.drop(RECEIVED_AMOUNT)
 
 
 def _wrong(where: str, name: str, expected: str, found: pl.DataType) -> SourceError:

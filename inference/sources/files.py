@@ -417,8 +417,9 @@ def _lines(data: Any) -> Iterator[bytes]:
 
 def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]:
     """The file's RAW and label fields as text (conform parses them as a CSV's cells), and for
-    each row why it could not be read as written, or None. A value that cannot be read is null in
-    the frame, so validation alone refuses its row too; its detail keeps what was written."""
+    each row why it could not be read as written, or None. A text field that cannot be read is null
+    in the frame and an amount is its JSON text, so validation alone refuses its row too; its
+    detail keeps what was written."""
     columns: dict[str, list[str | None]] = {}  # each kept key as written: its value on every row
     fields: dict[str, str | None] = {}  # each key seen: the field it names, or None (ignored)
     problems: list[str | None] = []
@@ -481,7 +482,11 @@ def _as_text(name: str, value: Any) -> tuple[str | None, str | None]:
         return str(value), None  # a float's str reads back exactly: "12.5", "inf", "nan"
     if name == LABEL:
         return None, None  # ground truth, not an input: unknown, as a CSV's "maybe"
-    return None, "a number" if name == "amount" else "text"
+    if name == "amount":
+        # As written ('"12.5"', 'true'): no number to conform, so it is the received text its
+        # quarantine keeps (RECEIVED_AMOUNT).
+        return json.dumps(value, ensure_ascii=False), "a number"
+    return None, "text"
 
 
 def _kind(value: Any) -> str:

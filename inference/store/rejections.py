@@ -12,7 +12,7 @@ import polars as pl
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from inference.records import RAW_COLUMNS, hash_inputs
+from inference.records import RAW_COLUMNS, RECEIVED_PREFIX, hash_inputs
 from inference.store.engine import _chunks, utc_now
 from inference.store.merge import _SQLITE_ROWS_PER_STATEMENT, _insert_for
 from inference.store.schema import (
@@ -75,7 +75,8 @@ def quarantine(
     run_id: str | None = None,
     request_id: str | None = None,
 ) -> int:
-    """Record rejected rows (RAW columns + reject_reason [+ reject_detail]) with their reason.
+    """Record rejected rows (RAW columns + reject_reason [+ reject_detail] [+ received_<field>])
+    with their reason.
 
     The same record rejected again for the same reason (a rerun) updates `last_seen` instead of
     adding a row, and reopens it if it was resolved: the record is refused again (an operator
@@ -90,10 +91,23 @@ def quarantine(
     details = rejected["reject_detail"].to_list() if "reject_detail" in rejected.columns else [None] * rejected.height
     records = []
     raw_rows = rejected.select(RAW_COLUMNS).to_dicts()
-    for raw, reason, detail, digest in zip(
-        raw_rows, rejected["reject_reason"].to_list(), details, hashes.to_list(), strict=True
+    # The payload keeps each field as received where a source handed it beside the value read
+    # (`RECEIVED_PREFIX`): "12;50" rather than no amount, " US$ " rather than "US$".
+    # A received text the RAW value does not hold ("12;50" and "12;5O" both read as no amount)
+    # also keys the rejection, so that a changed record is a new rejection.
+    payloads = [dict(raw) for raw in raw_rows]
+    as_received = [""] * rejected.height
+    for name in RAW_COLUMNS:
+        if f"{RECEIVED_PREFIX}{name}" in rejected.columns:
+            values = rejected[f"{RECEIVED_PREFIX}{name}"].to_list()
+            for row, (payload, value) in enumerate(zip(payloads, values, strict=True)):
+                if value is not None and value != payload[name]:
+                    payload[name] = value
+                    as_received[row] += f"|{name}={value}"
+    for raw, payload, reason, detail, digest, received in zip(
+        raw_rows, payloads, rejected["reject_reason"].to_list(), details, hashes.to_list(), as_received, strict=True
     ):
-        key = "|".join([path.value, stage.value, str(raw["transaction_id"]), str(reason), digest])
+        key = "|".join([path.value, stage.value, str(raw["transaction_id"]), str(reason), digest]) + received
         records.append(
             {
                 "rejection_key": hashlib.sha256(key.encode()).hexdigest()[:40],
@@ -107,7 +121,7 @@ def quarantine(
                 "request_id": request_id,
                 "reason": reason,
                 "detail": _storable(detail),
-                "payload": json.dumps(raw, sort_keys=True, default=str, allow_nan=True),
+                "payload": json.dumps(payload, sort_keys=True, default=str, allow_nan=True),
                 "input_hash": digest,
                 "first_seen": now,
                 "last_seen": now,

@@ -33,7 +33,7 @@ from inference.records import (
     raw_frame,
     validate,
 )
-from inference.sources import FileSource
+from inference.sources import FileSource, SqlSource
 from inference.store import (
     StoreHistory,
     make_engine,
@@ -271,6 +271,70 @@ def test_a_row_its_source_could_not_read_is_quarantined_at_ingest_with_why(engin
             "line 4: not JSON (key must be a string at line 1 column 2): {not json",
         ),
     ]
+
+
+# The README's own bad row, with its id and currency padded as a hand-made export pads them.
+AS_RECEIVED = {
+    "transaction_id": " bad-1 ",
+    "account_id": "a-1",
+    "amount": "12;50",
+    "currency": " USD",
+    "merchant_category": "grocery",
+    "country": "US",
+    "event_time": "2026-11-03T09:30:00Z",
+}
+
+
+def _day_as(kind: str, tmp_path: Path, rows: list[dict[str, str]]) -> FileSource | SqlSource:
+    """`rows` (every value text) as a user's CSV file, NDJSON file or SQL table of text columns."""
+    if kind == "csv":
+        pl.DataFrame(rows, schema=dict.fromkeys(RAW_COLUMNS, pl.String)).write_csv(tmp_path / f"{DAY}.csv")
+        return FileSource(str(tmp_path))
+    if kind == "ndjson":
+        # A JSON number where the text is one; the bad amount can only be a JSON string.
+        numbers = {row["amount"]: float(row["amount"]) for row in rows if row["amount"] != AS_RECEIVED["amount"]}
+        lines = [json.dumps({**row, "amount": numbers.get(row["amount"], row["amount"])}) for row in rows]
+        (tmp_path / f"{DAY}.ndjson").write_text("\n".join(lines) + "\n")
+        return FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson")
+    url = f"sqlite:///{tmp_path / 'source.db'}"
+    source_engine = sa.create_engine(url)
+    try:
+        with source_engine.begin() as conn:
+            conn.execute(sa.text(f"CREATE TABLE payments ({', '.join(f'{name} TEXT' for name in RAW_COLUMNS)})"))
+            conn.execute(
+                sa.text(f"INSERT INTO payments VALUES ({', '.join(f':{name}' for name in RAW_COLUMNS)})"), rows
+            )
+    finally:
+        source_engine.dispose()
+    return SqlSource(url, f"SELECT {', '.join(RAW_COLUMNS)} FROM payments")
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason", "amount", "detail"),
+    [
+        ("csv", "amount_unparsable", "12;50", None),
+        ("sql", "amount_unparsable", "12;50", None),
+        # A JSON string amount breaks the file's typing first, as a request's is a 422.
+        ("ndjson", "malformed_row", '"12;50"', 'line 2: amount: "12;50" is a JSON string, not a number'),
+    ],
+)
+def test_a_quarantined_row_keeps_every_field_as_received_under_its_first_broken_rule(
+    engine: Engine, tmp_path: Path, kind: str, reason: str, amount: str, detail: str | None
+) -> None:
+    """`12;50` is an amount that is no number, not a non-finite one, and the quarantine keeps the
+    text: before, it was `amount_not_finite` with no amount at all in its payload."""
+    good = {**AS_RECEIVED, "transaction_id": "good-1", "amount": "12.50", "currency": "USD"}
+    source = _day_as(kind, tmp_path, [good, AS_RECEIVED])
+
+    report = ingest_day(engine, source.read(DAY).frame, DAY)
+
+    assert (report.rows_received, report.rows_stored, report.rejected_at_ingest) == (2, 1, 1)
+    with engine.connect() as conn:
+        assert read_partition_rows(conn, DAY)["transaction_id"].to_list() == ["good-1"]
+        r = rejected_records.c
+        (row,) = conn.execute(sa.select(r.transaction_id, r.stage, r.reason, r.detail, r.payload)).all()
+    assert (row.transaction_id, row.stage, row.reason, row.detail) == ("bad-1", "ingest", reason, detail)
+    assert json.loads(row.payload) == {**AS_RECEIVED, "amount": amount}
 
 
 @pytest.mark.parametrize(("chunk_rows", "pipelined"), [(8192, True), (2, True), (1, False)])

@@ -20,6 +20,7 @@ from inference.records import (
     Transaction,
     format_event_time,
     raw_frame,
+    received_columns,
     split_valid,
     validate,
 )
@@ -379,12 +380,15 @@ def test_an_amount_given_as_text_reads_as_a_csv_cell_does(text: str) -> None:
     """A SQL source's text amount (`raw_frame`) is read as a CSV cell is (the polars cast): before,
     Python's float() read "1_000" as 1000 and Arabic-Indic or fullwidth digits as 12, amounts the
     same file quarantined.
-    A request's amount is a JSON number (test_transaction_model_rejects_the_same_bad_values)."""
+    A request's amount is a JSON number (test_transaction_model_rejects_the_same_bad_values).
+    Text that is no number is `amount_unparsable` from either source, not `amount_not_finite`."""
     cells = pl.DataFrame({name: [str(value)] for name, value in record(amount=text).items()})
     as_csv = validate(conform(cells, "day.csv", typed=False))
-    as_sql = validate(raw_frame([record(amount=text)]))
+    as_sql = validate(raw_frame([record(amount=text)]).with_columns(received_columns([record(amount=text)])))
     assert as_sql["reject_reason"].to_list() == as_csv["reject_reason"].to_list(), text
     assert as_sql["amount"].fill_nan(-1.0).to_list() == as_csv["amount"].fill_nan(-1.0).to_list(), text
+    no_number = text in ("1_000", "9_99", "\u0661\u0662", "\uff11\uff12", "12,50")
+    assert (as_csv["reject_reason"].to_list() == [RejectReason.AMOUNT_UNPARSABLE.value]) is no_number, text
 
 
 def test_the_canonical_event_time_writes_four_digit_years() -> None:

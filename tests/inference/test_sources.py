@@ -275,7 +275,7 @@ def test_bad_cells_in_a_csv_are_rows_for_validation_to_reject(tmp_path: Path) ->
     reasons = dict(zip(keys, checked["reject_reason"], strict=True))
     assert reasons == {
         "a-1:u-1": None,
-        "a-1:bad-amount": RejectReason.AMOUNT_NOT_FINITE.value,
+        "a-1:bad-amount": RejectReason.AMOUNT_UNPARSABLE.value,
         "a-1:no-amount": RejectReason.AMOUNT_NOT_FINITE.value,
         "a-1:nan-amount": RejectReason.AMOUNT_NOT_FINITE.value,
         "a-1:bad-time": RejectReason.TIMESTAMP_UNPARSABLE.value,
