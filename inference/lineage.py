@@ -1,16 +1,17 @@
 """Why does transaction X have score Y: every answer each path gave, which one is current, its
 producer, model and code version, input and history hashes, and why the paths differ if they do;
-and apart, the challenger's answers (replays and shadows), which no client ever received."""
+every time a path refused it (quarantined: where, when and why); and apart, the challenger's
+answers (replays and shadows), which no client ever received."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from inference.agreement import cause_of
-from inference.store import ResultPath, challenger_lineage_rows, lineage_rows
+from inference.store import ResultPath, challenger_lineage_rows, lineage_rows, rejection_rows
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,28 @@ class ResultLineage:
 
 
 @dataclass(frozen=True)
+class RejectionLineage:
+    """A time a path refused the transaction (`rejected_records`): where, when and why."""
+
+    rejection_id: int
+    reason: str  # an inference.records.RejectReason, or a source's or the store's reason
+    detail: str | None
+    path: str  # batch | online
+    stage: str  # an inference.store.RejectStage: ingest | score | write
+    where: str  # the path, stage and partition (with its Dagster run) or request, in words
+    partition_key: str | None
+    run_id: str | None
+    dagster_run_url: str | None
+    request_id: str | None
+    received: str  # the record as received, JSON text (NaN and Infinity as sent)
+    first_seen: str
+    last_seen: str
+    seen_count: int
+    resolved: bool
+    resolution: str | None  # an inference.store.Resolution
+
+
+@dataclass(frozen=True)
 class TransactionLineage:
     transaction_id: str
     source_found: bool
@@ -45,10 +68,17 @@ class TransactionLineage:
     results: list[ResultLineage]
     # The challenger's answers: path batch (a replay) or shadow; never current, never returned.
     challenger_results: list[ResultLineage]
+    # Every quarantine of this id, oldest first: a record refused before it was stored has only these.
+    rejections: list[RejectionLineage] = field(default_factory=list)
 
     @property
     def current(self) -> ResultLineage | None:
         return next((result for result in self.results if result.current), None)
+
+    @property
+    def found(self) -> bool:
+        """Anything known of the id: a stored record, an answer, or a rejection."""
+        return self.source_found or bool(self.results) or bool(self.rejections)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +107,7 @@ def explain(
     with engine.connect() as conn:
         source, rows = lineage_rows(conn, transaction_id)
         challenger_rows = challenger_lineage_rows(conn, transaction_id)
+        rejected = rejection_rows(conn, transaction_id)
     current_hash = source["input_hash"] if source else None
     current = _current_index(rows, current_hash, production_version)
     batch_rows = [row for row in rows if row["path"] == ResultPath.BATCH.value]
@@ -100,6 +131,33 @@ def explain(
         challenger_results=[
             _result(row, current_hash, dagster_ui_url, current=False, paired=None) for row in challenger_rows
         ],
+        rejections=[_rejection(row, dagster_ui_url) for row in rejected],
+    )
+
+
+def _rejection(row: dict[str, Any], dagster_ui_url: str) -> RejectionLineage:
+    if row["path"] == ResultPath.BATCH.value:
+        run = f" (dagster run {row['run_id']})" if row["run_id"] else ""
+        where = f"batch {row['stage']} of partition {row['partition_key']}{run}"
+    else:
+        where = f"{row['path']} {row['stage']} of request {row['request_id']}"
+    return RejectionLineage(
+        rejection_id=row["rejection_id"],
+        reason=row["reason"],
+        detail=row["detail"],
+        path=row["path"],
+        stage=row["stage"],
+        where=where,
+        partition_key=row["partition_key"],
+        run_id=row["run_id"],
+        dagster_run_url=f"{dagster_ui_url.rstrip('/')}/runs/{row['run_id']}" if row["run_id"] else None,
+        request_id=row["request_id"],
+        received=row["payload"],
+        first_seen=str(row["first_seen"]),
+        last_seen=str(row["last_seen"]),
+        seen_count=row["seen_count"],
+        resolved=bool(row["resolved"]),
+        resolution=row["resolution"],
     )
 
 

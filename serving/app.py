@@ -94,8 +94,8 @@ def build_app(
                 "the result store is unreachable; retry later",
                 headers={"Retry-After": "1"},
             ) from error
-        if not found.source_found and not found.results:
-            raise Refused(404, "not_found", f"no record or result for transaction {transaction_id!r}")
+        if not found.found:
+            raise Refused(404, "not_found", f"no record, result or rejection for transaction {transaction_id!r}")
         return JSONResponse(found.to_dict(), headers={REQUEST_ID_HEADER: request_id})
 
     async def openapi(_: Request) -> Response:

@@ -130,11 +130,25 @@ def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bo
     )
     if as_json:
         _say(json.dumps(report.to_dict(), indent=2, default=str))
-        return 0 if report.source_found or report.results else 1
-    if not report.source_found and not report.results:
-        _say(f"{transaction_id}: no such transaction and no results")
+        return 0 if report.found else 1
+    if not report.found:
+        _say(f"{transaction_id}: no such transaction, no results and no rejections")
         return 1
-    _say(f"{transaction_id}: partition {report.partition_date}, current input hash {report.current_input_hash}")
+    if report.source_found:
+        _say(f"{transaction_id}: partition {report.partition_date}, current input hash {report.current_input_hash}")
+    else:
+        _say(f"{transaction_id}: no stored record")
+    for rejection in report.rejections:
+        state = f"resolved ({rejection.resolution})" if rejection.resolved else "open"
+        why = f"{rejection.reason}: {rejection.detail}" if rejection.detail else rejection.reason
+        _say(f"  REJECTED at {rejection.where}: {why}")
+        _say(
+            f"    rejection {rejection.rejection_id}, {state}; seen {rejection.seen_count}x, "
+            f"first {rejection.first_seen}, last {rejection.last_seen}"
+        )
+        _say(f"    received: {rejection.received}")
+        if rejection.dagster_run_url:
+            _say(f"    run: {rejection.dagster_run_url}")
     for result in report.results:
         flags = [
             "CURRENT" if result.current else "",

@@ -60,6 +60,7 @@ from inference.store.rejections import (
     open_score_rejections,
     quarantine,
     quarantine_unwritable_result,
+    rejection_rows,
     resolve_rescored_rejections,
     resolve_superseded_rejections,
 )
@@ -160,6 +161,7 @@ __all__ = [
     "read_predictions",
     "record_challenger_report",
     "rejected_records",
+    "rejection_rows",
     "release_idempotency_key",
     "resolve_rescored_rejections",
     "resolve_superseded_rejections",

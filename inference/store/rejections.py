@@ -160,6 +160,17 @@ def count_rejected(conn: Connection, *, partition_key: str, stage: RejectStage |
     return int(conn.execute(stmt).scalar_one())
 
 
+def rejection_rows(conn: Connection, transaction_id: str) -> list[dict[str, Any]]:
+    """Every quarantine row of one transaction, oldest first (the id as `quarantine` stores it)."""
+    r = rejected_records.c
+    stmt = (
+        sa.select(rejected_records)
+        .where(r.transaction_id == _storable(transaction_id))
+        .order_by(r.first_seen, r.rejection_id)
+    )
+    return [dict(row) for row in conn.execute(stmt).mappings()]
+
+
 # ------------------------------------------------------------------ resolution
 def _open_score_rejection(partition_key: str) -> sa.ColumnElement[bool]:
     r = rejected_records.c

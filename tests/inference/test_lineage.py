@@ -8,13 +8,16 @@ import json
 from datetime import date, timedelta
 from typing import Any
 
+import polars as pl
 import pytest
 from sqlalchemy.engine import Engine
 
 from inference.agreement import Cause
+from inference.batch import ingest_day
 from inference.lineage import explain
 from inference.records import validate
-from inference.store import read_predictions, upsert_transactions, utc_now
+from inference.sources.common import conform
+from inference.store import RejectStage, ResultPath, quarantine, read_predictions, upsert_transactions, utc_now
 from tandem import cli
 from tests.answers import answer, write_answers
 from tests.inference.support import frame_of, record
@@ -187,3 +190,73 @@ def test_the_cli_answers_in_text_and_json(
     assert (results["batch"]["current"], results["online"]["current"]) == (True, False)
     assert (results["online"]["batch_score"], results["online"]["versus_batch"]) == (0.25, "agree")
     assert cli.main(["lineage", "no-such-transaction"]) == 1
+
+
+REFUSED = "tx-refused"
+
+
+def _refuse_at_ingest_and_online(engine: Engine) -> None:
+    """`REFUSED` refused by the batch path's ingest (a decimal-comma amount in a CSV cell) and, earlier,
+    by an online request (a malformed currency)."""
+    with engine.begin() as conn:
+        online = validate(frame_of(record(transaction_id=REFUSED, currency="US$")))
+        quarantine(conn, online, path=ResultPath.ONLINE, stage=RejectStage.SCORE, request_id="req-7")
+    cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id=REFUSED).items()})
+    ingest_day(engine, conform(cells.with_columns(amount=pl.lit("12,50")), "day.csv", typed=False), DAY)
+
+
+def test_a_rejected_id_says_where_when_and_why(engine: Engine) -> None:
+    """Before, an id refused before it was stored had no lineage at all ("no such transaction")."""
+    _refuse_at_ingest_and_online(engine)
+
+    report = explain(engine, REFUSED, dagster_ui_url="http://ui")
+
+    assert report.found and not report.source_found and not report.results
+    online, ingest = report.rejections
+    assert (online.reason, online.where, online.request_id) == (
+        "bad_currency",
+        "online score of request req-7",
+        "req-7",
+    )
+    assert (ingest.reason, ingest.where) == ("amount_unparsable", f"batch ingest of partition {DAY.isoformat()}")
+    assert json.loads(ingest.received)["amount"] == "12,50"
+    assert (ingest.seen_count, ingest.resolved, ingest.resolution) == (1, False, None)
+    assert online.first_seen <= ingest.first_seen
+
+
+def test_the_cli_says_a_rejected_id_was_rejected_where_and_why(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _refuse_at_ingest_and_online(engine)
+    monkeypatch.setenv("DATABASE_URL", engine.url.render_as_string(hide_password=False))
+
+    assert cli.main(["lineage", REFUSED]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{REFUSED}: no stored record"
+    assert "  REJECTED at online score of request req-7: bad_currency" in lines
+    assert f"  REJECTED at batch ingest of partition {DAY.isoformat()}: amount_unparsable" in lines
+    assert any(line.startswith("    received: ") and '"amount": "12,50"' in line for line in lines)
+
+    assert cli.main(["lineage", REFUSED, "--json"]) == 0
+    answer_json = json.loads(capsys.readouterr().out)
+    assert [(r["reason"], r["stage"], r["partition_key"]) for r in answer_json["rejections"]] == [
+        ("bad_currency", "score", None),
+        ("amount_unparsable", "ingest", DAY.isoformat()),
+    ]
+    assert answer_json["results"] == [] and answer_json["source_found"] is False
+
+
+def test_a_record_refused_at_scoring_has_its_record_and_its_rejection(engine: Engine, stored_hash: str) -> None:
+    """Stored, then refused by the batch run: the partition, the run and the reason, beside the record."""
+    with engine.begin() as conn:
+        refused = validate(frame_of(record(transaction_id=TX, country="usa")))
+        quarantine(
+            conn, refused, path=ResultPath.BATCH, stage=RejectStage.SCORE, partition_key=DAY.isoformat(), run_id="run-3"
+        )
+
+    report = explain(engine, TX, dagster_ui_url="http://ui/")
+
+    assert report.source_found and not report.results
+    (rejection,) = report.rejections
+    assert rejection.where == f"batch score of partition {DAY.isoformat()} (dagster run run-3)"
+    assert (rejection.reason, rejection.dagster_run_url) == ("malformed_country", "http://ui/runs/run-3")
