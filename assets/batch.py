@@ -310,7 +310,7 @@ def build_batch_assets(
             parity = check_parity(
                 database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
             )
-        reject_rate = counts.rejected / counts.input_rows if counts.input_rows else 0.0
+        reject_rate = counts.reject_rate
         unseen_share = report.scored_with_unseen / report.scored if report.scored else 0.0
         # Above the warning bound the check fails as a warning; above the hard bound it blocks.
         rate_severity = AssetCheckSeverity.ERROR if reject_rate > config.reject_rate_max else AssetCheckSeverity.WARN
@@ -372,6 +372,8 @@ def build_batch_assets(
                     severity=rate_severity,
                     metadata={
                         "reject_rate": reject_rate,
+                        "rejected_at_scoring": counts.rejected,
+                        "rejected_at_ingest": counts.rejected_at_ingest,
                         "warn_above": config.reject_rate_warn,
                         "block_above": config.reject_rate_max,
                     },

@@ -45,6 +45,7 @@ from inference.store import (
     quarantine,
     resolve_rescored_rejections,
     resolve_superseded_rejections,
+    resolve_unsent_ingest_rejections,
     stored_elsewhere,
     stream_partition_rows,
     upsert_challenger_predictions,
@@ -97,6 +98,7 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
         | checked["transaction_id"].is_null()
     )
     storable, rejected = checked.filter(~unstorable), checked.filter(unstorable)
+    started = utc_now()
     with engine.begin() as conn:
         changed = upsert_transactions(conn, storable, day)
         # An id another day holds is not this day's record: stored, it vanished (the same content,
@@ -122,6 +124,7 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
             )
             storable = storable.filter(~taken)
         quarantine(conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=day.isoformat())
+        resolve_unsent_ingest_rejections(conn, partition_key=day.isoformat(), before=started)
     return IngestReport(frame.height, storable.height, changed, rejected.height)
 
 

@@ -63,6 +63,7 @@ from inference.store.rejections import (
     rejection_rows,
     resolve_rescored_rejections,
     resolve_superseded_rejections,
+    resolve_unsent_ingest_rejections,
 )
 from inference.store.schema import (
     HISTORY_SCHEMA,
@@ -165,6 +166,7 @@ __all__ = [
     "release_idempotency_key",
     "resolve_rescored_rejections",
     "resolve_superseded_rejections",
+    "resolve_unsent_ingest_rejections",
     "sample_batch_predictions",
     "stale_scored_partitions",
     "stored_elsewhere",

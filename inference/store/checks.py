@@ -25,6 +25,15 @@ class PartitionCounts:
     scores_out_of_range: int
     stale_answers: int  # batch answers whose input is no longer the stored record's
     answered_online: int  # input rows that the online path answered too (never skipped by batch)
+    # Open rows the day's ingest refused (not stored, so not input rows): a day its source sent
+    # only as such rows would otherwise read as nothing refused.
+    rejected_at_ingest: int = 0
+
+    @property
+    def reject_rate(self) -> float:
+        """Refused rows of the day, at ingest or at scoring, over the rows received."""
+        received = self.input_rows + self.rejected_at_ingest
+        return (self.rejected + self.rejected_at_ingest) / received if received else 0.0
 
 
 def partition_counts(
@@ -39,6 +48,11 @@ def partition_counts(
     rejected = conn.execute(
         sa.select(sa.func.count(sa.distinct(r.transaction_id))).where(
             r.partition_key == partition_key, r.stage == RejectStage.SCORE.value, r.resolved.is_(False)
+        )
+    ).scalar_one()
+    rejected_at_ingest = conn.execute(
+        sa.select(sa.func.count()).where(
+            r.partition_key == partition_key, r.stage == RejectStage.INGEST.value, r.resolved.is_(False)
         )
     ).scalar_one()
     # NaN compares greater than every number in PostgreSQL, so this also catches non-finite scores.
@@ -58,7 +72,13 @@ def partition_counts(
         .where(t.partition_date == partition_date, p.path == ResultPath.ONLINE.value)
     ).scalar_one()
     return PartitionCounts(
-        int(input_rows), int(scored), int(rejected), int(out_of_range), int(stale), int(answered_online)
+        int(input_rows),
+        int(scored),
+        int(rejected),
+        int(out_of_range),
+        int(stale),
+        int(answered_online),
+        int(rejected_at_ingest),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import polars as pl
@@ -175,6 +176,24 @@ def rejection_rows(conn: Connection, transaction_id: str) -> list[dict[str, Any]
 def _open_score_rejection(partition_key: str) -> sa.ColumnElement[bool]:
     r = rejected_records.c
     return sa.and_(r.partition_key == partition_key, r.stage == RejectStage.SCORE.value, r.resolved.is_(False))
+
+
+def resolve_unsent_ingest_rejections(conn: Connection, *, partition_key: str, before: datetime) -> int:
+    """Mark a partition's open ingest rejections not seen since `before` (the start of this
+    ingest) resolved: its source no longer sends them (a corrected file), so they no longer count
+    against the day. One sent again is reopened by `quarantine`."""
+    r = rejected_records.c
+    stmt = (
+        sa.update(rejected_records)
+        .where(
+            r.partition_key == partition_key,
+            r.stage == RejectStage.INGEST.value,
+            r.resolved.is_(False),
+            r.last_seen < before,
+        )
+        .values(**_superseded())
+    )
+    return int(conn.execute(stmt).rowcount)
 
 
 def _superseded() -> dict[str, Any]:

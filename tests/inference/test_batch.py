@@ -337,6 +337,34 @@ def test_a_quarantined_row_keeps_every_field_as_received_under_its_first_broken_
     assert json.loads(row.payload) == {**AS_RECEIVED, "amount": amount}
 
 
+def test_rows_refused_at_ingest_count_against_the_day_until_its_source_stops_sending_them(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """A file of decimal-comma amounts is refused at ingest, row by row: before, nothing was stored,
+    the reject rate read 0 of 0 and the day passed. A corrected file resolves the rejections."""
+    good = {**AS_RECEIVED, "transaction_id": "good-1", "amount": "12.50", "currency": "USD"}
+    source = _day_as("csv", tmp_path, [good, AS_RECEIVED])
+
+    def counts() -> tuple[int, int, float]:
+        with engine.connect() as conn:
+            read = partition_counts(conn, partition_date=DAY, partition_key=DAY.isoformat(), model_version="none")
+        return read.input_rows, read.rejected_at_ingest, read.reject_rate
+
+    ingest_day(engine, source.read(DAY).frame, DAY)
+    ingest_day(engine, source.read(DAY).frame, DAY)  # the same file again: still refused, seen twice
+    assert counts() == (1, 1, 0.5)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(rejected_records.c.seen_count)).scalar_one() == 2
+
+    corrected = _day_as("csv", tmp_path, [good, {**AS_RECEIVED, "amount": "12.50"}])
+    ingest_day(engine, corrected.read(DAY).frame, DAY)
+
+    assert counts() == (2, 0, 0.0)
+    with engine.connect() as conn:
+        r = rejected_records.c
+        assert conn.execute(sa.select(r.resolved, r.resolution)).one() == (True, "superseded")
+
+
 @pytest.mark.parametrize(("chunk_rows", "pipelined"), [(8192, True), (2, True), (1, False)])
 def test_a_late_record_reads_the_history_the_online_path_reads(
     engine: Engine, chunk_rows: int, pipelined: bool

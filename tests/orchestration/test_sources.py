@@ -122,6 +122,30 @@ def test_a_folder_of_a_users_csv_files_is_ingested_and_scored(
     assert reasons == {(None, RejectReason.MISSING_FIELD.value), (rows[5]["transaction_id"], "amount_unparsable")}
 
 
+def test_a_day_of_decimal_comma_amounts_blocks_on_its_reject_rate(
+    assets: list, production_tag: str, instance: DagsterInstance, sqlite_url: str, tmp_path: Path
+) -> None:
+    """Every amount `12,50`: every row refused at ingest, none stored. The reject rate counts them,
+    so the day blocks instead of passing as 0 rejected of 0 stored."""
+    rows = [{**row, "amount": row["amount"].replace(".", ",")} for row in _user_rows(PARTITION, 20)]
+    _write_csv(tmp_path / PARTITION / "export-1.csv", rows)
+
+    result = run_partition(
+        assets,
+        _resources(sqlite_url, tmp_path),
+        instance,
+        run_config=predictions_config(parity_sample=0),
+        raise_on_error=False,
+    )
+
+    assert not result.success  # the blocking check failed
+    checks = {evaluation.check_name: evaluation for evaluation in result.get_asset_check_evaluations()}
+    rate = checks["reject_rate_bounded"]
+    assert not rate.passed and rate.severity.value == "ERROR"
+    metadata = {key: value.value for key, value in rate.metadata.items()}
+    assert (metadata["reject_rate"], metadata["rejected_at_ingest"], metadata["rejected_at_scoring"]) == (1.0, 20, 0)
+
+
 def test_a_broken_day_file_fails_that_partition_alone_with_its_reason(
     assets: list, instance: DagsterInstance, sqlite_url: str, tmp_path: Path
 ) -> None:
