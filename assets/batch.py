@@ -164,7 +164,7 @@ def build_batch_assets(
             # fail this partition alone with the reason. A lost database connection is not caught.
             raise Failure(description=str(error), allow_retries=False) from error
         with retry_only_transient_errors():
-            report = ingest_day(database.engine, read.frame, day)
+            report = ingest_day(database.engine, read.frame, day, run_id=context.run.run_id)
         return MaterializeResult(
             data_version=content_version(read.frame),
             metadata={

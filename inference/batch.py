@@ -74,8 +74,9 @@ class IngestReport:
     rejected_at_ingest: int
 
 
-def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
-    """Store one source day idempotently; identical re-sends change nothing."""
+def ingest_day(engine: Engine, frame: pl.DataFrame, day: date, *, run_id: str | None = None) -> IngestReport:
+    """Store one source day idempotently; identical re-sends change nothing. `run_id`: the Dagster
+    run ingesting it, named by the rows it quarantines (their lineage)."""
     # The text fields as received ride along, for the quarantine payload of a row refused here
     # (a source that strips them itself hands them over as received already).
     received = frame.with_columns(
@@ -123,8 +124,9 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date) -> IngestReport:
                 how="diagonal_relaxed",
             )
             storable = storable.filter(~taken)
-        quarantine(conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=day.isoformat())
-        resolve_unsent_ingest_rejections(conn, partition_key=day.isoformat(), before=started)
+        key = day.isoformat()
+        quarantine(conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=key, run_id=run_id)
+        resolve_unsent_ingest_rejections(conn, partition_key=key, before=started)
     return IngestReport(frame.height, storable.height, changed, rejected.height)
 
 

@@ -144,6 +144,9 @@ def test_a_day_of_decimal_comma_amounts_blocks_on_its_reject_rate(
     assert not rate.passed and rate.severity.value == "ERROR"
     metadata = {key: value.value for key, value in rate.metadata.items()}
     assert (metadata["reject_rate"], metadata["rejected_at_ingest"], metadata["rejected_at_scoring"]) == (1.0, 20, 0)
+    # Each refused row names the run that refused it (`tandem lineage` links it).
+    runs = {r["run_id"] for r in _stored(sqlite_url, rejected_records, rejected_records.c.partition_key, PARTITION)}
+    assert runs == {result.run_id}
 
 
 def test_a_broken_day_file_fails_that_partition_alone_with_its_reason(
