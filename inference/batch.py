@@ -98,7 +98,9 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date, *, run_id: str | 
         checked["reject_reason"].is_in([*INGEST_REJECTIONS, MALFORMED_ROW]).fill_null(False)
         | checked["transaction_id"].is_null()
     )
-    storable, rejected = checked.filter(~unstorable), checked.filter(unstorable)
+    # Only refused rows need the received text: the stored rows, nearly all, are filtered without it.
+    as_received = [name for name in checked.columns if name.startswith(RECEIVED_PREFIX)]
+    storable, rejected = checked.drop(as_received).filter(~unstorable), checked.filter(unstorable)
     started = utc_now()
     with engine.begin() as conn:
         changed = upsert_transactions(conn, storable, day)
