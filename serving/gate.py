@@ -241,6 +241,11 @@ class ScoreGate:
 
         state = scope.setdefault("state", {})
         state[CALL_STATE] = call
+        # The body is JSON, validated: BentoML picks its parser by Content-Type, and a form type
+        # would send this JSON to its multipart parser (a 500 for a request that is valid).
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"] + [
+            (b"content-type", b"application/json")
+        ]
         try:
             await self.app(scope, replay, sending)
         finally:

@@ -269,9 +269,9 @@ def test_oversized_body_from_a_client_that_closes_the_connection_gets_its_413(
 
 
 def test_a_body_slower_than_its_deadline_is_refused_408_and_the_server_serves_on(server: SuiteServer) -> None:
-    """The gate answers before BentoML's own timeout starts (serving/middleware_order.py), so it
-    bounds the body itself: a client that sends its headers and then stalls holds an admission slot
-    for the request's deadline, not forever."""
+    """The gate reads the body itself, so it bounds the read by the request's deadline: a client that
+    sends its headers and then stalls holds its place in the queue for the deadline, not until
+    BentoML's backstop."""
     head = (
         b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"X-Deadline-Ms: 500\r\nContent-Length: 100\r\n\r\n"
@@ -351,6 +351,21 @@ def test_malformed_json_is_a_4xx_with_a_reason_never_a_500(server: SuiteServer) 
     assert server.score([row]).json()["results"][0]["status"] == "scored"
     assert "Exception in ASGI application" not in server.log_text()
     MEASURED["malformed"] = answers
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["multipart/form-data", "application/x-www-form-urlencoded", "text/plain", "application/octet-stream"],
+)
+def test_a_json_body_under_another_content_type_is_never_a_500(server: SuiteServer, content_type: str) -> None:
+    """The gate reads and validates the body as JSON whatever its declared type; whoever parses it
+    after the gate must not fail on the type (a multipart parser without a boundary answered 500)."""
+    body = httpx.Request("POST", "/", json={"transactions": [_valid_row(server)]}).read()
+    response = httpx.post(
+        f"{server.url}/score", content=body, headers={**server.auth(), "Content-Type": content_type}, timeout=10
+    )
+    assert response.status_code in (200, 400, 415, 422), (content_type, response.status_code, response.text[:300])
+    assert response.json()["error" if response.status_code != 200 else "results"], response.text[:300]
 
 
 def test_hostile_deadline_headers_are_refused_or_shed_never_crash(server: SuiteServer) -> None:
