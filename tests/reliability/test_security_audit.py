@@ -17,7 +17,6 @@ from dagster import DagsterInstance, serialize_value
 from pydantic import SecretStr, ValidationError
 from sqlalchemy.engine import make_url
 
-from serving.admission import LoopLag, StandingMinimum
 from serving.metrics import ServingMetrics
 from serving.security import BearerAuth, SecuritySettings
 from serving.settings import ServingSettings
@@ -244,18 +243,18 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
     class Stub:
         metrics = ServingMetrics()
         settings = ServingSettings()
+        model_version = "risk_model:stub"  # named in /openapi.json
 
         def alive(self) -> bool:
             return True
 
-        loop_lag = LoopLag()
+        def admit(self, deadline: float) -> Place:
+            return Place()  # admitted: refused next for its token, its size or its body
 
-        proxy_wait = StandingMinimum(0.25)
+    class Place:
+        """A `Reservation`'s part: given back once the request is refused for its body."""
 
-        def refuse_early(self, deadline: float, **_: object) -> None:
-            return None
-
-        def finished(self, latency_s: float | None) -> None:
+        def release(self) -> None:
             pass
 
     monkeypatch.delenv("TANDEM_SERVING_AUTH_TOKEN", raising=False)

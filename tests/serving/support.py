@@ -153,13 +153,11 @@ def serve(
     log_path: Path,
     *,
     target: str = "serving.service:RiskScorer",
-    launcher: tuple[str, ...] = ("-m", "bentoml", "serve"),
     **fields: Any,
 ) -> Iterator[S]:
     """`bentoml serve <target>` (the service, or a built Bento's tag) on a free port, this
     process's environment updated by `env`, answered as a `kind` built with `fields`; stopped
-    however the block ends. `launcher`: what Python runs with `<target> --port <port>` instead
-    (`-m serving.front`: the service behind HAProxy).
+    however the block ends.
 
     No --host: the service's own default bind address is part of what is checked. A session of
     its own, so that stopping reaches the server's worker and scoring processes too.
@@ -167,7 +165,7 @@ def serve(
     port = free_port()
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, *launcher, target, "--port", str(port)],
+            [sys.executable, "-m", "bentoml", "serve", target, "--port", str(port)],
             cwd=REPO,
             env={**os.environ, **env},
             stdout=log,

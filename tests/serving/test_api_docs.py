@@ -43,13 +43,16 @@ def bentoml_like_spec() -> dict[str, Any]:
 
 
 def test_the_limits_are_the_services_own_defaults() -> None:
-    assert Limits(
-        max_transactions=256,
-        max_body_bytes=1024 * 1024,
-        default_deadline_ms=2000.0,
-        max_deadline_ms=9000.0,
-        p99_target_ms=50.0,
-    ) == LIMITS
+    assert (
+        Limits(
+            max_transactions=256,
+            max_body_bytes=1024 * 1024,
+            default_deadline_ms=2000.0,
+            max_deadline_ms=9000.0,
+            p99_target_ms=50.0,
+        )
+        == LIMITS
+    )
     text = LIMITS.describe()
     assert "256 transactions" in text and "1,048,576 bytes" in text and "9000 ms" in text
 

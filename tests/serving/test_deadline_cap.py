@@ -1,17 +1,29 @@
 """A deadline never outlives BentoML's timeout backstop: the service answers with its own 504
-first. The backstop is kept short because each request's timer lives that long (settings.py)."""
+first (settings.py). A request's deadline is its X-Deadline-Ms header, else its body's
+deadline_ms, else the default, cut to the longest (`ScoreCall.resolve`)."""
 
 from __future__ import annotations
 
 import pytest
 from starlette.datastructures import Headers
 
-from serving.gate import _headers
+from serving.gate import Refused, ScoreCall, _check_one_key, _deadline_header, _key_header
 from serving.settings import ServingSettings
 
 
 def headers_of(headers: dict[str, str]) -> Headers:
     return Headers(raw=[(name.lower().encode(), value.encode()) for name, value in headers.items()])
+
+
+def call_with(header_deadline_ms: float | None = None, header_key: str | None = None) -> ScoreCall:
+    return ScoreCall(
+        request_id="r",
+        arrived=100.0,
+        header_deadline_ms=header_deadline_ms,
+        header_key=header_key,
+        default_deadline_ms=2000.0,
+        max_deadline_ms=9000.0,
+    )
 
 
 def test_by_default_the_backstop_is_10_s_and_the_longest_deadline_9_s() -> None:
@@ -30,10 +42,49 @@ def test_a_longer_default_deadline_moves_the_backstop_past_it(default_ms: float,
     ("header", "expected_ms"), [("600000", 9000.0), ("9000.5", 9000.0), ("5000", 5000.0), ("0.5", 0.5)]
 )
 def test_a_header_deadline_past_the_cap_is_cut_to_it_and_one_within_is_kept(header: str, expected_ms: float) -> None:
-    deadline_ms, key = _headers(headers_of({"X-Deadline-Ms": header}), 2000.0, 9000.0)
+    call = call_with(header_deadline_ms=_deadline_header(headers_of({"X-Deadline-Ms": header})))
+    key, deadline, deadline_ms = call.resolve(None, None)
     assert deadline_ms == expected_ms
+    assert deadline == pytest.approx(100.0 + expected_ms / 1000), "counted from when the gate saw the request"
     assert key is None
 
 
-def test_without_a_header_the_default_deadline_applies() -> None:
-    assert _headers(headers_of({}), 2000.0, 9000.0) == (2000.0, None)
+def test_a_body_deadline_past_the_cap_is_cut_as_a_headers_is() -> None:
+    assert call_with().resolve(None, 600000.0)[2] == 9000.0
+    assert call_with().resolve(None, 300.0)[2] == 300.0
+
+
+def test_without_a_header_or_a_field_the_default_deadline_applies() -> None:
+    assert _deadline_header(headers_of({})) is None
+    assert _key_header(headers_of({})) is None
+    assert call_with().resolve(None, None) == (None, 102.0, 2000.0)
+
+
+def test_a_header_wins_over_its_body_field() -> None:
+    call = call_with(header_deadline_ms=500.0, header_key="from-header")
+    assert call.resolve("from-body", 8000.0) == ("from-header", 100.5, 500.0)
+    assert call_with().resolve("from-body", 8000.0) == ("from-body", 108.0, 8000.0)
+
+
+@pytest.mark.parametrize("header", ["0", "-5", "nan", "inf", "soon", ""])
+def test_a_deadline_header_that_is_not_a_positive_number_is_a_400(header: str) -> None:
+    with pytest.raises(Refused) as refused:
+        _deadline_header(headers_of({"X-Deadline-Ms": header}))
+    assert (refused.value.status, refused.value.error) == (400, "bad_header")
+
+
+@pytest.mark.parametrize("key", ["", "k" * 201])
+def test_an_idempotency_key_header_out_of_bounds_is_a_400(key: str) -> None:
+    with pytest.raises(Refused) as refused:
+        _key_header(headers_of({"Idempotency-Key": key}))
+    assert (refused.value.status, refused.value.error) == (400, "bad_header")
+    assert _key_header(headers_of({"Idempotency-Key": "k" * 200})) == "k" * 200
+
+
+def test_a_header_key_and_a_different_body_key_are_a_400() -> None:
+    _check_one_key("same", "same", 1)
+    _check_one_key("only-header", None, 1)
+    _check_one_key(None, "only-body", 1)
+    with pytest.raises(Refused) as refused:
+        _check_one_key("one", "another", 3)
+    assert (refused.value.status, refused.value.error) == (400, "bad_request")

@@ -20,8 +20,9 @@ from sqlalchemy.engine import Engine
 
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import utc_now
-from serving.admission import Decision, LoopLag, StandingMinimum
+from serving.admission import Decision
 from serving.app import build_app
+from serving.batcher import Reservation
 from serving.metrics import ITEM_OUTCOMES, SCORE_BUCKETS, ServingMetrics, latency_buckets
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import ItemError, ItemResult
@@ -239,34 +240,53 @@ def unseen(metrics: ServingMetrics, field: str) -> float:
 
 
 # ------------------------------------------------------------------ /score with a scripted scorer
+class CountingQueue:
+    """Stands for the batcher behind a `Reservation`: how many places are still held."""
+
+    def __init__(self) -> None:
+        self.reserved = 0
+
+    def unreserve(self) -> None:
+        self.reserved -= 1
+
+
 class ScriptedScorer:
-    """What build_app reads from an OnlineScorer, with `score` replaced by a script."""
+    """What build_app reads from an OnlineScorer, with `score` replaced by a script; `admit`
+    admits everything (or refuses with `refusal`), each admission a real `Reservation`."""
 
     def __init__(
-        self, script: Callable[[], Any], *, scoring: bool = True, target_ms: float = 50, behind_proxy: bool = False
+        self,
+        script: Callable[[], Any],
+        *,
+        scoring: bool = True,
+        target_ms: float = 50,
+        refusal: Decision | None = None,
     ) -> None:
-        self.settings = ServingSettings(p99_target_ms=target_ms, trust_request_start=behind_proxy)
+        self.settings = ServingSettings(p99_target_ms=target_ms)
         self.metrics = ServingMetrics(settings=self.settings)
         self._script = script
         self._scoring = scoring
-        self.finished_latencies: list[float | None] = []
-        self.counted_from: list[float | None] = []
-        self.loop_lag = LoopLag()
-        self.proxy_wait = StandingMinimum(self.settings.burst_interval_ms / 1000)
+        self._refusal = refusal
+        self.queue = CountingQueue()
+        self.admitted: list[Reservation] = []
+        self.scored_with: list[Reservation | None] = []
 
     def scoring_available(self) -> bool:
         return self._scoring
 
-    def refuse_early(self, deadline: float, **_: object) -> None:
-        return None
-
-    def finished(self, latency_s: float | None) -> None:
-        self.finished_latencies.append(latency_s)
+    def admit(self, deadline: float) -> Reservation | Decision:
+        assert deadline > time.monotonic()
+        if self._refusal is not None:
+            return self._refusal
+        self.queue.reserved += 1
+        reservation = Reservation(self.queue)  # type: ignore[arg-type]
+        self.admitted.append(reservation)
+        return reservation
 
     async def score(
-        self, transactions: list[Any], *, counted_from: float | None = None, **_: Any
+        self, transactions: list[Any], *, reservation: Reservation | None = None, **_: Any
     ) -> tuple[list[ItemResult], float]:
-        self.counted_from.append(counted_from)
+        self.scored_with.append(reservation)
         result = self._script()
         if asyncio.iscoroutine(result):
             result = await result
@@ -353,9 +373,9 @@ def test_requests_in_flight_rises_while_a_request_waits_and_falls_after() -> Non
     assert (during, after, status) == (1, 0, 200)
 
 
-def test_every_request_let_in_early_gives_its_concurrency_slot_back_once() -> None:
-    """A request refused later for its body teaches the limit nothing (None); an answered one
-    reports its latency. A slot never given back would shrink admission for good."""
+def test_every_admitted_request_gives_its_place_in_the_queue_back() -> None:
+    """Admitted before its body is read, a request holds a place in the queue until it is
+    answered or refused for its body; a place never given back would shrink admission for good."""
     scorer = ScriptedScorer(lambda: None)
 
     async def go() -> list[int]:
@@ -366,62 +386,29 @@ def test_every_request_let_in_early_gives_its_concurrency_slot_back_once() -> No
             return [answered.status_code, invalid.status_code, not_json.status_code]
 
     assert asyncio.run(go()) == [200, 422, 422]
-    answered_latency, *refused = scorer.finished_latencies
-    assert answered_latency is not None and answered_latency > 0
-    assert refused == [None, None]
+    assert len(scorer.admitted) == 3
+    assert scorer.scored_with == [scorer.admitted[0]], "the answered request scored under its own reservation"
+    assert scorer.queue.reserved == 0, "each place given back once"
 
 
-def test_a_proxys_stamped_wait_counts_for_the_limit_in_full_and_for_the_scorer_once_it_stands() -> None:
-    """Behind a proxy that stamps every request, a burst's momentary 80 ms there is not the
-    scorer's wait against the target, but a wait that every stamp of a burst interval has shown
-    is. The concurrency limit holds what the client sees: its latency counts the stamp in full."""
-    interval_s = ServingSettings().burst_interval_ms / 1000
+def test_a_request_refused_at_admission_is_shed_before_its_body_is_read() -> None:
+    refusal = Decision(admitted=False, predicted_wait_s=0.4, limit_s=0.05, reason="over_target")
+    scorer = ScriptedScorer(lambda: None, refusal=refusal)
 
-    def latency_behind(reported_wait_s: float) -> tuple[float, float]:
-        """(the limit's latency, the scorer's counted wait) of one request stamped 80 ms ago."""
-        scorer = ScriptedScorer(lambda: None, behind_proxy=True)
-        moment = time.monotonic() - interval_s - 0.05
-        while moment < time.monotonic():  # what the proxy's stamps showed for the last interval and more
-            scorer.proxy_wait.observe(reported_wait_s, moment)
-            moment += 0.01
-
-        async def go() -> float:
-            async with client_for(scorer) as client:
-                stamp = f"t={time.time() - 0.08:.6f}"
-                answer = await client.post(
-                    "/score", json={"transactions": [tx("a")]}, headers={"X-Request-Start": stamp}
-                )
-                assert answer.status_code == 200
-            return time.monotonic()
-
-        answered = asyncio.run(go())
-        latency, counted_from = scorer.finished_latencies[0], scorer.counted_from[0]
-        assert latency is not None and counted_from is not None
-        return latency, answered - counted_from
-
-    limit_latency, counted = latency_behind(0.0005)
-    assert limit_latency >= 0.08, "the limit's latency starts at the stamp"
-    assert counted < 0.05, "a burst's momentary wait is not overload"
-    assert all(waited >= 0.08 for waited in latency_behind(0.08)), "a standing wait is"
-
-
-def test_a_clients_own_stamp_is_ignored_without_a_trusted_proxy_in_front() -> None:
-    """Served directly, a stamp is the client's word: honoured, one claiming a nine-second wait
-    (within a ten-second deadline) would be a latency sample that cuts the limit for everyone."""
-    scorer = ScriptedScorer(lambda: None)
-
-    async def go() -> int:
+    async def go() -> httpx.Response:
         async with client_for(scorer) as client:
-            answer = await client.post(
-                "/score",
-                json={"transactions": [tx("a")]},
-                headers={"X-Request-Start": f"t={time.time() - 9:.6f}", "X-Deadline-Ms": "10000"},
-            )
-        return answer.status_code
+            # Not even JSON: admission answers before the body is looked at.
+            return await client.post("/score", content=b"{", headers={"content-type": "application/json"})
 
-    assert asyncio.run(go()) == 200
-    (latency,) = scorer.finished_latencies
-    assert latency is not None and latency < 1.0
+    answer = asyncio.run(go())
+    assert answer.status_code == 503
+    assert answer.headers["Retry-After"] == str(refusal.retry_after_s)
+    assert answer.json() == {
+        "error": "overloaded",
+        "detail": {"reason": "over_target", "predicted_wait_ms": 400.0, "limit_ms": 50.0},
+    }
+    assert scorer.scored_with == []
+    assert items(scorer.metrics)["shed"] == 1, "one item at least: the body is never read"
 
 
 def test_metrics_are_rendered_off_the_event_loop() -> None:

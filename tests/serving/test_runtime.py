@@ -16,21 +16,23 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
 from inference.contract import TorchPredictor
 from inference.model import ModelConfig, RiskModel
 from inference.records import Transaction
 from inference.store import read_predictions
+from serving.admission import Decision
 from serving.app import answer
 from serving.backends import ScoringBackend
-from serving.batcher import SCORING_PROCESS_DIED
+from serving.batcher import SCORING_PROCESS_DIED, Reservation
 from serving.breaker import CircuitBreaker
 from serving.gate import ScoreCall
 from serving.lifecycle import PoolSupervisor
 from serving.outbox import Outbox, PartlyWritten
 from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, Shed
-from serving.schemas import ItemError, ItemResult, ScoreRequest
+from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
 from tests.serving.support import scored_batch, started_scorer, transaction
 from tests.shared import until_async
@@ -263,62 +265,82 @@ def test_a_dead_scoring_process_is_replaced_and_liveness_fails_only_when_that_ke
     assert attempts == [MODEL] * (RESTORE_ATTEMPTS_BEFORE_RESTART + 1)
 
 
-def test_no_more_than_max_concurrency_requests_are_let_in_before_latency_is_known(
+def test_an_admitted_request_holds_a_place_in_the_queue_until_its_items_take_it(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    """The step into overload: the adaptive limit starts at its ceiling, and its first correction
-    comes only once answers have latencies, so the ceiling is what is let in until then."""
+    """`admit` runs before the body is read: each admitted request counts as one queued item, so a
+    burst read in one turn of the loop cannot all see an empty queue; its items then take its place
+    (no second admission), and a request refused for its body gives its place back."""
 
     async def scenario() -> None:
-        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path, max_concurrency=3, min_concurrency=1)
+        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path, queue_capacity=3)
         deadline = time.monotonic() + 5
-        assert [scorer.refuse_early(deadline) for _ in range(3)] == [None, None, None]
-        refusal = scorer.refuse_early(deadline)
-        assert refusal is not None and refusal.reason == "concurrency_limit"
-        scorer.finished(0.01)
-        assert scorer.refuse_early(deadline) is None, "a slot given back is taken again"
+        places = [scorer.admit(deadline) for _ in range(3)]
+        assert all(isinstance(place, Reservation) for place in places)
+        refusal = scorer.admit(deadline)
+        assert isinstance(refusal, Decision) and refusal.reason == "queue_full"
+        assert shed_count(scorer, "queue_full") == 1, "a refusal at admission is counted as shed"
+        # The queue is full of reservations, yet a reserved request is scored: its items take its place.
+        reserved = places[0]
+        assert isinstance(reserved, Reservation)
+        results, _ = await scorer.score(
+            [transaction("tx-1")], request_id="r1", idempotency_key=None, deadline=deadline, reservation=reserved
+        )
+        assert [r.status for r in results] == ["scored"]
+        # Without one, an in-process caller is admitted inside `score`, against the two places still held.
+        with pytest.raises(Shed) as shed:
+            await scorer.score(
+                [transaction(f"tx-{i}") for i in range(2)], request_id="r2", idempotency_key=None, deadline=deadline
+            )
+        assert shed.value.decision.reason == "queue_full"
+        for place in places[1:]:
+            assert isinstance(place, Reservation)
+            place.release()  # refused for its body, or the client left
+            place.release()  # given back once, however often released
+        assert all(isinstance(scorer.admit(deadline), Reservation) for _ in range(3)), "every place back"
         await scorer.close()
 
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("burst_interval_ms", [0, 60])
 def test_a_request_is_refused_before_it_is_read_once_even_one_item_would_wait_too_long(
-    sqlite_engine: Engine, tmp_path: Path, burst_interval_ms: float
+    sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    """The queue's age sheds once it has stood over the target for the burst interval (CoDel):
-    at once with no interval, else only after the interval has passed."""
+    """The one admission rule, before the body is read: refused when the predicted wait is over
+    the p99 target, or over the request's own deadline; an idle scorer refuses nothing."""
 
     async def scenario() -> None:
         fake = FakeScoring(delay_s=0.3)
-        scorer = await scorer_for(
-            fake,
-            sqlite_engine,
-            tmp_path,
-            p99_target_ms=50,
-            burst_interval_ms=burst_interval_ms,
-        )
-        assert scorer.refuse_early(time.monotonic() + 5) is None
+        scorer = await scorer_for(fake, sqlite_engine, tmp_path, p99_target_ms=50)
+        scorer.cost.calibrate([(1, 0.3), (64, 0.32)])  # what warm-up would measure of this scoring step
+        place = scorer.admit(time.monotonic() + 5)
+        assert isinstance(place, Reservation)
+        place.release()
         first = asyncio.create_task(
             scorer.score([transaction("tx-1")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5)
         )
         await until_async(lambda: fake.batches)  # tx-1 is in its batch now, for 0.3 s
-        queued = asyncio.create_task(
-            scorer.score([transaction("tx-2")], request_id="r2", idempotency_key=None, deadline=time.monotonic() + 5)
-        )
-        await asyncio.sleep(0.1)  # tx-2 has waited longer than the whole 50 ms target
-        if burst_interval_ms:
-            # First seen over the target just now: a burst, as far as anyone knows yet.
-            assert scorer.refuse_early(time.monotonic() + 5) is None
-            await asyncio.sleep(burst_interval_ms / 1000 + 0.01)
-        refusal = scorer.refuse_early(time.monotonic() + 5)
-        assert refusal is not None and refusal.reason == "over_target"
-        assert refusal.predicted_wait_s > 0.05
-        await asyncio.gather(first, queued)
-        assert scorer.refuse_early(time.monotonic() + 5) is None, "an idle scorer refuses nothing"
+        refusal = scorer.admit(time.monotonic() + 5)
+        assert isinstance(refusal, Decision) and refusal.reason == "over_target"
+        assert refusal.predicted_wait_s > 0.05 and refusal.retry_after_s >= 1
+        tight = scorer.admit(time.monotonic() + 0.01)
+        assert isinstance(tight, Decision) and tight.reason == "over_deadline"
+        await first
+        assert isinstance(scorer.admit(time.monotonic() + 5), Reservation), "an idle scorer refuses nothing"
+        assert (shed_count(scorer, "over_target"), shed_count(scorer, "over_deadline")) == (1, 1)
         await scorer.close()
 
     asyncio.run(scenario())
+
+
+def shed_count(scorer: OnlineScorer, reason: str) -> float:
+    text = scorer.metrics.exposition().decode()
+    return sum(
+        found.value
+        for family in text_string_to_metric_families(text)
+        for found in family.samples
+        if found.name == "tandem_serving_shed_total" and found.labels == {"reason": reason}
+    )
 
 
 def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_row(
@@ -399,21 +421,22 @@ def test_a_keyed_duplicate_of_a_request_whose_scoring_process_died_is_answered_5
     """Handed its first request's error, the duplicate raised one nothing above the scorer answers (a 500)."""
 
     def call(request_id: str) -> ScoreCall:
-        now = time.monotonic()
         return ScoreCall(
             request_id=request_id,
-            request=ScoreRequest(transactions=[transaction("tx-1")]),
-            idempotency_key="k",
-            deadline=now + 5,
-            deadline_ms=5000,
-            counted_from=now,
-            arrived=now,
+            arrived=time.monotonic(),
+            header_deadline_ms=5000.0,
+            header_key="k",
+            default_deadline_ms=2000.0,
+            max_deadline_ms=9000.0,
         )
 
     async def scenario() -> list[int]:
         scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path)
         scorer.swap(ScoringBackend(MODEL, DeadPool(max_workers=1), FakeScoring()))
-        answers = await asyncio.gather(answer(call("r1"), scorer), answer(call("r2"), scorer))
+        body = [transaction("tx-1")]
+        answers = await asyncio.gather(
+            answer(call("r1"), scorer, body, None, None), answer(call("r2"), scorer, body, None, None)
+        )
         await scorer.close()
         return [response.status_code for response in answers]
 

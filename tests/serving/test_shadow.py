@@ -31,7 +31,7 @@ from serving.runtime import OnlineScorer
 from serving.scoring import BatchResult, ItemSpec
 from serving.scoring_process import ScoringProcess
 from serving.settings import ServingSettings
-from serving.shadow import ShadowScorer, sampled
+from serving.shadow import ShadowLimits, ShadowScorer, sampled
 from tests.serving.support import scored_batch, started_scorer, transaction
 from tests.shared import until_async
 
@@ -93,9 +93,14 @@ async def score(scorer: OnlineScorer, ids: list[str], request_id: str = "req") -
 
 
 def with_scorer(
-    engine: Engine, tmp_path: Path, body: Callable[[OnlineScorer], Awaitable[None]], **overrides: Any
+    engine: Engine,
+    tmp_path: Path,
+    body: Callable[[OnlineScorer], Awaitable[None]],
+    limits: ShadowLimits | None = None,
+    **overrides: Any,
 ) -> None:
-    """Run `body` against a started champion scorer (sampling half the items unless overridden)."""
+    """Run `body` against a started champion scorer (sampling half the items unless overridden),
+    its shadow queue bounded by `limits` (the defaults unless given)."""
 
     async def scenario() -> None:
         scorer = await started_scorer(
@@ -105,6 +110,8 @@ def with_scorer(
             model_version=CHAMPION,
             **{"shadow_sample": 0.5, **overrides},
         )
+        if limits is not None:
+            scorer.shadow.limits = limits
         try:
             await body(scorer)
         finally:
@@ -215,7 +222,8 @@ def test_a_slow_challenger_fills_its_queue_and_drops_the_rest(sqlite_engine: Eng
         await until_async(settled)
 
     try:
-        with_scorer(sqlite_engine, tmp_path, body, shadow_sample=1.0, shadow_queue_capacity=4, shadow_max_batch=2)
+        limits = ShadowLimits(queue_capacity=4, max_batch=2)
+        with_scorer(sqlite_engine, tmp_path, body, limits, shadow_sample=1.0)
     finally:
         step.gate.set()
     assert len(shadow_rows(sqlite_engine)) == 4 == len(step.seen)
@@ -229,11 +237,12 @@ def test_an_overloaded_champion_drops_shadow_work_first(sqlite_engine: Engine) -
     metrics = ServingMetrics()
     shadow = ShadowScorer(
         engine=sqlite_engine,
-        settings=ServingSettings(shadow_sample=1.0, max_batch_size=8, shadow_max_age_ms=500),
+        settings=ServingSettings(shadow_sample=1.0, max_batch_size=8),
         metrics=metrics,
         champion_queued=lambda: waiting["items"],
         champion_busy=lambda: waiting["items"] > 0,
         clock=lambda: clock["now"],
+        limits=ShadowLimits(max_age_s=0.5),
     )
 
     async def scenario() -> None:
@@ -315,10 +324,11 @@ def test_samples_gather_into_one_challenger_batch_while_the_champion_is_idle(sql
     step = ChallengerStep()
     shadow = ShadowScorer(
         engine=sqlite_engine,
-        settings=ServingSettings(shadow_sample=1.0, shadow_linger_ms=200, shadow_max_batch=8),
+        settings=ServingSettings(shadow_sample=1.0),
         metrics=metrics,
         champion_queued=lambda: 0,
         champion_busy=lambda: champion["busy"],
+        limits=ShadowLimits(linger_s=0.2, max_batch=8),
     )
 
     async def scenario() -> None:
