@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from datetime import date
+from functools import partial
 from typing import Any
 
 import polars as pl
@@ -21,7 +22,7 @@ import torch
 from sqlalchemy.engine import Connection, Engine
 
 from inference.contract import FrameHistory, Predictor, StagedPredictor
-from inference.pipeline import END, Aborted, End, Pipeline
+from inference.pipeline import END, Aborted, Channel, End, Pipeline
 from inference.records import (
     RAW_COLUMNS,
     RECEIVED_PREFIX,
@@ -209,27 +210,93 @@ def score_partition(
     `pipelined=False` runs the same steps one chunk after another in this thread (the reference
     the pipeline is measured and tested against).
     """
-    report = PartitionReport()
-    started = time.perf_counter()
-    pipeline = Pipeline(QUEUE_DEPTH)
-    staged = predictor if isinstance(predictor, StagedPredictor) else None
-    carry = pl.DataFrame(schema=HISTORY_SCHEMA)
-    # Read once, in the write transaction, so each chunk resolves only what is open instead of
-    # running an UPDATE over every id it scored (a partition rejects a few percent of its rows).
-    open_rejections: set[str] | None = None
+    scoring = _PartitionScoring(
+        engine,
+        predictor,
+        partition_date,
+        producer=producer,
+        history_length=history_length,
+        chunk_rows=chunk_rows,
+        on_chunk=on_chunk,
+        as_challenger=as_challenger,
+    )
+    if not pipelined:
+        _score_chunk_after_chunk(scoring)
+    else:
+        if model_workers < 1:
+            raise ValueError(f"model_workers must be at least 1, not {model_workers}")
+        _score_in_pipeline(scoring, model_workers)
+    return scoring.finished()
 
-    def read_history(chunk: pl.DataFrame) -> pl.DataFrame:
+
+_STAGES = ("read", "features", "model", "write")
+
+
+class _PartitionScoring:
+    """One call of score_partition: the steps every chunk goes through, and what they carry from
+    one chunk to the next. Each step runs in one stage thread at a time (the write step in the
+    caller's), so the state needs no lock; `pipeline` times each step under its stage's name."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        predictor: Predictor,
+        partition_date: date,
+        *,
+        producer: BatchProducer,
+        history_length: int,
+        chunk_rows: int,
+        on_chunk: Callable[[ChunkProgress], None] | None,
+        as_challenger: bool,
+    ) -> None:
+        self.engine = engine
+        self.predictor = predictor
+        self.staged = predictor if isinstance(predictor, StagedPredictor) else None
+        self.partition_date = partition_date
+        self.producer = producer
+        self.history_length = history_length
+        self.chunk_rows = chunk_rows
+        self.on_chunk = on_chunk
+        self.as_challenger = as_challenger
+        self.report = PartitionReport()
+        self.pipeline = Pipeline(QUEUE_DEPTH)
+        self.started = time.perf_counter()
+        # The latest rows of the account the previous chunk ended with: part of the next one's history.
+        self.carry = pl.DataFrame(schema=HISTORY_SCHEMA)
+        # Read once, in the write transaction, so each chunk resolves only what is open instead of
+        # running an UPDATE over every id it scored (a partition rejects a few percent of its rows).
+        self.open_rejections: set[str] | None = None
+
+    def chunks(self) -> Generator[tuple[pl.DataFrame, pl.DataFrame]]:
+        """The partition's stored rows in chunks, each with its accounts' rows from earlier days."""
+        chunks = stream_partition_rows(self.engine, self.partition_date, self.chunk_rows)
+        try:
+            while True:
+                began = time.perf_counter()
+                chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                before = self._earlier_days(chunk)
+                self.pipeline.timed("read", began)
+                yield chunk, before
+        finally:
+            # Closing the generator now (not at garbage collection) releases its cursor's connection.
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    def _earlier_days(self, chunk: pl.DataFrame) -> pl.DataFrame:
         earliest = chunk.group_by("account_id").agg(pl.col("event_ts").min())
-        with engine.connect() as conn:
-            return prior_history(conn, earliest, partition_date, history_length)
+        with self.engine.connect() as conn:
+            return prior_history(conn, earliest, self.partition_date, self.history_length)
 
-    def featurise(chunk: pl.DataFrame, before: pl.DataFrame) -> Any:
-        nonlocal carry
+    def featurise(self, chunk: pl.DataFrame, before: pl.DataFrame) -> Any:
+        """The chunk validated, with its history, ready for `score` (a StagedPredictor's prepared batch)."""
         # The chunk is validated once, for both its roles (the rows scored and part of their own
         # history), and keeps the input_hash stored with it: validating twice and hashing again
         # were 40% of this stage (bench/findings.md).
         checked = validate(chunk.select(RAW_COLUMNS)).with_columns(chunk["input_hash"])
-        earlier = pl.concat([before, carry])
+        earlier = pl.concat([before, self.carry])
         history = FrameHistory(
             pl.concat(
                 [
@@ -238,116 +305,87 @@ def score_partition(
                 ]
             )
         )
-        work = staged.prepare(checked, history) if staged is not None else (checked, history)
+        work = self.staged.prepare(checked, history) if self.staged is not None else (checked, history)
         # The last account may go on in the next chunk: its latest rows are that chunk's history.
-        carry = (
+        self.carry = (
             history.valid_rows.select(*HISTORY_SCHEMA)
             .filter(pl.col("account_id") == chunk["account_id"][-1])
-            .tail(history_length)
+            .tail(self.history_length)
         )
         return work
 
-    def score(work: Any) -> pl.DataFrame:
-        return staged.complete(work) if staged is not None else predictor.predict(*work)
+    def score(self, work: Any) -> pl.DataFrame:
+        return self.staged.complete(work) if self.staged is not None else self.predictor.predict(*work)
 
-    def written(chunk: pl.DataFrame, results: pl.DataFrame, conn: Connection) -> None:
-        nonlocal open_rejections
+    def write(self, conn: Connection, chunk: pl.DataFrame, results: pl.DataFrame) -> None:
+        """One scored chunk into the partition's open transaction `conn`; progress to `on_chunk`."""
         began = time.perf_counter()
-        if open_rejections is None:
-            open_rejections = (
-                set() if as_challenger else open_score_rejections(conn, partition_key=producer.partition_key)
+        if self.open_rejections is None:
+            self.open_rejections = (
+                set() if self.as_challenger else open_score_rejections(conn, partition_key=self.producer.partition_key)
             )
-        _write_chunk(conn, chunk, results, predictor, producer, report, open_rejections, as_challenger=as_challenger)
-        pipeline.timed("write", began)
-        if on_chunk is not None:
-            elapsed = time.perf_counter() - started
-            on_chunk(ChunkProgress(report.chunks, report.rows_in, report.rows_in / elapsed if elapsed else 0.0))
+        _write_chunk(
+            conn,
+            chunk,
+            results,
+            self.predictor,
+            self.producer,
+            self.report,
+            self.open_rejections,
+            as_challenger=self.as_challenger,
+        )
+        self.pipeline.timed("write", began)
+        if self.on_chunk is not None:
+            elapsed = time.perf_counter() - self.started
+            report = self.report
+            self.on_chunk(ChunkProgress(report.chunks, report.rows_in, report.rows_in / elapsed if elapsed else 0.0))
 
-    def stream() -> Generator[tuple[pl.DataFrame, pl.DataFrame]]:
-        chunks = stream_partition_rows(engine, partition_date, chunk_rows)
-        try:
-            while True:
-                began = time.perf_counter()
-                chunk = next(chunks, None)
-                if chunk is None:
-                    return
-                before = read_history(chunk)
-                pipeline.timed("read", began)
-                yield chunk, before
-        finally:
-            # Closing the generator now (not at garbage collection) releases its cursor's connection.
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()
+    def close_partition(self, conn: Connection) -> None:
+        """After the last chunk, in the same transaction: rejections that no longer hold are resolved."""
+        if not self.as_challenger:
+            self.pipeline.timing(
+                "write", resolve_superseded_rejections, conn, partition_key=self.producer.partition_key
+            )
 
-    if not pipelined:
-        with engine.begin() as conn:
-            for chunk, before in stream():
-                work = pipeline.timing("features", featurise, chunk, before)
-                results = pipeline.timing("model", score, work)
-                written(chunk, results, conn)
-            if not as_challenger:
-                pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
-        return _finished(report, pipeline, started)
+    def finished(self) -> PartitionReport:
+        report = self.report
+        report.seconds = time.perf_counter() - self.started
+        report.stage_seconds = {stage: round(self.pipeline.busy.get(stage, 0.0), 3) for stage in _STAGES}
+        return report
 
-    if model_workers < 1:
-        raise ValueError(f"model_workers must be at least 1, not {model_workers}")
+
+def _score_chunk_after_chunk(scoring: _PartitionScoring) -> None:
+    """The reference: every step of a chunk in this thread before the next chunk is read."""
+    pipeline = scoring.pipeline
+    with scoring.engine.begin() as conn:
+        for chunk, before in scoring.chunks():
+            work = pipeline.timing("features", scoring.featurise, chunk, before)
+            results = pipeline.timing("model", scoring.score, work)
+            scoring.write(conn, chunk, results)
+        scoring.close_partition(conn)
+
+
+def _score_in_pipeline(scoring: _PartitionScoring, model_workers: int) -> None:
+    """Read, features and `model_workers` model stages in threads; the write in this one, which
+    owns the transaction. Raises the first stage's failure once every stage has returned."""
+    pipeline = scoring.pipeline
     raw_chunks, prepared_chunks, scored_chunks = pipeline.channel(), pipeline.channel(), pipeline.channel()
+    # Released once a chunk is merged: between the features stage and the merge at most this many
+    # chunks exist, however slow one model worker is.
     in_flight = threading.Semaphore(2 * QUEUE_DEPTH + model_workers)
-
-    def read_stage() -> None:
-        items = stream()
-        try:
-            for item in items:
-                pipeline.put(raw_chunks, item)
-        finally:
-            items.close()
-        pipeline.put(raw_chunks, END)
-
-    def features_stage() -> None:
-        for number, (chunk, before) in enumerate(pipeline.items(raw_chunks)):
-            work = pipeline.timing("features", featurise, chunk, before)
-            pipeline.acquire(in_flight)  # released once the chunk is merged
-            pipeline.put(prepared_chunks, (number, chunk, work))
-        pipeline.put(prepared_chunks, END)
-
-    def model_stage() -> None:
-        for number, chunk, work in pipeline.items(prepared_chunks):
-            pipeline.put(scored_chunks, (number, chunk, pipeline.timing("model", score, work)))
-        # Left on the queue for the other model workers, each of which ends its own stream.
-        pipeline.put(prepared_chunks, END)
-        pipeline.put(scored_chunks, END)
-
-    def in_order() -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
-        """Scored chunks in stream order, whichever worker finished first: every run writes in one
-        key order, so two runs racing on a partition wait for each other instead of deadlocking."""
-        waiting: dict[int, tuple[pl.DataFrame, pl.DataFrame]] = {}
-        ended, following = 0, 0
-        while ended < model_workers:
-            item = pipeline.get(scored_chunks)
-            if isinstance(item, End):
-                ended += 1
-                continue
-            number, chunk, results = item
-            waiting[number] = (chunk, results)
-            while following in waiting:
-                yield waiting.pop(following)
-                following += 1
-
     threads_before = torch.get_num_threads()
     # Set here, before the workers start: each picks the count up at its first torch operation.
     torch.set_num_threads(max(1, threads_before // model_workers))
-    pipeline.start("read", read_stage)
-    pipeline.start("features", features_stage)
+    pipeline.start("read", partial(_read_stage, scoring, raw_chunks))
+    pipeline.start("features", partial(_features_stage, scoring, raw_chunks, prepared_chunks, in_flight))
     for worker in range(model_workers):
-        pipeline.start(f"model-{worker}", model_stage)
+        pipeline.start(f"model-{worker}", partial(_model_stage, scoring, prepared_chunks, scored_chunks))
     try:
-        with engine.begin() as conn:
-            for chunk, results in in_order():
-                written(chunk, results, conn)
+        with scoring.engine.begin() as conn:
+            for chunk, results in _in_stream_order(pipeline, scored_chunks, model_workers):
+                scoring.write(conn, chunk, results)
                 in_flight.release()
-            if not as_challenger:
-                pipeline.timing("write", resolve_superseded_rejections, conn, partition_key=producer.partition_key)
+            scoring.close_partition(conn)
     except Aborted:
         # A stage failed and the transaction has rolled back: raise that stage's error, not ours.
         pipeline.close()
@@ -356,16 +394,55 @@ def score_partition(
     finally:
         pipeline.close()
         torch.set_num_threads(threads_before)
-    return _finished(report, pipeline, started)
 
 
-def _finished(report: PartitionReport, pipeline: Pipeline, started: float) -> PartitionReport:
-    report.seconds = time.perf_counter() - started
-    report.stage_seconds = {stage: round(pipeline.busy.get(stage, 0.0), 3) for stage in _STAGES}
-    return report
+def _read_stage(scoring: _PartitionScoring, raw_chunks: Channel) -> None:
+    items = scoring.chunks()
+    try:
+        for item in items:
+            scoring.pipeline.put(raw_chunks, item)
+    finally:
+        items.close()
+    scoring.pipeline.put(raw_chunks, END)
 
 
-_STAGES = ("read", "features", "model", "write")
+def _features_stage(
+    scoring: _PartitionScoring, raw_chunks: Channel, prepared_chunks: Channel, in_flight: threading.Semaphore
+) -> None:
+    pipeline = scoring.pipeline
+    for number, (chunk, before) in enumerate(pipeline.items(raw_chunks)):
+        work = pipeline.timing("features", scoring.featurise, chunk, before)
+        pipeline.acquire(in_flight)  # released once the chunk is merged
+        pipeline.put(prepared_chunks, (number, chunk, work))
+    pipeline.put(prepared_chunks, END)
+
+
+def _model_stage(scoring: _PartitionScoring, prepared_chunks: Channel, scored_chunks: Channel) -> None:
+    pipeline = scoring.pipeline
+    for number, chunk, work in pipeline.items(prepared_chunks):
+        pipeline.put(scored_chunks, (number, chunk, pipeline.timing("model", scoring.score, work)))
+    # Left on the queue for the other model workers, each of which ends its own stream.
+    pipeline.put(prepared_chunks, END)
+    pipeline.put(scored_chunks, END)
+
+
+def _in_stream_order(
+    pipeline: Pipeline, scored_chunks: Channel, model_workers: int
+) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
+    """Scored chunks in stream order, whichever worker finished first: every run writes in one
+    key order, so two runs racing on a partition wait for each other instead of deadlocking."""
+    waiting: dict[int, tuple[pl.DataFrame, pl.DataFrame]] = {}
+    ended, following = 0, 0
+    while ended < model_workers:
+        item = pipeline.get(scored_chunks)
+        if isinstance(item, End):
+            ended += 1
+            continue
+        number, chunk, results = item
+        waiting[number] = (chunk, results)
+        while following in waiting:
+            yield waiting.pop(following)
+            following += 1
 
 
 def _write_chunk(

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 _POLL_S = 0.05
 _T = TypeVar("_T")
+Channel = queue.Queue[Any]  # one bounded hand-over between two stages
 
 
 class Aborted(Exception):
@@ -43,10 +44,10 @@ class Pipeline:
         self.busy: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def channel(self) -> queue.Queue[Any]:
+    def channel(self) -> Channel:
         return queue.Queue(maxsize=self.depth)
 
-    def put(self, channel: queue.Queue[Any], item: Any) -> None:
+    def put(self, channel: Channel, item: Any) -> None:
         while not self.aborted.is_set():
             try:
                 channel.put(item, timeout=_POLL_S)
@@ -55,7 +56,7 @@ class Pipeline:
                 continue
         raise Aborted
 
-    def get(self, channel: queue.Queue[Any]) -> Any:
+    def get(self, channel: Channel) -> Any:
         while not self.aborted.is_set():
             try:
                 return channel.get(timeout=_POLL_S)
@@ -69,7 +70,7 @@ class Pipeline:
                 return
         raise Aborted
 
-    def items(self, channel: queue.Queue[Any]) -> Iterator[Any]:
+    def items(self, channel: Channel) -> Iterator[Any]:
         while not isinstance(item := self.get(channel), End):
             yield item
 
