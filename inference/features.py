@@ -175,6 +175,24 @@ def build_features(
     if not 1 <= k <= MAX_HISTORY_LENGTH:
         raise ValueError(f"history_length {k} outside 1..{MAX_HISTORY_LENGTH}")
     with_digest = "input_hash" in targets.columns and "input_hash" in history.columns
+    timeline = _timeline(targets, history, with_digest=with_digest, targets_read_each_other=targets_read_each_other)
+    # From here on numpy: a few dozen vectorised operations on the target rows only. The same
+    # steps as polars expressions cost ~7 ms of per-expression overhead for a single record.
+    target_order = timeline["target_order"].to_numpy()
+    rows = np.flatnonzero(target_order >= 0)
+    rows = rows[np.argsort(target_order[rows])]  # back to target order
+    if rows.size != targets.height:
+        # The ids below are the targets' own, so every target must be on the timeline exactly once.
+        raise ValueError(f"{rows.size} timeline rows for {targets.height} targets")
+    return _features_of_rows(targets["transaction_id"].to_list(), timeline, rows, k, with_digest=with_digest)
+
+
+def _timeline(
+    targets: pl.DataFrame, history: pl.DataFrame, *, with_digest: bool, targets_read_each_other: bool
+) -> pl.DataFrame:
+    """Targets and their accounts' history rows, encoded and sorted into timelines (one per account,
+    or one per target where targets must not read each other); `target_order` is a row's position
+    in `targets`, -1 for a history row, and `account_run` numbers the timelines in order."""
     columns = [*FEATURE_COLUMNS, "input_hash"] if with_digest else list(FEATURE_COLUMNS)
     # One lazy query up to the timeline, then numpy: as eager operations, the same steps were a
     # dozen polars queries, each with a fixed cost larger than one online record's work.
@@ -214,15 +232,14 @@ def build_features(
         timeline_query = timeline_query.with_columns(
             record_number=pl.col("input_hash").str.slice(0, 15).str.to_integer(base=16)
         )
-    timeline = run_query(timeline_query)
-    # From here on numpy: a few dozen vectorised operations on the target rows only. The same
-    # steps as polars expressions cost ~7 ms of per-expression overhead for a single record.
-    target_order = timeline["target_order"].to_numpy()
-    rows = np.flatnonzero(target_order >= 0)
-    rows = rows[np.argsort(target_order[rows])]  # back to target order
-    if rows.size != targets.height:
-        # The ids below are the targets' own, so every target must be on the timeline exactly once.
-        raise ValueError(f"{rows.size} timeline rows for {targets.height} targets")
+    return run_query(timeline_query)
+
+
+def _features_of_rows(
+    transaction_ids: list[str], timeline: pl.DataFrame, rows: np.ndarray, k: int, *, with_digest: bool
+) -> FeatureBatch:
+    """The model inputs of the timeline's `rows` (the targets, in their own order), each reading
+    up to `k` rows before it on its timeline as history."""
     account = timeline["account_run"].to_numpy()
     category = timeline["category_idx"].to_numpy()
     country = timeline["country_idx"].to_numpy()
@@ -257,8 +274,7 @@ def build_features(
         "has_history": has_history.astype(np.float64),
     }
     return FeatureBatch(
-        # `rows` are the targets in their own order.
-        transaction_ids=targets["transaction_id"].to_list(),
+        transaction_ids=transaction_ids,
         current_categorical=np.ascontiguousarray(
             np.stack([timeline[name].to_numpy()[rows] for name in CURRENT_CATEGORICAL], axis=1).astype(np.int64)
         ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import polars as pl
 import sqlalchemy as sa
@@ -47,6 +48,30 @@ def stale_scored_partitions(
     `previous_event_ts`): they read it there. Only the last correction's old position is kept: a
     record corrected twice between two ticks leaves the first old position's followers unscheduled.
     """
+    changed = _changed_without_batch_result(changed_after)
+    timeline = _accounts_timeline(changed)
+    touched = sa.union_all(
+        sa.select(changed.c.partition_date, changed.c.ingested_at),
+        _followers_of_new_place(changed, timeline, history_length),
+        _followers_of_old_place(changed, timeline, history_length),
+    ).subquery("touched")
+    p = predictions.c
+    batch_scored = (
+        sa.select(p.transaction_id)
+        .where(p.partition_key == sa.cast(touched.c.partition_date, sa.String), p.path == ResultPath.BATCH.value)
+        .exists()
+    )
+    stmt = (
+        sa.select(touched.c.partition_date, sa.func.max(touched.c.ingested_at))
+        .where(batch_scored)
+        .group_by(touched.c.partition_date)
+        .order_by(touched.c.partition_date)
+    )
+    return [PartitionChange(str(day), _aware(moment)) for day, moment in conn.execute(stmt)]
+
+
+def _changed_without_batch_result(changed_after: datetime | None) -> sa.CTE:
+    """Records ingested after `changed_after` whose current input hash has no batch result yet."""
     t, p, r = transactions.c, predictions.c, rejected_records.c
     changed_filter = [
         # Only a batch answer counts: an online answer to the corrected body leaves the batch stale.
@@ -59,7 +84,7 @@ def stale_scored_partitions(
     ]
     if changed_after is not None:
         changed_filter.append(t.ingested_at > changed_after)
-    changed = (
+    return (
         sa.select(
             t.transaction_id,
             t.account_id,
@@ -71,9 +96,13 @@ def stale_scored_partitions(
         .where(*changed_filter)
         .cte("changed")
     )
-    # The affected accounts' records in history order: valid ones (what features read) and the
-    # changed ones themselves, numbered per account.
-    timeline = (
+
+
+def _accounts_timeline(changed: sa.CTE) -> sa.CTE:
+    """The affected accounts' records in history order: valid ones (what features read) and the
+    changed ones themselves, numbered per account."""
+    t = transactions.c
+    return (
         sa.select(
             t.transaction_id,
             t.account_id,
@@ -94,8 +123,12 @@ def stale_scored_partitions(
         )
         .cte("timeline")
     )
+
+
+def _followers_of_new_place(changed: sa.CTE, timeline: sa.CTE, history_length: int) -> sa.Select[Any]:
+    """Partitions of the `history_length` records after each changed one, with the change's time."""
     at, later = timeline.alias("at_change"), timeline.alias("later")
-    downstream = (
+    return (
         sa.select(later.c.partition_date, changed.c.ingested_at)
         .select_from(changed)
         .join(at, at.c.transaction_id == changed.c.transaction_id)
@@ -108,8 +141,11 @@ def stale_scored_partitions(
             ),
         )
     )
-    # Where a moved record stood: the first record after its old place, and the K from there on
-    # (one more than K where it moved later within the account, its new place among them).
+
+
+def _followers_of_old_place(changed: sa.CTE, timeline: sa.CTE, history_length: int) -> sa.Select[Any]:
+    """Where a moved record stood: the first record after its old place, and the K from there on
+    (one more than K where it moved later within the account, its new place among them)."""
     after = timeline.alias("after_old")
     old_place = (
         sa.select(after.c.account_id, changed.c.ingested_at, sa.func.min(after.c.position).label("first"))
@@ -132,7 +168,7 @@ def stale_scored_partitions(
         .cte("old_place")
     )
     followers = timeline.alias("followers")
-    from_old_place = (
+    return (
         sa.select(followers.c.partition_date, old_place.c.ingested_at)
         .select_from(old_place)
         .join(
@@ -144,21 +180,6 @@ def stale_scored_partitions(
             ),
         )
     )
-    touched = sa.union_all(
-        sa.select(changed.c.partition_date, changed.c.ingested_at), downstream, from_old_place
-    ).subquery("touched")
-    batch_scored = (
-        sa.select(p.transaction_id)
-        .where(p.partition_key == sa.cast(touched.c.partition_date, sa.String), p.path == ResultPath.BATCH.value)
-        .exists()
-    )
-    stmt = (
-        sa.select(touched.c.partition_date, sa.func.max(touched.c.ingested_at))
-        .where(batch_scored)
-        .group_by(touched.c.partition_date)
-        .order_by(touched.c.partition_date)
-    )
-    return [PartitionChange(str(day), _aware(moment)) for day, moment in conn.execute(stmt)]
 
 
 def fixed_rejection_partitions(conn: Connection, *, resolved_after: datetime | None) -> list[PartitionChange]:
