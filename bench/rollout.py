@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import online_targets
+from bench.challenger import register_untrained, scrape_prefixed, wait_for_challenger
+from bench.harness import TARGET_P99_MS, BenchEnv, fresh_bodies, say, settle, start_service, tandem_spec
 from bench.loadgen import run_load
-from bench.run import TARGET_P99_MS, BenchEnv, _fresh_bodies, _say, _settle, _start, tandem_spec
 
 SAMPLE = 0.1
 METRICS_POLL_S = 0.5  # the load generator shares this process: scrape gently
@@ -45,7 +46,6 @@ class RolloutPlan:
 def _swap_watch(port: int, tag: str, promote_at_s: float, deadline_s: float, outcome: dict[str, Any]) -> None:
     """Promote `tag` after `promote_at_s`, then note how long until the service serves it and has
     stopped shadowing (from /metrics)."""
-    from bench.shadow import scrape_prefixed
     from tandem import modelstore
 
     time.sleep(promote_at_s)
@@ -71,11 +71,10 @@ def rollout_run(
     bench: BenchEnv, rate: int, good: list[dict[str, Any]], champion: str, *, quick: bool
 ) -> dict[str, Any]:
     """Shadow a fresh challenger, promote it under `rate` rps, and put the champion back afterwards."""
-    from bench.shadow import _register_untrained, wait_for_challenger
     from tandem import modelstore
 
     plan = RolloutPlan.for_mode(quick)
-    candidate = modelstore.challenge(_register_untrained(2))
+    candidate = modelstore.challenge(register_untrained(2))
     base = tandem_spec()
     spec = type(base)(
         "rollout",
@@ -84,15 +83,15 @@ def rollout_run(
         {**base.extra_env, "TANDEM_SERVING_SHADOW_SAMPLE": str(SAMPLE)},
     )
     run: dict[str, Any] = {"rate": rate, "candidate": candidate, "champion": champion, **plan.__dict__}
-    service = _start(spec, bench)
+    service = start_service(spec, bench)
     if isinstance(service, str):
         modelstore.clear_challenger(candidate.split(":", 1)[0])
         return run | {"error": service}
     try:
         run["challenger_ready_s"] = round(wait_for_challenger(service, candidate), 1)
-        body = _fresh_bodies(good, "rollout")
+        body = fresh_bodies(good, "rollout")
         run_load(service.url, 20, 2.0, body)  # warm-up, as the shadow levels
-        _settle(service, body)
+        settle(service, body)
         swap: dict[str, Any] = {}
         watcher = threading.Thread(
             target=_swap_watch,
@@ -111,14 +110,14 @@ def rollout_run(
         }
         run["swap"] = swap
         w = run["window"]
-        _say(
+        say(
             f"rollout @ {rate} rps over {plan.window_s:g} s, promoted at {plan.promote_at_s:g} s: "
             f"p50 {w['p50_ms']:.1f} p99 {w['p99_ms']:.1f} ms, goodput {w['goodput_rps']:.0f}, shed {w['shed']}, "
             f"5xx {w['errors_5xx']}; serving the new version after {swap.get('serving_after_s', 'never')} s, "
             f"shadow stopped after {swap.get('shadow_stopped_after_s', 'never')} s"
         )
     except RuntimeError as error:
-        _say(f"rollout: {error}")
+        say(f"rollout: {error}")
         run["error"] = str(error)
     finally:
         service.stop()

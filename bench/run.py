@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
-import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import date, timedelta
@@ -31,35 +25,30 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-import psutil
 
 from bench import online_targets
+from bench.harness import (
+    FRONTED,
+    ROOT,
+    START_DAY,
+    TARGET_P99_MS,
+    BenchEnv,
+    Body,
+    RunningService,
+    fresh_bodies,
+    fresh_database,
+    minutes,
+    request_bodies,
+    say,
+    seed_history,
+    service_specs,
+    settle,
+    start_service,
+    tandem_postgres_spec,
+    tandem_spec,
+    write_result,
+)
 from bench.loadgen import run_burst_under_load, run_load
-
-ROOT = Path(__file__).resolve().parent.parent
-TARGET_P99_MS = float(os.environ.get("TANDEM_SERVING_P99_TARGET_MS", "50"))
-START_DAY = date(2026, 11, 1)
-
-
-def _say(message: str) -> None:
-    print(f"[bench] {message}", flush=True)
-
-
-def _write(out: Path, scenario: str, data: Any) -> None:
-    results = out / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"{scenario}.json").write_text(json.dumps(data, indent=2, default=str))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
-
 
 # ---------------------------------------------------------------- plan and phases
 # Rough rates for the duration estimates only, from earlier runs on this 2-core machine; nothing
@@ -158,34 +147,26 @@ class Phases:
     @contextlib.contextmanager
     def run(self, name: str) -> Iterator[None]:
         estimate = self.estimates[name]
-        _say(f"== {name}: estimated ~{_minutes(estimate)}")
+        say(f"== {name}: estimated ~{minutes(estimate)}")
         started = time.perf_counter()
         try:
             yield
         finally:
             self.took[name] = time.perf_counter() - started
-            _say(f"== {name}: took {_minutes(self.took[name])} (estimated ~{_minutes(estimate)})")
+            say(f"== {name}: took {minutes(self.took[name])} (estimated ~{minutes(estimate)})")
 
     def table(self) -> list[tuple[str, float, float]]:
         return [(name, self.estimates[name], took) for name, took in self.took.items()]
 
 
 # ---------------------------------------------------------------- environment
-@dataclass
-class BenchEnv:
-    root: Path
-    database_url: str
-    env: dict[str, str]
-    drop: Callable[[], None]
-
-
 def prepare_environment(rows_per_day: int, days: int) -> BenchEnv:
     """A temporary model store and a fresh database holding `days` of history."""
     root = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     os.environ["BENTOML_HOME"] = str(root / "bentoml")
     os.environ["TANDEM_DATA_DIR"] = str(root / "data")
     os.environ.setdefault("TANDEM_CODE_VERSION", "bench")
-    database_url, drop = _fresh_database(root)
+    database_url, drop = fresh_database(root)
     os.environ["DATABASE_URL"] = database_url
     from inference.batch import ingest_day
     from inference.demo import DemoConfig, day_range, generate_day
@@ -209,24 +190,6 @@ def prepare_environment(rows_per_day: int, days: int) -> BenchEnv:
     report = TrainingReport(float("nan"), 0, 0, 0, model.parameter_count, model.flops_per_item())
     modelstore.promote(modelstore.register(model, report, name="risk_model", code_version="bench"))
     return BenchEnv(root, database_url, dict(os.environ), drop)
-
-
-def _fresh_database(root: Path) -> tuple[str, Callable[[], None]]:
-    admin = os.environ.get("TANDEM_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-    try:
-        import psycopg
-
-        name = f"tandem_bench_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(admin, autocommit=True, connect_timeout=3) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-
-        def drop() -> None:
-            with psycopg.connect(admin, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-        return admin.rsplit("/", 1)[0] + f"/{name}", drop
-    except Exception:  # noqa: BLE001 - no PostgreSQL: the embedded default still benchmarks
-        return f"sqlite:///{root / 'bench.db'}", lambda: None
 
 
 # ---------------------------------------------------------------- raw model
@@ -269,8 +232,8 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
         torch.set_num_threads(threads)
     results["parameter_count"] = model.parameter_count
     results["flops_per_item"] = model.flops_per_item()
-    _say(f"raw forward items/s, {threads} threads: { ({k: round(v) for k, v in results['items_per_second'].items()}) }")
-    _say(f"raw forward items/s, 1 thread: { ({k: round(v) for k, v in results['items_per_second_1_thread'].items()}) }")
+    say(f"raw forward items/s, {threads} threads: { ({k: round(v) for k, v in results['items_per_second'].items()}) }")
+    say(f"raw forward items/s, 1 thread: { ({k: round(v) for k, v in results['items_per_second_1_thread'].items()}) }")
     return results
 
 
@@ -311,13 +274,13 @@ def bench_batch_path(bench: BenchEnv, partition_rows: list[int]) -> dict[str, An
         ingest_day(engine, generate_day(day, DemoConfig(rows_per_day=rows, poison_rate=0.01, accounts=None)), day)
         # Side by side on the same partition: the pipeline, then the same steps one chunk at a time.
         runs[str(rows)] = score(day)
-        _say(f"batch partition {rows:,} rows, pipelined: {runs[str(rows)]}")
+        say(f"batch partition {rows:,} rows, pipelined: {runs[str(rows)]}")
         sequential[str(rows)] = score(day, "--sequential")
-        _say(f"batch partition {rows:,} rows, sequential: {sequential[str(rows)]}")
+        say(f"batch partition {rows:,} rows, sequential: {sequential[str(rows)]}")
         if offset == 0:
             for size in FORWARD_BATCH_SWEEP:
                 sweep[str(size)] = score(day, "--forward-batch", str(size))
-                _say(f"batch partition {rows:,} rows, forward batch {size}: {sweep[str(size)]}")
+                say(f"batch partition {rows:,} rows, forward batch {size}: {sweep[str(size)]}")
     upsert = _bench_upsert(engine)
     engine.dispose()
     return {
@@ -379,196 +342,11 @@ def _bench_upsert(engine: Any, rows: int = 100_000) -> dict[str, Any]:
         with engine.begin() as conn:
             upsert_predictions(conn, frame)
         timings[f"{label}_rows_per_second"] = rows / (time.perf_counter() - started)
-    _say(f"upsert {rows:,} rows on {engine.dialect.name}: { ({k: round(v) for k, v in timings.items()}) }")
+    say(f"upsert {rows:,} rows on {engine.dialect.name}: { ({k: round(v) for k, v in timings.items()}) }")
     return {"rows": rows, **timings}
 
 
 # ---------------------------------------------------------------- online path
-@dataclass(frozen=True)
-class ServiceSpec:
-    name: str
-    label: str
-    argv: Callable[[int], list[str]]
-    extra_env: dict[str, str]
-    path: str = "/score"
-    workers: int = 1
-
-
-def tandem_spec(workers: int = 1) -> ServiceSpec:
-    bentoml = str(Path(sys.executable).parent / "bentoml")
-    return ServiceSpec(
-        "tandem" if workers == 1 else f"tandem_workers_{workers}",
-        "(1) Tandem (embedded SQLite, the default)" if workers == 1 else f"Tandem, {workers} workers",
-        lambda p: [bentoml, "serve", "serving.service:RiskScorer", "--port", str(p), "--host", "127.0.0.1"],
-        # Explicit even for 1, so a TANDEM_SERVING_WORKERS in the caller's environment cannot leak in.
-        {"TANDEM_SERVING_WORKERS": str(workers)},
-        workers=workers,
-    )
-
-
-# The services measured past capacity: Tandem as it is deployed (docs/decisions/0009), on both stores.
-FRONTED = ("tandem", "tandem_postgres")
-
-
-def _on_postgres(spec: ServiceSpec, name: str, label: str, database_url: str, data_dir: Path) -> ServiceSpec:
-    """`spec` on PostgreSQL: its own database and local state (the outbox)."""
-    env = {**spec.extra_env, "DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir)}
-    return ServiceSpec(name, label, spec.argv, env)
-
-
-def tandem_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
-    return _on_postgres(tandem_spec(), "tandem_postgres", "(1p) Tandem on PostgreSQL", database_url, data_dir)
-
-
-def service_specs() -> list[ServiceSpec]:
-    """The services of the online comparison; the PostgreSQL ones are added by `bench_online`."""
-    bin_dir = Path(sys.executable).parent
-
-    def bentoml(target: str) -> Callable[[int], list[str]]:
-        return lambda port: [str(bin_dir / "bentoml"), "serve", target, "--port", str(port), "--host", "127.0.0.1"]
-
-    def uvicorn(app: str) -> Callable[[int], list[str]]:
-        return lambda port: [
-            *(str(bin_dir / "uvicorn"), app, "--port", str(port), "--host", "127.0.0.1"),
-            *("--log-level", "warning", "--no-access-log"),
-        ]
-
-    return [
-        tandem_spec(),
-        ServiceSpec(
-            "tandem_mounted",
-            "(1b) Tandem, /score mounted (before @bentoml.api)",
-            bentoml("bench.services.mounted:MountedScorer"),
-            {"TANDEM_SERVING_WORKERS": "1"},
-        ),
-        ServiceSpec(
-            "tandem_unbatched",
-            "(2) Tandem, batching off",
-            bentoml("serving.service:RiskScorer"),
-            {"TANDEM_SERVING_MAX_BATCH_SIZE": "1", "TANDEM_SERVING_WORKERS": "1"},
-        ),
-        ServiceSpec("stock_bentoml", "(3) stock BentoML", bentoml("bench.services.stock_bentoml:StockScorer"), {}),
-        ServiceSpec("drifted", "(4) drifted baseline", uvicorn("bench.services.drifted:app"), {}),
-        ServiceSpec("do_nothing", "(5) HTTP ceiling", uvicorn("bench.services.do_nothing:app"), {}),
-    ]
-
-
-# BentoML logs this once per server process, after its __init__ (model load and warm-up) returns.
-_WORKER_STARTED = re.compile(r"\[entry_service:[^\]]*:(\d+)\] Service \S+ initialized")
-
-
-def _answers_ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return bool(response.status == 200)
-    except OSError:  # refused, 503 (HTTPError) or timed out: not ready yet
-        return False
-
-
-def _started_workers(log: Path) -> int:
-    return len(set(_WORKER_STARTED.findall(log.read_text(errors="replace"))))
-
-
-def wait_until_ready(
-    process: subprocess.Popen[bytes], port: int, log: Path, *, workers: int = 1, timeout_s: float = 180
-) -> None:
-    """Return once the server answers /readyz and, with several workers, every worker has started.
-
-    One 200 proves only the worker that accepted the connection; the others may still be loading
-    their model, and a sweep started then would measure fewer workers than it names. So with
-    several workers, BentoML's log has to show each of them started as well.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with status {process.returncode} before it was ready; see {log}")
-        if _answers_ready(f"http://127.0.0.1:{port}/readyz") and (workers == 1 or _started_workers(log) >= workers):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"not ready within {timeout_s:.0f} s; see {log}")
-
-
-class RunningService:
-    def __init__(self, spec: ServiceSpec, bench: BenchEnv) -> None:
-        self.spec = spec
-        self.port = _free_port()
-        log = bench.root / f"{spec.name}.log"
-        with log.open("w") as sink:
-            self.process = subprocess.Popen(
-                spec.argv(self.port),
-                cwd=ROOT,
-                env={**bench.env, **spec.extra_env},
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.url = f"http://127.0.0.1:{self.port}{spec.path}"
-        try:
-            wait_until_ready(self.process, self.port, log, workers=spec.workers)
-        except RuntimeError as error:
-            self.stop()
-            raise RuntimeError(f"{spec.name}: {error}") from error
-
-    def cpu_seconds(self) -> float:
-        total = 0.0
-        try:
-            parent = psutil.Process(self.process.pid)
-            for process in [parent, *parent.children(recursive=True)]:
-                times = process.cpu_times()
-                total += times.user + times.system
-        except psutil.Error:
-            pass
-        return total
-
-    def rss_mb(self) -> float:
-        try:
-            parent = psutil.Process(self.process.pid)
-            return sum(p.memory_info().rss for p in [parent, *parent.children(recursive=True)]) / 2**20
-        except psutil.Error:
-            return float("nan")
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-
-
-def request_bodies(bench: BenchEnv, count: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Good single-transaction bodies of known accounts (a day after the stored ones), and poison."""
-    from inference.demo import DemoConfig, generate_day
-
-    day = generate_day(START_DAY + timedelta(days=60), DemoConfig(rows_per_day=max(count, 2000), poison_rate=0.05))
-    good = day.filter(pl.col("poison_kind").is_null()).head(count)
-    poison = day.filter(
-        pl.col("poison_kind").is_in(
-            ["bad_currency", "malformed_category", "malformed_country", "negative_amount", "absurd_amount"]
-        )
-    )
-    columns = ["transaction_id", "account_id", "amount", "currency", "merchant_category", "country", "event_time"]
-    return (
-        [{"transactions": [row]} for row in good.select(columns).to_dicts()],
-        [{"transactions": [row]} for row in poison.select(columns).to_dicts()],
-    )
-
-
-Body = Callable[[int], tuple[dict[str, Any], bool]]
-
-
-def _settle(service: RunningService, body: Body, *, limit_s: float = 90.0) -> float:
-    """Wait until a single request is answered within a second again: a service with an unbounded
-    queue is still working off the previous load level, which would otherwise be charged to the
-    next one. Returns the seconds waited (the backlog's drain time)."""
-    started = time.monotonic()
-    while time.monotonic() - started < limit_s:
-        probe = run_load(service.url, 1, 1.0, body, timeout_s=limit_s)
-        if probe.latencies_ms and probe.latencies_ms[0] < 1000:
-            break
-    return time.monotonic() - started
-
-
 def _sweep(
     service: RunningService, rates: list[int], seconds: float, body: Body, *, stop_above_p99_ms: float | None = None
 ) -> list[dict[str, Any]]:
@@ -579,9 +357,9 @@ def _sweep(
     sweep: list[dict[str, Any]] = []
     for rate in rates:
         if stop_above_p99_ms is not None and sweep and not sweep[-1]["p99_ms"] <= stop_above_p99_ms:
-            _say(f"{service.spec.name}: p99 {sweep[-1]['p99_ms']:.0f} ms, sweep stops before {rate} rps")
+            say(f"{service.spec.name}: p99 {sweep[-1]['p99_ms']:.0f} ms, sweep stops before {rate} rps")
             break
-        drained_s = _settle(service, body)
+        drained_s = settle(service, body)
         cpu_before = service.cpu_seconds()
         result = run_load(service.url, rate, seconds, body)
         cpu = service.cpu_seconds() - cpu_before
@@ -591,7 +369,7 @@ def _sweep(
             "previous_backlog_drain_s": round(drained_s, 1),
         }
         sweep.append(summary)
-        _say(
+        say(
             f"{service.spec.name} @ {rate} rps: p50 {summary['p50_ms']:.1f} p99 {summary['p99_ms']:.1f} ms, "
             f"goodput {summary['goodput_rps']:.0f}, shed {summary['shed']}, "
             f"timeouts {summary['client_timeouts']}, conn errors {summary['connection_errors']}, "
@@ -610,39 +388,15 @@ def online_environment(bench: BenchEnv, rows_per_day: int, days: int) -> tuple[B
     data_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in bench.env.items() if k != "DATABASE_URL"} | {"TANDEM_DATA_DIR": str(data_dir)}
     sqlite_url = f"sqlite:///{(data_dir / 'tandem.db').resolve()}"  # as TandemSettings resolves it
-    _seed_history(sqlite_url, rows_per_day, days)
+    seed_history(sqlite_url, rows_per_day, days)
     postgres_url: str | None
-    postgres_url, drop = _fresh_database(bench.root / "online_postgres")
+    postgres_url, drop = fresh_database(bench.root / "online_postgres")
     if postgres_url.startswith("postgresql"):
-        _seed_history(postgres_url, rows_per_day, days)
+        seed_history(postgres_url, rows_per_day, days)
     else:
         postgres_url = None
-    _say(f"online databases: {sqlite_url}, {postgres_url or 'no PostgreSQL'}")
+    say(f"online databases: {sqlite_url}, {postgres_url or 'no PostgreSQL'}")
     return BenchEnv(bench.root, sqlite_url, env, drop), postgres_url
-
-
-def _seed_history(database_url: str, rows_per_day: int, days: int) -> None:
-    from inference.batch import ingest_day
-    from inference.demo import DemoConfig, day_range, generate_day
-    from inference.migrate import upgrade
-    from inference.store import make_engine
-
-    engine = make_engine(database_url)
-    upgrade(engine)
-    demo = DemoConfig(rows_per_day=rows_per_day, poison_rate=0.01)  # as prepare_environment's
-    for day in day_range(START_DAY, days):
-        ingest_day(engine, generate_day(day, demo), day)
-    engine.dispose()
-
-
-def _start(spec: ServiceSpec, bench: BenchEnv) -> RunningService | str:
-    """The running service, or why it did not start."""
-    _say(f"starting {spec.label}")
-    try:
-        return RunningService(spec, bench)
-    except RuntimeError as error:
-        _say(str(error))
-        return str(error)
 
 
 def bench_online(
@@ -672,12 +426,12 @@ def bench_online(
             "stock_bentoml": sorted({*STOCK_LOW_RATES, *rates}),
             "do_nothing": ceiling_rates,
         }.get(spec.name, rates)
-        service = _start(spec, bench)
+        service = start_service(spec, bench)
         if isinstance(service, str):
             everything[spec.name] = {"label": spec.label, "error": service}
             continue
         try:
-            body = _fresh_bodies(good, spec.name)
+            body = fresh_bodies(good, spec.name)
             extra: dict[str, Any] = {}
             if spec.name in ("tandem", "stock_bentoml"):
                 # First, on the fresh service: after the sweep an unbounded queue may still be
@@ -690,7 +444,7 @@ def bench_online(
                 mixed_rate = rates[1]
                 result = run_load(service.url, mixed_rate, seconds, mixed)
                 extra["poison_2pct"] = result.summary(TARGET_P99_MS) | {"offered_rps": mixed_rate}
-                _say(f"{spec.name} with 2% poison @ {mixed_rate} rps: collateral failures {result.collateral_failures}")
+                say(f"{spec.name} with 2% poison @ {mixed_rate} rps: collateral failures {result.collateral_failures}")
             stop = STOCK_STOP_P99_MS if spec.name == "stock_bentoml" else None
             sweep = _sweep(service, service_rates, seconds, body, stop_above_p99_ms=stop)
             if len(sweep) < len(service_rates):
@@ -703,7 +457,7 @@ def bench_online(
             everything[spec.name] = {"label": spec.label, "sweep": sweep, **extra}
         finally:
             service.stop()
-        _write(out, f"online_{spec.name}", everything[spec.name])
+        write_result(out, f"online_{spec.name}", everything[spec.name])
     _ceiling_again(bench, everything, good, seconds)
     ceiling = online_targets.ceiling_p99_by_rate(everything)
     ordered = {spec.name: everything[spec.name] for spec in specs if spec.name in everything}
@@ -711,11 +465,11 @@ def bench_online(
     for name, service in everything.items():
         online_targets.mark_service(service, ceiling)
         if "sweep" in service:
-            _write(out, f"online_{name}", service)
+            write_result(out, f"online_{name}", service)
     verdicts = online_targets.judge(everything, TARGET_P99_MS)
-    _write(out, "online_targets", verdicts)
+    write_result(out, "online_targets", verdicts)
     for t in verdicts["targets"]:
-        _say(f"target {t['target']}: {t['verdict']} ({t['measured']})")
+        say(f"target {t['target']}: {t['verdict']} ({t['measured']})")
     return everything
 
 
@@ -727,8 +481,8 @@ def _past_capacity(
     for entry in sweep:
         online_targets.mark(entry, ceiling)
     capacity = online_targets.capacity({"sweep": sweep}, TARGET_P99_MS)
-    _say(f"{service.spec.name} capacity at p99 <= {TARGET_P99_MS:.0f} ms: {capacity:.0f} rps")
-    _settle(service, body)
+    say(f"{service.spec.name} capacity at p99 <= {TARGET_P99_MS:.0f} ms: {capacity:.0f} rps")
+    settle(service, body)
     background_rps = online_targets.burst_background_rps(capacity)
     background, burst = run_burst_under_load(
         service.url, background_rps, BURST_BACKGROUND_S, online_targets.BURST_SIZE, body
@@ -738,14 +492,14 @@ def _past_capacity(
         "background": background.summary(TARGET_P99_MS),
         "burst": burst.summary(TARGET_P99_MS),
     }
-    _say(
+    say(
         f"{service.spec.name}: burst of {online_targets.BURST_SIZE} over {background_rps} rps: "
         f"statuses {burst_64['burst']['statuses']}, "
         f"p99 {burst_64['burst']['p99_ms']:.1f} ms"
     )
     overload = {}
     for factor, rate in online_targets.overload_rates(capacity).items():
-        _settle(service, body)
+        settle(service, body)
         before = service.rss_mb()
         result = run_load(service.url, rate, seconds, body, timeout_s=OVERLOAD_TIMEOUT_S)
         overload[factor] = result.summary(TARGET_P99_MS) | {
@@ -754,7 +508,7 @@ def _past_capacity(
             "rss_mb_after": service.rss_mb(),
         }
         o = overload[factor]
-        _say(
+        say(
             f"{service.spec.name}: overload {factor} @ {rate} rps: "
             f"accepted p99 {o['p99_ms']:.1f} ms, goodput {o['goodput_rps']:.0f}, "
             f"shed {o['shed']} (p99 {o['shed_p99_ms']:.1f} ms, {o['shed_without_retry_after']} no Retry-After), "
@@ -779,15 +533,15 @@ def _ceiling_again(bench: BenchEnv, everything: dict[str, Any], good: list[dict[
     }
     rates = sorted({online_targets.rate_key(r) for r in wanted} - measured)
     spec = next(s for s in service_specs() if s.name == "do_nothing")
-    service = _start(spec, bench)
+    service = start_service(spec, bench)
     if isinstance(service, str):
         return
     bursts: dict[int, dict[str, Any]] = {}
     try:
-        body = _fresh_bodies(good, "do_nothing_again")
+        body = fresh_bodies(good, "do_nothing_again")
         more = _sweep(service, rates, seconds, body) if rates else []
         for background_rps in dict.fromkeys(run["burst_64"]["background_rps"] for run in runs):
-            _settle(service, body)
+            settle(service, body)
             background, burst = run_burst_under_load(
                 service.url, background_rps, BURST_BACKGROUND_S, online_targets.BURST_SIZE, body
             )
@@ -803,7 +557,7 @@ def _ceiling_again(bench: BenchEnv, everything: dict[str, Any], good: list[dict[
     for run in runs:
         background_rps = run["burst_64"]["background_rps"]
         run["burst_64"]["ceiling_burst_p99_ms"] = bursts[background_rps]["burst"]["p99_ms"]
-        _say(f"ceiling, same burst over {background_rps} rps: p99 {run['burst_64']['ceiling_burst_p99_ms']:.1f} ms")
+        say(f"ceiling, same burst over {background_rps} rps: p99 {run['burst_64']['ceiling_burst_p99_ms']:.1f} ms")
 
 
 def bench_workers(
@@ -827,18 +581,18 @@ def bench_workers(
             )
         else:
             spec = tandem_spec(workers)
-            _say(f"starting {spec.label}")
+            say(f"starting {spec.label}")
             try:
                 service = RunningService(spec, bench)
             except RuntimeError as error:
-                _say(str(error))
+                say(str(error))
                 counts[str(workers)] = {"error": str(error)}
                 continue
             try:
                 idle_rss = service.rss_mb()
                 entry = {
                     "rss_mb_idle": idle_rss,
-                    "sweep": _sweep(service, rates, seconds, _fresh_bodies(good, spec.name)),
+                    "sweep": _sweep(service, rates, seconds, fresh_bodies(good, spec.name)),
                 }
             finally:
                 service.stop()
@@ -852,7 +606,7 @@ def bench_workers(
                 "cpu_ms_per_request_by_rate": {str(int(s["offered_rps"])): s["cpu_ms_per_request"] for s in sweep},
                 "rss_mb_peak": max((s["rss_mb"] for s in sweep), default=float("nan")),
             }
-            _say(f"{workers} worker(s): goodput at p99 <= {TARGET_P99_MS:.0f} ms: {entry['goodput_rps']:.0f} rps")
+            say(f"{workers} worker(s): goodput at p99 <= {TARGET_P99_MS:.0f} ms: {entry['goodput_rps']:.0f} rps")
         counts[str(workers)] = entry
     result = {
         "target_p99_ms": TARGET_P99_MS,
@@ -861,22 +615,8 @@ def bench_workers(
         "seconds_per_rate": seconds,
         "workers": counts,
     }
-    _write(out, "online_workers", result)
+    write_result(out, "online_workers", result)
     return result
-
-
-def _fresh_bodies(good: list[dict[str, Any]], run: str) -> Body:
-    """Every request a transaction no service of this run has seen: neither an idempotency hit nor,
-    since services share the database, a cheaper no-op upsert of a row an earlier service wrote."""
-    sequence = itertools.count()
-
-    def body(_: int) -> tuple[dict[str, Any], bool]:
-        n = next(sequence)
-        template = good[n % len(good)]["transactions"][0]
-        transaction_id = f"{template['transaction_id']}-{run}-{n}"
-        return {"transactions": [{**template, "transaction_id": transaction_id}]}, False
-
-    return body
 
 
 # ---------------------------------------------------------------- main
@@ -901,7 +641,7 @@ def main() -> int:
     plan = Plan.for_mode(args.quick)
     out: Path = args.out or (Path(tempfile.mkdtemp(prefix="tandem-bench-quick-")) if plan.quick else ROOT / "bench")
     phases = Phases(plan.estimates(args.batch_only))
-    _say(f"output: {out}; estimated ~{_minutes(sum(phases.estimates.values()))} in all")
+    say(f"output: {out}; estimated ~{minutes(sum(phases.estimates.values()))} in all")
     started = time.perf_counter()
     with phases.run("environment"):
         bench = prepare_environment(plan.rows_per_day, plan.history_days)
@@ -909,22 +649,22 @@ def main() -> int:
     try:
         with phases.run("raw forward"):
             raw = bench_raw_forward(plan.forward_seconds)
-            _write(out, "raw_forward", raw)
+            write_result(out, "raw_forward", raw)
         with phases.run("batch path"):
             batch = bench_batch_path(bench, plan.partitions)
-            _write(out, "batch_path", batch)
+            write_result(out, "batch_path", batch)
         with phases.run("raw forward, again"):
             # The batch path's share is judged against the faster reading (bench.report.best_raw_forward).
             raw["after_batch"] = bench_raw_forward(plan.forward_seconds)
-            _write(out, "raw_forward", raw)
+            write_result(out, "raw_forward", raw)
         from bench.report import batch_section, batch_targets
 
         for line in batch_section(raw, batch):
-            _say(line)
+            say(line)
         targets = [{"target": t, "measured": m, "met": ok} for t, m, ok in batch_targets(raw, batch)]
         for target in targets:
-            _say(f"target: {target['target']}: {target['measured']} -> {'met' if target['met'] else 'MISSED'}")
-        _write(out, "batch_targets", targets)
+            say(f"target: {target['target']}: {target['measured']} -> {'met' if target['met'] else 'MISSED'}")
+        write_result(out, "batch_targets", targets)
         if args.batch_only:
             return 0
         good, poison = request_bodies(bench, 20_000)
@@ -970,13 +710,13 @@ def main() -> int:
                 phases=phases.table(),
                 shadow=shadow_result,
             )
-        _say(f"report: {out / 'report.md'}")
+        say(f"report: {out / 'report.md'}")
     finally:
         for drop in drops:
             drop()
         bench.drop()
         shutil.rmtree(bench.root, ignore_errors=True)
-        _say(f"took {_minutes(time.perf_counter() - started)} in all")
+        say(f"took {minutes(time.perf_counter() - started)} in all")
     return 0
 
 

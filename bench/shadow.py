@@ -27,38 +27,41 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench import online_targets
-from bench.loadgen import run_load
-from bench.rollout import RolloutPlan, judge_rollout, rollout_run
-from bench.run import (
+from bench.challenger import (
+    MODEL_NAME,
+    Metrics,
+    metric_sum,
+    register_untrained,
+    scrape,
+    wait_for_challenger,
+)
+from bench.harness import (
     ROOT,
     TARGET_P99_MS,
     BenchEnv,
     RunningService,
-    _fresh_bodies,
-    _minutes,
-    _say,
-    _seed_history,
-    _settle,
-    _start,
-    _write,
+    fresh_bodies,
+    minutes,
     request_bodies,
+    say,
+    seed_history,
     service_specs,
+    settle,
+    start_service,
     tandem_spec,
+    write_result,
 )
+from bench.loadgen import run_load
+from bench.rollout import RolloutPlan, judge_rollout, rollout_run
 
-MODEL_NAME = "risk_model"
 SAMPLES = (0.0, 0.1, 1.0)
 RATE_SHARES = (0.5, 0.9)  # of the champion's capacity at the p99 target
 DEFAULT_CAPACITY_RPS = 400.0  # when no earlier online_targets.json says otherwise
-CHALLENGER_READY_S = 90.0  # pointer poll, the challenger process's start, model load and warm-up
 SHADOW_IDLE_S = 10.0  # after a level: how long the shadow queue may take to empty
 TEN_PERCENT = 0.1
 
@@ -86,19 +89,6 @@ class ShadowPlan:
 
 
 # ---------------------------------------------------------------- environment
-def _register_untrained(seed: int) -> str:
-    """An untrained version in the store, as prepare_environment registers the champion."""
-    import torch
-
-    from inference.model import ModelConfig, RiskModel, TrainingReport
-    from tandem import modelstore
-
-    torch.manual_seed(seed)
-    model = RiskModel(ModelConfig()).eval()
-    report = TrainingReport(float("nan"), 0, 0, 0, model.parameter_count, model.flops_per_item())
-    return modelstore.register(model, report, name=MODEL_NAME, code_version="bench")
-
-
 def standalone_environment(rows_per_day: int, days: int) -> BenchEnv:
     """What `bench.run` prepares for its online services, without the batch path's database: a
     temporary model store with a champion in production, and a SQLite file holding the history."""
@@ -110,10 +100,10 @@ def standalone_environment(rows_per_day: int, days: int) -> BenchEnv:
     os.environ.setdefault("TANDEM_CODE_VERSION", "bench")
     os.environ.pop("DATABASE_URL", None)  # the embedded default, as the main Tandem bench
     sqlite_url = f"sqlite:///{(data_dir / 'tandem.db').resolve()}"
-    _seed_history(sqlite_url, rows_per_day, days)
+    seed_history(sqlite_url, rows_per_day, days)
     from tandem import modelstore
 
-    modelstore.promote(_register_untrained(0))
+    modelstore.promote(register_untrained(0))
     return BenchEnv(root, sqlite_url, dict(os.environ), lambda: None)
 
 
@@ -133,32 +123,6 @@ def rates_for(capacity_rps: float) -> list[int]:
 
 
 # ---------------------------------------------------------------- /metrics
-Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape_prefixed(port: int, prefixes: tuple[str, ...]) -> Metrics:
-    """The samples of the service's /metrics whose names start with one of `prefixes`, by name and labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): float(sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.startswith(prefixes)
-    }
-
-
-def scrape(port: int) -> Metrics:
-    """The tandem_shadow_* samples."""
-    return scrape_prefixed(port, ("tandem_shadow",))
-
-
-def _value(metrics: Metrics, name: str, **labels: str) -> float:
-    """The sum over every series of `name` carrying `labels` (0 when there is none)."""
-    wanted = set(labels.items())
-    return sum(v for (n, ls), v in metrics.items() if n == name and wanted <= set(ls))
-
-
 def _by_label(metrics: Metrics, name: str, label: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for (n, ls), v in metrics.items():
@@ -176,8 +140,12 @@ def shadow_counters(before: Metrics, after: Metrics) -> dict[str, Any]:
         return {key: round(last[key] - first.get(key, 0.0)) for key in sorted(last)}
 
     items = delta("tandem_shadow_items_total", "outcome")
-    count = _value(after, "tandem_shadow_latency_seconds_count") - _value(before, "tandem_shadow_latency_seconds_count")
-    total = _value(after, "tandem_shadow_latency_seconds_sum") - _value(before, "tandem_shadow_latency_seconds_sum")
+    count = metric_sum(after, "tandem_shadow_latency_seconds_count") - metric_sum(
+        before, "tandem_shadow_latency_seconds_count"
+    )
+    total = metric_sum(after, "tandem_shadow_latency_seconds_sum") - metric_sum(
+        before, "tandem_shadow_latency_seconds_sum"
+    )
     return {
         "sampled": sum(items.values()),
         "scored": items.get("scored", 0),
@@ -187,18 +155,6 @@ def shadow_counters(before: Metrics, after: Metrics) -> dict[str, Any]:
     }
 
 
-def wait_for_challenger(service: RunningService, tag: str, timeout_s: float = CHALLENGER_READY_S) -> float:
-    """Seconds until /metrics shows `tandem_shadow_model_info{model_version=tag}` at 1."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if _value(scrape(service.port), "tandem_shadow_model_info", model_version=tag) >= 1:
-            return time.monotonic() - started
-        if service.process.poll() is not None:
-            break
-        time.sleep(0.25)
-    raise RuntimeError(f"challenger {tag} not shadowing within {timeout_s:.0f} s")
-
-
 def wait_shadow_idle(port: int, timeout_s: float = SHADOW_IDLE_S) -> tuple[Metrics, bool]:
     """Once the shadow queue is empty and its counters stood still between two scrapes: the
     counters, and whether that happened within `timeout_s`."""
@@ -206,11 +162,11 @@ def wait_shadow_idle(port: int, timeout_s: float = SHADOW_IDLE_S) -> tuple[Metri
     previous: Metrics | None = None
     while True:
         now = scrape(port)
-        idle = _value(now, "tandem_shadow_queue_depth") == 0
+        idle = metric_sum(now, "tandem_shadow_queue_depth") == 0
         if (
             idle
             and previous is not None
-            and _value(now, "tandem_shadow_items_total") == _value(previous, "tandem_shadow_items_total")
+            and metric_sum(now, "tandem_shadow_items_total") == metric_sum(previous, "tandem_shadow_items_total")
         ):
             return now, True
         if time.monotonic() > deadline:
@@ -231,7 +187,7 @@ def _levels(
     run_load(service.url, 20, 2.0, body)  # warm-up, as `_sweep`
     levels = []
     for rate in rates:
-        _settle(service, body)
+        settle(service, body)
         before, _ = wait_shadow_idle(service.port) if shadowing else ({}, True)
         cpu_before = service.cpu_seconds()
         result = run_load(service.url, rate, seconds, body)
@@ -247,7 +203,7 @@ def _levels(
             level["shadow"] = shadow_counters(before, after) | {"settled": settled}
         levels.append(level)
         shadow = level.get("shadow")
-        _say(
+        say(
             f"{service.spec.name} @ {rate} rps: p50 {level['p50_ms']:.1f} p99 {level['p99_ms']:.1f} ms, "
             f"goodput {level['goodput_rps']:.0f}, shed {level['shed']}, 5xx {level['errors_5xx']}, "
             f"CPU {level['cpu_ms_per_request']:.2f} ms/req"
@@ -272,17 +228,17 @@ def _shadow_run(
         {**base.extra_env, "TANDEM_SERVING_SHADOW_SAMPLE": str(sample)},
     )
     run: dict[str, Any] = {"round": round_, "sample": sample, "loadavg_1m_at_start": os.getloadavg()[0]}
-    service = _start(spec, bench)
+    service = start_service(spec, bench)
     if isinstance(service, str):
         return run | {"error": service}
     try:
         if sample > 0:
             run["challenger_ready_s"] = round(wait_for_challenger(service, tag), 1)
-            _say(f"challenger {tag} shadowing after {run['challenger_ready_s']} s")
-        body = _fresh_bodies(good, f"shadow-{round_}-{sample:g}")
+            say(f"challenger {tag} shadowing after {run['challenger_ready_s']} s")
+        body = fresh_bodies(good, f"shadow-{round_}-{sample:g}")
         run["levels"] = _levels(service, rates, seconds, body, shadowing=sample > 0)
     except RuntimeError as error:
-        _say(f"{spec.name}: {error}")
+        say(f"{spec.name}: {error}")
         run["error"] = str(error)
     finally:
         service.stop()
@@ -291,11 +247,11 @@ def _shadow_run(
 
 def _ceiling_run(bench: BenchEnv, rates: list[int], seconds: float, good: list[dict[str, Any]], n: int) -> Any:
     spec = next(s for s in service_specs() if s.name == "do_nothing")
-    service = _start(spec, bench)
+    service = start_service(spec, bench)
     if isinstance(service, str):
         return {"error": service}
     try:
-        return {"levels": _levels(service, rates, seconds, _fresh_bodies(good, f"shadow-ceiling-{n}"), shadowing=False)}
+        return {"levels": _levels(service, rates, seconds, fresh_bodies(good, f"shadow-ceiling-{n}"), shadowing=False)}
     finally:
         service.stop()
 
@@ -408,12 +364,12 @@ def bench_shadow(
     champion = modelstore.production_tag(MODEL_NAME)
     if champion is None:
         raise RuntimeError(f"no {MODEL_NAME} in production to shadow")
-    challenger = modelstore.challenge(_register_untrained(1))
-    _say(
+    challenger = modelstore.challenge(register_untrained(1))
+    say(
         f"shadow scoring: champion {champion}, challenger {challenger}, rates {rates} rps "
         f"({'/'.join(f'{s:.0%}' for s in RATE_SHARES)} of {capacity_rps:.0f} rps from {capacity_source}), "
         f"{plan.rounds} round(s) of samples {list(SAMPLES)}, {plan.load_seconds:g} s per level; "
-        f"estimated ~{_minutes(plan.estimate_s())}"
+        f"estimated ~{minutes(plan.estimate_s())}"
     )
     runs: list[dict[str, Any]] = []
     ceilings = []
@@ -463,12 +419,12 @@ def bench_shadow(
         "rollout_verdict": judge_rollout(rollout, ceiling),
         "took_s": round(time.perf_counter() - started, 1),
     }
-    _write(out, "online_shadow", result)
+    write_result(out, "online_shadow", result)
     from bench.report import shadow_section
 
     for line in shadow_section(result):
         print(line, flush=True)
-    _say(f"shadow scoring took {_minutes(result['took_s'])}")
+    say(f"shadow scoring took {minutes(result['took_s'])}")
     return result
 
 
@@ -490,7 +446,7 @@ def run_standalone(*, quick: bool, out: Path | None, capacity: float | None = No
     plan = ShadowPlan.for_mode(quick)
     target: Path = out or (Path(tempfile.mkdtemp(prefix="tandem-bench-quick-")) if quick else ROOT / "bench")
     capacity_rps, source = (capacity, "--capacity") if capacity else last_capacity()
-    _say(f"output: {target}")
+    say(f"output: {target}")
     bench = standalone_environment(plan.rows_per_day, plan.history_days)
     try:
         good, _ = request_bodies(bench, 20_000)

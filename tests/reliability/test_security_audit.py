@@ -37,7 +37,7 @@ ALLOWED_DYNAMIC_SQL = {
     # columns are names from our own schema.
     ("inference/store/source_rows.py", "_copy_partition_rows"),
     # The benchmark harness creates and drops its own scratch database, named from a uuid.
-    ("bench/run.py", "_fresh_database"),
+    ("bench/harness.py", "fresh_database"),
 }
 
 
