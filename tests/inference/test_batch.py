@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from collections import Counter
@@ -13,15 +12,14 @@ import numpy as np
 import polars as pl
 import pytest
 import sqlalchemy as sa
-import torch
 from sqlalchemy.engine import Engine
 
-from inference.batch import BatchProducer, IngestReport, PartitionReport, ingest_day, score_partition
+from inference.batch import IngestReport, ingest_day
 from inference.contract import FrameHistory, TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, day_range, generate_day
 from inference.features import FeatureBatch
 from inference.migrate import upgrade
-from inference.model import ModelConfig, RiskModel, score_batch
+from inference.model import ModelConfig, score_batch
 from inference.parity import PARITY_TOLERANCE
 from inference.records import (
     COUNTRIES,
@@ -40,14 +38,22 @@ from inference.store import (
     mark_rejections_fixed,
     partition_counts,
     read_partition_rows,
-    read_predictions,
     rejected_records,
     stale_scored_partitions,
     transactions,
     upsert_transactions,
     utc_now,
 )
-from tests.inference.support import DAY, record
+from tests.inference.support import (
+    DAY,
+    ingest_days,
+    predictions_of,
+    record,
+    rejections,
+    score_day,
+    untrained_model,
+    untrained_predictor,
+)
 from tests.shared import fresh_postgres_database, until
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -57,56 +63,11 @@ DAYS = day_range(DAY, 2)
 HISTORY = ModelConfig().history_length
 
 
-@functools.cache
-def untrained_model() -> RiskModel:
-    torch.manual_seed(0)
-    return RiskModel(ModelConfig()).eval()
-
-
-def predictor(model_version: str = "risk:untrained", forward_batch_size: int = 4096) -> TorchPredictor:
-    return TorchPredictor(
-        model=untrained_model(),
-        model_version=model_version,
-        forward_batch_size=forward_batch_size,
-    )
-
-
-def ingest_all(engine: Engine) -> dict[date, IngestReport]:
-    return {day: ingest_day(engine, generate_day(day, CONFIG), day) for day in DAYS}
-
-
-def score(
-    engine: Engine, day: date, *, scorer: TorchPredictor | None = None, run_id: str = "run-1", chunk_rows: int = 8192
-) -> PartitionReport:
-    return score_partition(
-        engine,
-        scorer or predictor(),
-        day,
-        producer=BatchProducer(run_id=run_id, partition_key=day.isoformat(), code_version="test"),
-        history_length=HISTORY,
-        chunk_rows=chunk_rows,
-    )
-
-
-def predictions_of(engine: Engine, **equal_to: object) -> pl.DataFrame:
-    with engine.connect() as conn:
-        return read_predictions(conn, **equal_to)
-
-
-def rejections(engine: Engine) -> pl.DataFrame:
-    r = rejected_records.c
-    stmt = sa.select(r.transaction_id, r.reason, r.stage, r.partition_key, r.seen_count).order_by(r.rejection_id)
-    with engine.connect() as conn:
-        rows = conn.execute(stmt).all()
-    schema = {"transaction_id": pl.String, "reason": pl.String, "stage": pl.String, "partition_key": pl.String}
-    return pl.DataFrame([tuple(row) for row in rows], schema={**schema, "seen_count": pl.Int64}, orient="row")
-
-
 def test_every_row_is_scored_or_quarantined_with_its_reason(engine: Engine) -> None:
-    ingested = ingest_all(engine)
+    ingested = ingest_days(engine, CONFIG, DAYS)
     for day in DAYS:
         source = generate_day(day, CONFIG)
-        report = score(engine, day)
+        report = score_day(engine, day)
         stored = ingested[day].rows_stored
 
         assert ingested[day].rows_received == CONFIG.rows_per_day
@@ -142,21 +103,21 @@ def test_every_row_is_scored_or_quarantined_with_its_reason(engine: Engine) -> N
 
 
 def test_rescoring_a_partition_changes_nothing(engine: Engine) -> None:
-    ingest_all(engine)
+    ingest_days(engine, CONFIG, DAYS)
     day = DAYS[-1]
-    first = score(engine, day, run_id="run-1")
+    first = score_day(engine, day, run_id="run-1")
     predictions = predictions_of(engine)
     quarantined = rejections(engine)
     assert first.rows_written == first.scored
 
     for rerun in (2, 3):
-        again = score(engine, day, run_id=f"run-{rerun}")
+        again = score_day(engine, day, run_id=f"run-{rerun}")
         assert again.rows_written == 0
         assert (again.scored, again.rejected) == (first.scored, first.rejected)
         # Rows and values identical, lineage included: a replay of the same input writes nothing.
         assert predictions_of(engine).equals(predictions)
         now = rejections(engine)
-        assert now.drop("seen_count").equals(quarantined.drop("seen_count"))
+        assert now.drop("seen_count", "last_seen").equals(quarantined.drop("seen_count", "last_seen"))
         scoring = pl.col("stage") == "score"
         assert set(now.filter(scoring)["seen_count"]) == {rerun}
 
@@ -166,10 +127,11 @@ def test_small_chunks_give_the_same_scores_as_one_chunk(engine: Engine) -> None:
     reproduces the single-chunk features. One item per forward pass keeps the model's own
     arithmetic out of the comparison: a float32 GEMM may round an item differently depending on
     how many rows share its batch (the parity check tolerates that, see inference/parity.py)."""
-    ingest_all(engine)
+    ingest_days(engine, CONFIG, DAYS)
     day = DAYS[-1]
     for version, chunk_rows in (("one-chunk", 100_000), ("small-chunks", 97)):
-        report = score(engine, day, scorer=predictor(version, forward_batch_size=1), chunk_rows=chunk_rows)
+        scorer = untrained_predictor(version, forward_batch_size=1)
+        report = score_day(engine, day, scorer, chunk_rows=chunk_rows)
         assert report.chunks == (1 if chunk_rows > CONFIG.rows_per_day else -(-report.rows_in // chunk_rows))
     whole = predictions_of(engine, model_version="one-chunk")
     chunked = predictions_of(engine, model_version="small-chunks")
@@ -178,7 +140,7 @@ def test_small_chunks_give_the_same_scores_as_one_chunk(engine: Engine) -> None:
     assert whole["input_hash"].equals(chunked["input_hash"])
 
     # With the usual large forward batches the same holds to within float32 rounding.
-    score(engine, day, scorer=predictor("batched-chunks"), chunk_rows=97)
+    score_day(engine, day, scorer=untrained_predictor("batched-chunks"), chunk_rows=97)
     batched = predictions_of(engine, model_version="batched-chunks")
     assert batched["transaction_id"].equals(whole["transaction_id"])
     assert np.allclose(batched["score"].to_numpy(), whole["score"].to_numpy(), rtol=0, atol=1e-6)
@@ -197,7 +159,7 @@ def test_unseen_values_are_scored_flagged_and_counted(engine: Engine) -> None:
     }
     assert sum(flag is not None for flag in expected.values()) == round(600 * 0.02)
 
-    report = score(engine, day)
+    report = score_day(engine, day)
 
     stored = predictions_of(engine, partition_key=day.isoformat())
     assert dict(zip(stored["transaction_id"], stored["unseen_fields"], strict=True)) == expected
@@ -238,7 +200,7 @@ def test_a_padded_file_row_is_stored_and_scored_as_the_request_naming_it(engine:
         request = Transaction(**{**sent, "transaction_id": f" {sent['transaction_id']} "}).to_raw()
         assert hashes[sent["transaction_id"]] == hash_inputs(validate(raw_frame([request])))[0]
 
-    report = score(engine, day)
+    report = score_day(engine, day)
     assert (report.scored, report.rejected) == (3, 1)
     answers = predictions_of(engine, partition_key=day.isoformat())
     assert sorted(answers["transaction_id"]) == sorted(rows["transaction_id"])
@@ -394,16 +356,8 @@ def test_a_late_record_reads_the_history_the_online_path_reads(
     late = [row("late-1", f"{before}T10:00:00Z", 25.0), row("late-2", f"{before}T21:30:00Z", 30.0, "fuel")]
     today = [row(f"today-{i}", f"{day}T0{i + 1}:00:00Z", 40.0 + i) for i in range(3)]
     ingest_day(engine, raw_frame(late + today), day)
-    scorer = predictor(forward_batch_size=1)
-    score_partition(
-        engine,
-        scorer,
-        day,
-        producer=BatchProducer(run_id="run-1", partition_key=day.isoformat(), code_version="test"),
-        history_length=HISTORY,
-        chunk_rows=chunk_rows,
-        pipelined=pipelined,
-    )
+    scorer = untrained_predictor(forward_batch_size=1)
+    score_day(engine, day, scorer, chunk_rows=chunk_rows, pipelined=pipelined)
 
     batch = predictions_of(engine, partition_key=day.isoformat()).sort("transaction_id")
     online = scorer.predict(raw_frame(late + today), StoreHistory(engine)).sort("transaction_id")
@@ -446,16 +400,16 @@ def test_a_record_one_model_refused_is_no_longer_rejected_once_another_scores_it
     )
     ingest_day(engine, raw_frame([record(), record(transaction_id="tx-2", amount=9000.0)]), DAY)
 
-    score(engine, DAY, scorer=v1, run_id="nightly")
+    score_day(engine, DAY, scorer=v1, run_id="nightly")
     assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", False, None)]
     assert accounted_for(engine, DAY, "risk:v1") == (2, 1, 1)
 
-    report = score(engine, DAY, scorer=predictor("risk:v2"), run_id="after-promotion")
+    report = score_day(engine, DAY, scorer=untrained_predictor("risk:v2"), run_id="after-promotion")
     assert (report.scored, report.rejected) == (2, 0)
     assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", True, "superseded")]
     assert accounted_for(engine, DAY, "risk:v2") == (2, 2, 0)
 
-    score(engine, DAY, scorer=v1, run_id="after-rollback")  # refused again: open again
+    score_day(engine, DAY, scorer=v1, run_id="after-rollback")  # refused again: open again
     assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", False, None)]
     assert accounted_for(engine, DAY, "risk:v1") == (2, 1, 1)
 
@@ -467,21 +421,21 @@ def test_a_record_refused_again_is_open_again(engine: Engine) -> None:
     still sent it, or the old bad version was re-sent after its correction."""
     bad, good = record(transaction_id="tx-2", currency="EURO"), record(transaction_id="tx-2", amount=7.0)
     ingest_day(engine, raw_frame([record(), bad]), DAY)
-    score(engine, DAY, run_id="nightly")
+    score_day(engine, DAY, run_id="nightly")
     with engine.begin() as conn:
         ids = conn.execute(sa.select(rejected_records.c.rejection_id)).scalars().all()
         assert mark_rejections_fixed(conn, ids) == 1
 
     ingest_day(engine, raw_frame([record(), bad]), DAY)  # the fixed-rejects rerun; the source is not fixed
-    score(engine, DAY, run_id="fixed-rerun")
+    score_day(engine, DAY, run_id="fixed-rerun")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
 
     ingest_day(engine, raw_frame([good]), DAY)
-    score(engine, DAY, run_id="corrected")
+    score_day(engine, DAY, run_id="corrected")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", True, "superseded")]
     ingest_day(engine, raw_frame([bad]), DAY)  # the old version re-sent
-    score(engine, DAY, run_id="bad-again")
+    score_day(engine, DAY, run_id="bad-again")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
 
@@ -510,7 +464,7 @@ def test_a_nul_in_a_text_field_quarantines_its_row_at_ingest_and_the_day_is_stor
         ("tx-4", "nul_character", "ingest"),
     ]
     assert "acct\\u0000" in quarantined[1].payload  # the record as received, NUL escaped
-    scored = score(engine, DAY)
+    scored = score_day(engine, DAY)
     assert (scored.scored, scored.rejected) == (1, 0)
 
 
@@ -535,9 +489,8 @@ def test_payments_of_one_second_are_ordered_by_the_bytes_of_their_ids_on_both_pa
                 record(transaction_id="a-1", account_id="acct", amount=900.0, event_time=f"{later}T12:00:00Z"),
             ]
             ingest_day(engine, raw_frame(same_second), later)
-            scorer = predictor(forward_batch_size=1)
-            producer = BatchProducer(run_id="run-1", partition_key=later.isoformat(), code_version="test")
-            score_partition(engine, scorer, later, producer=producer, history_length=HISTORY)
+            scorer = untrained_predictor(forward_batch_size=1)
+            score_day(engine, later, scorer)
 
             batch = predictions_of(engine, partition_key=later.isoformat()).sort("transaction_id")
             online = pl.concat([scorer.predict(raw_frame([row]), StoreHistory(engine)) for row in same_second])
@@ -635,10 +588,9 @@ def test_a_correction_that_moves_a_record_reschedules_the_records_that_followed_
         raw_frame([record(transaction_id="follower", account_id="acct", event_time=f"{later}T10:00:00Z")]),
         later,
     )
-    scorer = predictor(forward_batch_size=1)
+    scorer = untrained_predictor(forward_batch_size=1)
     for day in (DAY, later):
-        producer = BatchProducer(run_id=f"run-{day}", partition_key=day.isoformat(), code_version="test")
-        score_partition(engine, scorer, day, producer=producer, history_length=HISTORY)
+        score_day(engine, day, scorer, run_id=f"run-{day}")
     before = utc_now()
 
     ingest_day(engine, raw_frame([{**moved, **correction}]), DAY)

@@ -3,7 +3,6 @@ stage leaves the partition as it was, with every stage thread gone. SQLite and P
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,23 +11,24 @@ from typing import Any
 
 import polars as pl
 import pytest
-import sqlalchemy as sa
-import torch
 from sqlalchemy.engine import Engine
 
 from inference.batch import (
     QUEUE_DEPTH,
-    BatchProducer,
     ChunkProgress,
     PartitionReport,
-    ingest_day,
-    score_partition,
 )
 from inference.contract import HistorySource, PreparedBatch, TorchPredictor
-from inference.demo import DemoConfig, day_range, generate_day
-from inference.model import ModelConfig, RiskModel
-from inference.store import read_predictions, rejected_records
-from tests.inference.support import DAY
+from inference.demo import DemoConfig, day_range
+from tests.inference.support import (
+    DAY,
+    ingest_days,
+    predictions_of,
+    rejections,
+    score_day,
+    untrained_model,
+    untrained_predictor,
+)
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -37,50 +37,18 @@ DAYS = day_range(DAY, 2)
 # Small chunks: ~7 per partition, so every stage holds a different chunk at once and accounts
 # cross chunk boundaries (the history carried from one chunk to the next is exercised).
 CHUNK_ROWS = 97
+FORWARD_BATCH_SIZE = 64  # below CHUNK_ROWS: a chunk takes more than one forward pass
 FAILING_CHUNK = 3
 # What differs between two runs by design: who wrote the row, when, under which version tag.
 PER_RUN = ["model_version", "run_id", "produced_at"]
 
 
-@functools.cache
-def untrained_model() -> RiskModel:
-    torch.manual_seed(0)
-    return RiskModel(ModelConfig()).eval()
-
-
 def predictor(model_version: str = "risk:untrained") -> TorchPredictor:
-    return TorchPredictor(model=untrained_model(), model_version=model_version, forward_batch_size=64)
+    return untrained_predictor(model_version, forward_batch_size=FORWARD_BATCH_SIZE)
 
 
 def score(engine: Engine, scorer: Any, *, run_id: str, chunk_rows: int = CHUNK_ROWS, **options: Any) -> PartitionReport:
-    day = DAYS[-1]
-    return score_partition(
-        engine,
-        scorer,
-        day,
-        producer=BatchProducer(run_id=run_id, partition_key=day.isoformat(), code_version="test"),
-        history_length=ModelConfig().history_length,
-        chunk_rows=chunk_rows,
-        **options,
-    )
-
-
-def ingest_all(engine: Engine) -> None:
-    for day in DAYS:
-        ingest_day(engine, generate_day(day, CONFIG), day)
-
-
-def predictions_of(engine: Engine, **equal_to: object) -> pl.DataFrame:
-    with engine.connect() as conn:
-        return read_predictions(conn, partition_key=DAYS[-1].isoformat(), **equal_to)
-
-
-def rejections(engine: Engine) -> pl.DataFrame:
-    r = rejected_records.c
-    columns = [r.rejection_key, r.transaction_id, r.stage, r.reason, r.detail, r.input_hash, r.seen_count, r.last_seen]
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(*columns).order_by(r.rejection_key)).all()
-    return pl.DataFrame([tuple(row) for row in rows], schema=[c.name for c in columns], orient="row")
+    return score_day(engine, DAYS[-1], scorer, run_id=run_id, chunk_rows=chunk_rows, **options)
 
 
 def stage_threads() -> list[threading.Thread]:
@@ -104,7 +72,7 @@ def report_facts(report: PartitionReport) -> dict[str, Any]:
 def test_the_pipeline_writes_what_one_chunk_after_another_writes_row_for_row(
     engine: Engine, model_workers: int
 ) -> None:
-    ingest_all(engine)
+    ingest_days(engine, CONFIG, DAYS)
     sequential = score(engine, predictor("sequential"), run_id="sequential", pipelined=False)
     after_sequential = rejections(engine)
     pipelined = score(engine, predictor("pipelined"), run_id="pipelined", pipelined=True, model_workers=model_workers)
@@ -184,14 +152,17 @@ class UnstagedFailsOnChunk:
 def test_a_stage_failing_on_chunk_three_leaves_the_old_partition_and_no_thread(
     engine: Engine, failing_stage: str, model_workers: int, staged: bool
 ) -> None:
-    ingest_all(engine)
+    ingest_days(engine, CONFIG, DAYS)
     version = "risk:untrained"
     score(engine, predictor(version), run_id="old-run")
     old_predictions, old_rejections = predictions_of(engine), rejections(engine)
     assert old_predictions.height > 0 and old_rejections.height > 0
 
     failing = FailsOnChunk(
-        model=untrained_model(), model_version=version, forward_batch_size=64, failing_stage=failing_stage
+        model=untrained_model(),
+        model_version=version,
+        forward_batch_size=FORWARD_BATCH_SIZE,
+        failing_stage=failing_stage,
     )
     # The failed run's writes differ from the old partition (rejections seen once more, their
     # run_id), so a partial commit would show.
@@ -264,8 +235,8 @@ class SlowFirstForward(TorchPredictor):
 
 
 def test_a_stalled_worker_does_not_let_the_others_results_pile_up(engine: Engine) -> None:
-    ingest_all(engine)
-    slow = SlowFirstForward(model=untrained_model(), model_version="slow", forward_batch_size=64)
+    ingest_days(engine, CONFIG, DAYS)
+    slow = SlowFirstForward(model=untrained_model(), model_version="slow", forward_batch_size=FORWARD_BATCH_SIZE)
 
     def merged(progress: ChunkProgress) -> None:
         with slow.lock:
@@ -279,13 +250,7 @@ def test_a_stalled_worker_does_not_let_the_others_results_pile_up(engine: Engine
 
 
 def test_an_empty_partition_commits_nothing_and_stops_every_stage(engine: Engine) -> None:
-    ingest_all(engine)
-    report = score_partition(
-        engine,
-        predictor(),
-        date(2030, 1, 1),
-        producer=BatchProducer(run_id="empty", partition_key="2030-01-01", code_version="test"),
-        history_length=ModelConfig().history_length,
-    )
+    ingest_days(engine, CONFIG, DAYS)
+    report = score_day(engine, date(2030, 1, 1), predictor(), run_id="empty")
     assert (report.rows_in, report.chunks) == (0, 0)
     assert not stage_threads()

@@ -18,7 +18,7 @@ from inference.store import (
 )
 from tests.answers import answer, write_answers
 from tests.inference.store_worker import prediction_rows
-from tests.inference.support import IDS, current_revision, read_all, schema_diffs, write
+from tests.inference.support import IDS, current_revision, predictions_of, schema_diffs, write
 
 
 def test_migrated_schema_matches_the_metadata(engine: Engine) -> None:
@@ -28,12 +28,12 @@ def test_migrated_schema_matches_the_metadata(engine: Engine) -> None:
 
 def test_upgrade_is_idempotent(engine: Engine) -> None:
     write(engine, prediction_rows(IDS))
-    before = read_all(engine)
+    before = predictions_of(engine)
     upgrade(engine)
     upgrade(engine)
     assert schema_diffs(engine) == []
     assert current_revision(engine) == ScriptDirectory.from_config(alembic_config()).get_current_head()
-    assert read_all(engine).equals(before)
+    assert predictions_of(engine).equals(before)
 
 
 # ------------------------------------------------------------------ migration 0005 from 0004 with data
@@ -104,7 +104,7 @@ def test_migration_0005_splits_cross_path_verdicts_into_rows_and_marks_degraded_
         columns = sa.inspect(engine).get_columns("predictions")
         assert not {c["name"] for c in columns} & {"cross_path", "cross_path_score", "cross_path_producer"}
 
-        stored = {(row["transaction_id"], row["path"]): row for row in read_all(engine).to_dicts()}
+        stored = {(row["transaction_id"], row["path"]): row for row in predictions_of(engine).to_dicts()}
         assert set(stored) == {
             ("tx-plain", "batch"),
             ("tx-both", "batch"),

@@ -33,7 +33,7 @@ from inference.store import (
 )
 from tests.answers import answer, write_answers
 from tests.inference.store_worker import PRODUCED_AT, prediction_rows, upsert_repeatedly
-from tests.inference.support import DAY, IDS, frame_of, read_all, record, write
+from tests.inference.support import DAY, IDS, frame_of, predictions_of, record, write
 
 
 # ------------------------------------------------------------------ predictions
@@ -42,29 +42,29 @@ def test_writing_predictions_three_times_leaves_one_row_per_key(engine: Engine) 
     changed = [write(engine, rows) for _ in range(3)]
     assert changed == [rows.height, 0, 0]
 
-    stored = read_all(engine)
+    stored = predictions_of(engine)
     assert stored.height == rows.height
     assert stored.select("transaction_id", "model_version").is_unique().all()
     assert stored.select(PREDICTION_COLUMNS).equals(rows.sort("transaction_id", "model_version"))
     for _ in range(2):
         write(engine, rows)
-        assert read_all(engine).equals(stored)
+        assert predictions_of(engine).equals(stored)
 
 
 def test_same_input_hash_is_a_no_op_and_a_changed_one_updates(engine: Engine) -> None:
     write(engine, prediction_rows(IDS, score=0.25, input_hash="hash-1", run_id="run-1"))
-    original = read_all(engine)
+    original = predictions_of(engine)
 
     # A rerun's float noise (another forward batch size) is the same answer.
     replay = prediction_rows(
         IDS, score=0.25 + 1e-7, input_hash="hash-1", run_id="run-2", produced_at=PRODUCED_AT + timedelta(1)
     )
     assert write(engine, replay) == 0
-    assert read_all(engine).equals(original)
+    assert predictions_of(engine).equals(original)
 
     corrected = prediction_rows(IDS[:1], score=0.75, input_hash="hash-2", run_id="run-3")
     assert write(engine, corrected) == 1
-    stored = read_all(engine)
+    stored = predictions_of(engine)
     assert stored.height == len(IDS)
     assert stored.select(PREDICTION_COLUMNS).row(0, named=True) == corrected.row(0, named=True)
     assert stored.slice(1).equals(original.slice(1))
@@ -74,11 +74,11 @@ def test_a_rescore_by_changed_code_rewrites_the_batch_answer_it_changed(engine: 
     """The rescore a bumped PREDICTIONS_CODE_VERSION asks for: same model, record and history, new
     feature or scoring code. Its scores must replace the old code's; they used to be discarded."""
     write(engine, prediction_rows(IDS, score=0.25, input_hash="hash-1", run_id="run-1"))
-    original = read_all(engine)
+    original = predictions_of(engine)
 
     rescored = prediction_rows(IDS[:1], score=0.75, input_hash="hash-1", run_id="rescore")
     assert write(engine, rescored) == 1
-    stored = read_all(engine)
+    stored = predictions_of(engine)
     assert stored.select(PREDICTION_COLUMNS).row(0, named=True) == rescored.row(0, named=True)
     assert stored.slice(1).equals(original.slice(1))
 
@@ -91,7 +91,7 @@ def test_a_key_repeated_in_one_write_keeps_the_last_row(engine: Engine) -> None:
         ]
     )
     assert write(engine, rows) == 1
-    stored = read_all(engine)
+    stored = predictions_of(engine)
     assert stored["input_hash"].to_list() == ["hash-2"]
     assert stored["score"].to_list() == [0.2]
 
@@ -105,7 +105,7 @@ def test_concurrent_writers_leave_one_row_per_key(postgres_url: str) -> None:
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         changed = pool.starmap(upsert_repeatedly, jobs)
 
-    stored = read_all(engine)
+    stored = predictions_of(engine)
     expected_ids = {f"tx-{i:05d}" for i in range((workers - 1) * 100 + count)}
     assert set(stored["transaction_id"]) == expected_ids
     assert stored.height == len(expected_ids)
@@ -119,7 +119,7 @@ def test_concurrent_writers_leave_one_row_per_key(postgres_url: str) -> None:
 
 # ------------------------------------------------------------------ both paths' answers
 def _rows_by_path(engine: Engine) -> dict[str, list[dict[str, Any]]]:
-    stored = read_all(engine).to_dicts()
+    stored = predictions_of(engine).to_dicts()
     return {path: [row for row in stored if row["path"] == path] for path in ("batch", "online")}
 
 
@@ -148,7 +148,7 @@ def test_both_paths_answers_to_the_same_key_are_kept(engine: Engine, first: str)
         {**answers["batch"], "run_id": "run-retry"},
     ]
     assert write_answers(engine, *replays) == 0
-    assert read_all(engine).height == 2
+    assert predictions_of(engine).height == 2
 
 
 def test_every_distinct_online_answer_is_a_row_and_degraded_ones_are_marked(engine: Engine) -> None:
