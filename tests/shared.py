@@ -172,10 +172,14 @@ def register_untrained_model(
     return register_model(RiskModel(config or ModelConfig()).eval(), name, code_version=code_version, promote=promote)
 
 
-def unreachable_database_url() -> str:
-    """A PostgreSQL URL nothing answers at: a loopback port just released, so a connection is
-    refused at once. A database that is really down, unlike a SQLite file without tables."""
+def free_port() -> int:
+    """A loopback port just released: free for a server to bind, and refused at once while none does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return f"postgresql+psycopg://tandem@127.0.0.1:{port}/unreachable"
+        return int(probe.getsockname()[1])
+
+
+def unreachable_database_url() -> str:
+    """A PostgreSQL URL nothing answers at (a connection is refused at once): a database that is
+    really down, unlike a SQLite file without tables."""
+    return f"postgresql+psycopg://tandem@127.0.0.1:{free_port()}/unreachable"

@@ -11,12 +11,7 @@ from typing import Any
 import pytest
 
 from bench.loadgen import ONSET_S, LoadResult, run_load
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.shared import free_port
 
 
 def test_requests_are_made_with_the_generators_earlier_heap_frozen_and_it_is_thawed_after() -> None:
@@ -28,7 +23,7 @@ def test_requests_are_made_with_the_generators_earlier_heap_frozen_and_it_is_tha
         return {"transactions": []}, False
 
     frozen_before = gc.get_freeze_count()
-    result = run_load(f"http://127.0.0.1:{_closed_port()}/score", 200, 0.05, body_for, timeout_s=2)
+    result = run_load(f"http://127.0.0.1:{free_port()}/score", 200, 0.05, body_for, timeout_s=2)
 
     assert result.sent == 10 and result.connection_errors == 10  # nothing listens: every send failed fast
     assert len(frozen_while_sending) == 10
@@ -37,7 +32,7 @@ def test_requests_are_made_with_the_generators_earlier_heap_frozen_and_it_is_tha
 
 
 def test_the_generator_reports_its_own_cpu() -> None:
-    result = run_load(f"http://127.0.0.1:{_closed_port()}/score", 200, 0.05, lambda _: ({"transactions": []}, False))
+    result = run_load(f"http://127.0.0.1:{free_port()}/score", 200, 0.05, lambda _: ({"transactions": []}, False))
     summary = result.summary(50.0)
     assert result.generator_cpu_s > 0
     assert summary["generator_cores"] == result.generator_cpu_s / result.duration_s

@@ -32,13 +32,12 @@ from tests.e2e.deployment import (
     SENSOR_INTERVAL_SECONDS,
     Deployment,
     WebhookReceiver,
-    free_port,
     fresh_database,
     rescore_window_days,
 )
 from tests.e2e.graphql import REPOSITORIES, Repository, wait_for_production_model
 from tests.e2e.week import LOCATION, SCORING_ASSETS, BackfillOutcome, run_asset_backfill
-from tests.shared import run_child
+from tests.shared import free_port, run_child
 
 E2E_DIR = Path(__file__).resolve().parent
 RUN_E2E = os.environ.get("TANDEM_RUN_E2E") == "1" or os.environ.get("CI", "").lower() == "true"

@@ -20,7 +20,8 @@ from dagster._core.storage.tags import WILL_RETRY_TAG
 
 from orchestration.alerts import build_run_failure_alert
 from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
-from tests.e2e.deployment import WebhookReceiver, free_port
+from tests.e2e.deployment import WebhookReceiver
+from tests.shared import free_port
 
 DAY = "2026-11-03"
 UI_URL = "http://dagster.example:3000"

@@ -13,7 +13,6 @@ import contextlib
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -39,7 +38,7 @@ from serving.runtime import OnlineScorer
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
-from tests.shared import migrate_and_ingest, wait_until_ready
+from tests.shared import free_port, migrate_and_ingest, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 # Generous for two shared cores: start-up imports torch in two processes (more with workers), and
@@ -49,12 +48,6 @@ STOP_TIMEOUT_S = 60.0
 
 
 # ------------------------------------------------------------------ a live `bentoml serve`
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @dataclass
 class LiveServer:
     """A running server; test modules subclass it (a dataclass) with what their tests read."""

@@ -4,7 +4,6 @@ never the password."""
 
 from __future__ import annotations
 
-import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -14,12 +13,7 @@ import sqlalchemy as sa
 from inference.migrate import upgrade
 from inference.store import make_engine, rejected_records
 from tandem.cli import main
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])  # closed again on leaving: nothing listens there
+from tests.shared import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +36,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
 def test_an_unreachable_database_is_one_line_without_the_password(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...]
 ) -> None:
-    url = f"postgresql://tandem:s3cret@127.0.0.1:{_closed_port()}/tandem"
+    url = f"postgresql://tandem:s3cret@127.0.0.1:{free_port()}/tandem"
     said = _one_line_error(capsys, monkeypatch, url, *argv)
     assert "is unavailable" in said and "127.0.0.1" in said
     assert "s3cret" not in said
