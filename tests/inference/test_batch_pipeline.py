@@ -4,7 +4,6 @@ stage leaves the partition as it was, with every stage thread gone. SQLite and P
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from datetime import date
 from typing import Any
@@ -211,42 +210,55 @@ def test_a_stage_failing_on_chunk_three_leaves_the_old_partition_and_no_thread(
 
 
 @dataclass
-class SlowFirstForward(TorchPredictor):
-    """Counts chunks featurised but not yet merged; the first forward call stalls its worker."""
+class StallsFirstForward(TorchPredictor):
+    """Counts chunks featurised but not yet merged. The first forward call stalls its worker until
+    the other one has filled the pipeline up to MOST_IN_FLIGHT, then for RUNAWAY_S more unless a
+    chunk past the bound ends the wait at once. The pipeline has no clock to inject and does not
+    show a stage blocked on its permit, so that one grace period is what "the others stopped" costs."""
 
     prepared: int = 0
     merged: int = 0
     most_in_flight: int = 0
     stalled: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    changed: threading.Condition = field(default_factory=threading.Condition)
 
     def prepare(self, frame: pl.DataFrame, history: HistorySource) -> PreparedBatch:
-        with self.lock:
+        with self.changed:
             self.prepared += 1
             self.most_in_flight = max(self.most_in_flight, self.prepared - self.merged)
+            self.changed.notify_all()
         return super().prepare(frame, history)
 
     def complete(self, prepared: PreparedBatch) -> pl.DataFrame:
-        with self.lock:
+        with self.changed:
             first, self.stalled = not self.stalled, True
-        if first:
-            time.sleep(1.0)  # the other worker goes on alone meanwhile
+            if first:
+                full = self.changed.wait_for(lambda: self.most_in_flight >= MOST_IN_FLIGHT, timeout=60)
+                assert full, f"the other worker filled only {self.most_in_flight} of {MOST_IN_FLIGHT} places"
+                self.changed.wait_for(lambda: self.most_in_flight > MOST_IN_FLIGHT, timeout=RUNAWAY_S)
         return super().complete(prepared)
+
+
+# With two model workers: chunks featurised and not yet merged are the in-flight permits, plus the
+# one the features stage holds while it waits for a permit.
+MOST_IN_FLIGHT = 2 * QUEUE_DEPTH + 2 + 1
+# Once the pipeline is full: long enough for an unbounded features stage (a few ms a chunk here) to
+# run well past the bound.
+RUNAWAY_S = 0.3
 
 
 def test_a_stalled_worker_does_not_let_the_others_results_pile_up(engine: Engine) -> None:
     ingest_days(engine, CONFIG, DAYS)
-    slow = SlowFirstForward(model=untrained_model(), model_version="slow", forward_batch_size=FORWARD_BATCH_SIZE)
+    slow = StallsFirstForward(model=untrained_model(), model_version="slow", forward_batch_size=FORWARD_BATCH_SIZE)
 
     def merged(progress: ChunkProgress) -> None:
-        with slow.lock:
+        with slow.changed:
             slow.merged = progress.chunk
 
     report = score(engine, slow, run_id="slow", chunk_rows=25, model_workers=2, on_chunk=merged)
     assert report.chunks >= 20
-    # Chunks featurised and not yet merged: the in-flight permits, plus the one the features stage
-    # holds while it waits for a permit. Without the bound the free worker would score them all.
-    assert slow.most_in_flight <= 2 * QUEUE_DEPTH + 2 + 1, slow.most_in_flight
+    # Without the bound the free worker would score every chunk while the stalled one waits.
+    assert slow.most_in_flight == MOST_IN_FLIGHT, slow.most_in_flight
 
 
 def test_an_empty_partition_commits_nothing_and_stops_every_stage(engine: Engine) -> None:
