@@ -234,8 +234,9 @@ _STAGES = ("read", "features", "model", "write")
 
 class _PartitionScoring:
     """One call of score_partition: the steps every chunk goes through, and what they carry from
-    one chunk to the next. Each step runs in one stage thread at a time (the write step in the
-    caller's), so the state needs no lock; `pipeline` times each step under its stage's name."""
+    one chunk to the next. No lock: each piece of state has one writer (`carry` the features
+    stage, `open_rejections` and the report the caller's thread), and `score`, which several
+    model workers run at once, changes nothing. `pipeline` times each step under its stage's name."""
 
     def __init__(
         self,
