@@ -1,0 +1,92 @@
+"""`python -m bench.cpu_probe`: the service's CPU per served request at a few open-loop rates, beside
+the do-nothing endpoint on the same stack, and optionally a py-spy profile of each process.
+
+A quick instrument for one change against the code it started from: run it from both checkouts in
+one session (`--out` apart) and compare. `make bench` measures the same figure over its whole sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from bench.harness import (
+    RunningService,
+    ServiceSpec,
+    fresh_bodies,
+    request_bodies,
+    service_specs,
+    start_service,
+    tandem_spec,
+)
+from bench.run import _sweep, prepare_environment
+
+
+def _profile(service: RunningService, seconds: float, out: Path) -> list[subprocess.Popen[bytes]]:
+    """py-spy records of the server and each child (the scoring process) while the load runs."""
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    parent = psutil.Process(service.process.pid)
+    return [
+        subprocess.Popen(
+            [
+                *(pyspy, "record", "-p", str(p.pid), "-d", str(int(seconds)), "-r", "200", "-f", "speedscope"),
+                *("-o", str(out / f"profile-{p.pid}.json"), "--nonblocking"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p in [parent, *parent.children(recursive=True)]
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rates", default="100,800", help="open-loop rates, comma-separated")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--profile-rate", type=int, default=0, help="py-spy the service at this rate")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    rates = [int(r) for r in args.rates.split(",")]
+    bench = prepare_environment(rows_per_day=2000, days=3)
+    args.out.mkdir(parents=True, exist_ok=True)
+    good, _ = request_bodies(bench, 20_000)
+    do_nothing = next(s for s in service_specs() if s.name == "do_nothing")
+    results: dict[str, object] = {}
+    specs: list[ServiceSpec] = [do_nothing, tandem_spec()]
+    try:
+        for spec in specs:
+            service = start_service(spec, bench)
+            if isinstance(service, str):
+                results[spec.name] = {"error": service}
+                continue
+            try:
+                body = fresh_bodies(good, spec.name)
+                results[spec.name] = _sweep(service, rates, args.seconds, body)
+                if args.profile_rate and spec.name == "tandem":
+                    recorders = _profile(service, args.seconds, args.out)
+                    _sweep(service, [args.profile_rate], args.seconds, body)
+                    for recorder in recorders:
+                        recorder.wait(timeout=60)
+            finally:
+                service.stop()
+    finally:
+        bench.drop()
+    (args.out / "cpu_probe.json").write_text(json.dumps(results, indent=2, default=str))
+    for name, sweep in results.items():
+        if isinstance(sweep, list):
+            for level in sweep:
+                print(
+                    f"{name} @ {level['offered_rps']:.0f} rps: CPU {level['cpu_ms_per_request']:.2f} ms/req, "
+                    f"p99 {level['p99_ms']:.1f} ms, goodput {level['goodput_rps']:.0f}, shed {level['shed']}"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
