@@ -65,38 +65,9 @@ def build_app(
     async def lineage(request: Request) -> Response:
         request_id = new_request_id()
         try:
-            return await _lineage(request, request_id)
+            return await _lineage(request, request_id, edge, get_scorer())
         except Refused as refused:
             return refused.response(None, request_id)
-
-    async def _lineage(request: Request, request_id: str) -> Response:
-        refusal = edge.auth.check(request.headers.get("authorization"))
-        if refusal is not None:
-            raise Refused.at_edge(refusal)
-        transaction_id = str(request.path_params["transaction_id"])
-        if not 0 < len(transaction_id) <= ID_MAX_LENGTH or "\x00" in transaction_id:
-            raise Refused(422, "invalid_request", f"transaction_id must be 1-{ID_MAX_LENGTH} characters, no NUL")
-        scorer = get_scorer()
-        try:
-            # A blocking query: off the event loop, which keeps answering /score meanwhile.
-            found = await asyncio.to_thread(
-                explain,
-                scorer.engine,
-                transaction_id,
-                dagster_ui_url=edge.dagster_ui_url,
-                production_version=scorer.model_version,
-            )
-        except SQLAlchemyError as error:
-            logger.warning("lineage query failed: %s", type(error).__name__)
-            raise Refused(
-                503,
-                "store_unavailable",
-                "the result store is unreachable; retry later",
-                headers={"Retry-After": "1"},
-            ) from error
-        if not found.found:
-            raise Refused(404, "not_found", f"no record, result or rejection for transaction {transaction_id!r}")
-        return JSONResponse(found.to_dict(), headers={REQUEST_ID_HEADER: request_id})
 
     async def openapi(_: Request) -> Response:
         scorer = get_scorer()
@@ -129,6 +100,36 @@ def build_app(
     if score_route:
         app.add_middleware(ScoreGate, get_scorer=get_scorer, security=security)
     return app
+
+
+async def _lineage(request: Request, request_id: str, edge: _Edge, scorer: OnlineScorer) -> Response:
+    """Every answer, and every rejection, of one transaction; Refused for a bad id or an unreachable store."""
+    refusal = edge.auth.check(request.headers.get("authorization"))
+    if refusal is not None:
+        raise Refused.at_edge(refusal)
+    transaction_id = str(request.path_params["transaction_id"])
+    if not 0 < len(transaction_id) <= ID_MAX_LENGTH or "\x00" in transaction_id:
+        raise Refused(422, "invalid_request", f"transaction_id must be 1-{ID_MAX_LENGTH} characters, no NUL")
+    try:
+        # A blocking query: off the event loop, which keeps answering /score meanwhile.
+        found = await asyncio.to_thread(
+            explain,
+            scorer.engine,
+            transaction_id,
+            dagster_ui_url=edge.dagster_ui_url,
+            production_version=scorer.model_version,
+        )
+    except SQLAlchemyError as error:
+        logger.warning("lineage query failed: %s", type(error).__name__)
+        raise Refused(
+            503,
+            "store_unavailable",
+            "the result store is unreachable; retry later",
+            headers={"Retry-After": "1"},
+        ) from error
+    if not found.found:
+        raise Refused(404, "not_found", f"no record, result or rejection for transaction {transaction_id!r}")
+    return JSONResponse(found.to_dict(), headers={REQUEST_ID_HEADER: request_id})
 
 
 async def answer(

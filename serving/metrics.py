@@ -87,89 +87,101 @@ class ServingMetrics:
         self._serving: str | None = None
         self.registry = CollectorRegistry()
         # Every metric goes to this instance's registry (tests build several side by side).
-        counter = functools.partial(Counter, registry=self.registry)
-        gauge = functools.partial(Gauge, registry=self.registry)
-        histogram = functools.partial(Histogram, registry=self.registry)
-        buckets = latency_buckets(resolved.p99_target_ms)
-        self.latency = histogram(
+        self._counter = functools.partial(Counter, registry=self.registry)
+        self._gauge = functools.partial(Gauge, registry=self.registry)
+        self._histogram = functools.partial(Histogram, registry=self.registry)
+        self._define_request_metrics(latency_buckets(resolved.p99_target_ms))
+        self._define_batch_metrics(latency_buckets(resolved.p99_target_ms))
+        self._define_model_metrics()
+        self._shadowing: str | None = None
+        self.p99_target.set(self.target_s)
+        self.availability_target.set(resolved.availability_target)
+        self.slo_window.set(resolved.slo_window_days * SECONDS_PER_DAY)
+
+    def _define_request_metrics(self, buckets: tuple[float, ...]) -> None:
+        self.latency = self._histogram(
             "tandem_serving_request_latency_seconds",
             "End-to-end latency of /score, by HTTP status; one bucket is exactly the p99 target.",
             ["status"],
             buckets=buckets,
         )
         self.latency_by_status = Children(self.latency, "status")
-        self.p99_target = gauge(
+        self.p99_target = self._gauge(
             "tandem_serving_p99_target_seconds",
             "The declared p99 latency target.",
             multiprocess_mode="max",
         )
-        self.availability_target = gauge(
+        self.availability_target = self._gauge(
             "tandem_serving_availability_target",
             "The declared availability objective of /score, a ratio (0.999: at most 0.1% of requests answered 5xx).",
             multiprocess_mode="max",
         )
-        self.slo_window = gauge(
+        self.slo_window = self._gauge(
             "tandem_serving_slo_window_seconds",
             "The rolling window the SLOs are declared over.",
             multiprocess_mode="max",
         )
-        self.over_target = counter(
+        self.over_target = self._counter(
             "tandem_serving_requests_over_target_total",
             "Successful (200) /score requests whose end-to-end latency exceeded the p99 target.",
         )
-        self.items = counter(
+        self.items = self._counter(
             "tandem_serving_items_total",
             "Items (transactions) of /score requests, by what became of them.",
             ["outcome"],
         )
         # Exported at 0 from the start, so ratios and increase() see the first one.
         self.items_by_outcome = Children(self.items, "outcome", exported=ITEM_OUTCOMES)
-        self.in_flight = gauge(
+        self.in_flight = self._gauge(
             "tandem_serving_requests_in_flight",
             "/score requests being handled (parsed, queued or being scored).",
             multiprocess_mode="livesum",
         )
-        self.scores = histogram(
+        self.scores = self._histogram(
             "tandem_serving_score",
             "Scores returned by /score (degraded ones included).",
             buckets=SCORE_BUCKETS,
         )
-        self.queue_depth = gauge(
+
+    def _define_batch_metrics(self, buckets: tuple[float, ...]) -> None:
+        self.queue_depth = self._gauge(
             "tandem_serving_queue_depth", "Items waiting for a batch.", multiprocess_mode="livesum"
         )
-        self.queue_wait = histogram(
+        self.queue_wait = self._histogram(
             "tandem_serving_queue_wait_seconds",
             "Time an item waited before its batch started.",
             buckets=buckets,
         )
-        self.shed = counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"])
+        self.shed = self._counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"])
         self.shed_by_reason = Children(self.shed, "reason")
-        self.batch_size = histogram("tandem_serving_batch_size", "Items per adaptive batch.", buckets=_BATCH_BUCKETS)
-        self.batch_seconds = histogram(
+        self.batch_size = self._histogram(
+            "tandem_serving_batch_size", "Items per adaptive batch.", buckets=_BATCH_BUCKETS
+        )
+        self.batch_seconds = self._histogram(
             "tandem_serving_batch_seconds", "Service time of one batch.", buckets=_LATENCY_BUCKETS
         )
-        self.item_errors = counter(
+        self.item_errors = self._counter(
             "tandem_serving_item_errors_total", "Items answered with an error, by reason.", ["reason"]
         )
-        self.cpu_per_request = histogram(
+        self.cpu_per_request = self._histogram(
             "tandem_serving_request_cpu_seconds",
             "CPU time spent on one request: its parsing plus its share of its batches.",
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
         )
-        self.outbox_depth = gauge(
+        self.outbox_depth = self._gauge(
             "tandem_serving_outbox_depth",
             "Prediction rows waiting in the local outbox.",
             multiprocess_mode="max",
         )
-        self.breaker_state = gauge(
+        self.breaker_state = self._gauge(
             "tandem_serving_db_breaker_state",
             "Database circuit breaker: 0 closed, 1 half-open, 2 open.",
             multiprocess_mode="max",
         )
-        self.degraded = counter(
+        self.degraded = self._counter(
             "tandem_serving_degraded_total", "Items scored without account history (database down)."
         )
-        self.unseen_values = counter(
+        self.unseen_values = self._counter(
             "tandem_unseen_values_total",
             "Scored items whose field held a value outside the training vocabulary (scored through the "
             "model's unknown bucket), by field: vocabulary drift, a reason to retrain.",
@@ -178,13 +190,15 @@ class ServingMetrics:
         for name in VOCABULARY_FIELDS:
             # Exported at 0 from the start, so a rate() over the first unseen value sees it.
             self.unseen_values.labels(field=name)
-        self.model_info = gauge(
+
+    def _define_model_metrics(self) -> None:
+        self.model_info = self._gauge(
             "tandem_serving_model_info",
             "1 for the model version being served, 0 for versions served earlier by this process.",
             ["model_version", "code_version"],
             multiprocess_mode="livemax",
         )
-        self.model_swaps = counter(
+        self.model_swaps = self._counter(
             "tandem_serving_model_swaps_total",
             "Attempts to serve a newly promoted (or rolled back) model version without a restart, by outcome.",
             ["outcome"],
@@ -192,12 +206,12 @@ class ServingMetrics:
         for outcome in ("succeeded", "failed"):
             # Exported at 0 from the start, so an alert on increase() sees the first failure.
             self.model_swaps.labels(outcome=outcome)
-        self.shadow_items = counter(
+        self.shadow_items = self._counter(
             "tandem_shadow_items_total",
             "Sampled items for the challenger's shadow scoring, by outcome (scored, dropped).",
             ["outcome"],
         )
-        self.shadow_dropped = counter(
+        self.shadow_dropped = self._counter(
             "tandem_shadow_dropped_total",
             "Sampled items the challenger did not score, by reason; never counted against the p99 target.",
             ["reason"],
@@ -206,24 +220,20 @@ class ServingMetrics:
             self.shadow_items.labels(outcome=name)
         for reason in SHADOW_DROP_REASONS:
             self.shadow_dropped.labels(reason=reason)
-        self.shadow_queue_depth = gauge(
+        self.shadow_queue_depth = self._gauge(
             "tandem_shadow_queue_depth", "Items waiting for the challenger.", multiprocess_mode="livesum"
         )
-        self.shadow_latency = histogram(
+        self.shadow_latency = self._histogram(
             "tandem_shadow_latency_seconds",
             "From the champion's answer to the challenger's shadow answer.",
             buckets=_LATENCY_BUCKETS,
         )
-        self.shadow_model_info = gauge(
+        self.shadow_model_info = self._gauge(
             "tandem_shadow_model_info",
             "1 for the challenger version being shadowed, 0 for versions shadowed earlier by this process.",
             ["model_version"],
             multiprocess_mode="livemax",
         )
-        self._shadowing: str | None = None
-        self.p99_target.set(self.target_s)
-        self.availability_target.set(resolved.availability_target)
-        self.slo_window.set(resolved.slo_window_days * SECONDS_PER_DAY)
 
     def serving_model(self, model_version: str) -> None:
         """Mark `model_version` as the one answering requests.

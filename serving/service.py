@@ -73,6 +73,17 @@ def production_model() -> BentoModel:
     return BentoModel(tag)
 
 
+def engine_options(url: str, serving: ServingSettings) -> dict[str, typing.Any]:
+    """PostgreSQL connections that fail fast: the breaker and the outbox take over from there."""
+    if not url.startswith("postgresql"):
+        return {}
+    timeouts = {
+        "connect_timeout": DB_CONNECT_TIMEOUT_S,
+        "options": f"-c statement_timeout={serving.db_statement_timeout_ms}",
+    }
+    return {"connect_args": timeouts}
+
+
 def api_document() -> dict[str, typing.Any]:
     scorer = current_scorer()
     security = SecuritySettings()
@@ -109,16 +120,7 @@ class RiskScorer:
         serving = ServingSettings()
         SecuritySettings()  # a bad token or body limit fails the start, not the first request
         url = settings.resolved_database_url()
-        options = (
-            {
-                "connect_args": {
-                    "connect_timeout": DB_CONNECT_TIMEOUT_S,
-                    "options": f"-c statement_timeout={serving.db_statement_timeout_ms}",
-                }
-            }
-            if url.startswith("postgresql")
-            else {}
-        )
+        options = engine_options(url, serving)
         engine = make_engine(url, **options)
         upgrade(engine)
         self.worker_config = worker.WorkerConfig(

@@ -66,6 +66,23 @@ def quarantine_unwritable_result(conn: Connection, row: dict[str, Any], error: s
     )
 
 
+def _as_received(rejected: pl.DataFrame, raw_rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each row's payload with every field as received where a source handed it beside the value
+    read (`RECEIVED_PREFIX`: "12;50" rather than no amount, " US$ " rather than "US$"), and the
+    received texts the RAW values do not hold ("12;50" and "12;5O" both read as no amount), which
+    key the rejection too, so that a changed record is a new rejection."""
+    payloads = [dict(raw) for raw in raw_rows]
+    as_received = [""] * rejected.height
+    for name in RAW_COLUMNS:
+        if f"{RECEIVED_PREFIX}{name}" in rejected.columns:
+            values = rejected[f"{RECEIVED_PREFIX}{name}"].to_list()
+            for row, (payload, value) in enumerate(zip(payloads, values, strict=True)):
+                if value is not None and value != payload[name]:
+                    payload[name] = value
+                    as_received[row] += f"|{name}={value}"
+    return payloads, as_received
+
+
 def quarantine(
     conn: Connection,
     rejected: pl.DataFrame,
@@ -92,19 +109,7 @@ def quarantine(
     details = rejected["reject_detail"].to_list() if "reject_detail" in rejected.columns else [None] * rejected.height
     records = []
     raw_rows = rejected.select(RAW_COLUMNS).to_dicts()
-    # The payload keeps each field as received where a source handed it beside the value read
-    # (`RECEIVED_PREFIX`): "12;50" rather than no amount, " US$ " rather than "US$".
-    # A received text the RAW value does not hold ("12;50" and "12;5O" both read as no amount)
-    # also keys the rejection, so that a changed record is a new rejection.
-    payloads = [dict(raw) for raw in raw_rows]
-    as_received = [""] * rejected.height
-    for name in RAW_COLUMNS:
-        if f"{RECEIVED_PREFIX}{name}" in rejected.columns:
-            values = rejected[f"{RECEIVED_PREFIX}{name}"].to_list()
-            for row, (payload, value) in enumerate(zip(payloads, values, strict=True)):
-                if value is not None and value != payload[name]:
-                    payload[name] = value
-                    as_received[row] += f"|{name}={value}"
+    payloads, as_received = _as_received(rejected, raw_rows)
     for raw, payload, reason, detail, digest, received in zip(
         raw_rows, payloads, rejected["reject_reason"].to_list(), details, hashes.to_list(), as_received, strict=True
     ):
