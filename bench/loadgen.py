@@ -27,8 +27,7 @@ import numpy as np
 import uvloop
 
 # The first half second of a level, reported apart: each load level starts from a settled service,
-# so this is the step into it, where past capacity the concurrency limit admits a burst allowance
-# before it drops to the concurrency it last held the target at (bench/findings.md).
+# so this is the step into it, where the queue fills before admission's estimate has caught up.
 ONSET_S = 0.5
 
 

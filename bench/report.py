@@ -227,8 +227,8 @@ def _past_capacity_section(tandem: dict[str, Any], label: str) -> list[str]:
             "",
             f"The first {loadgen.ONSET_S:g} s / after: the p99 of the answers to requests sent in the level's "
             f"first {loadgen.ONSET_S:g} s, and of the rest. Each level starts from a settled service, so the "
-            "first part is the step into overload: past the concurrency the limit last held the target at, it admits "
-            "a burst allowance before it drops there (serving/README.md).",
+            "first part is the step into overload, before admission's estimate of the wait has caught up "
+            "(serving/README.md).",
             "",
         ]
     if "burst_64" in tandem:

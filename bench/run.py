@@ -119,13 +119,13 @@ class Plan:
         phases["online services"] = (
             20  # the online databases: SQLite and PostgreSQL, each seeded with the history
             + 9 * SERVICE_START_S  # 8 services, and the ceiling a second time for the rates found on the way
-            + 5 * sweep  # Tandem on SQLite, behind HAProxy, on PostgreSQL, the mounted route, unbatched Tandem
+            + 5 * sweep  # Tandem on SQLite and on PostgreSQL, the mounted route, unbatched Tandem, one more
             + sweep
             + (len(STOCK_LOW_RATES) + 2 * overloads + 2) * load  # the ceiling over every rate judged
             + stock_levels * (load + STOCK_DRAIN_S)
             + drifted_rates * (load + 10)  # its replies run into the 10 s client timeout
             + 2 * load  # 2% poison: Tandem and stock BentoML
-            + 4 * burst  # 64-request burst at moderate load: Tandem alone and behind HAProxy, the ceiling for each
+            + 4 * burst  # 64-request burst at moderate load: Tandem on both stores, the ceiling for each
             + 2 * overloads * (load + OVERLOAD_TIMEOUT_S)  # past capacity, both; replies up to the timeout
         )
         extra_workers = [n for n in self.worker_counts if n > 1]
@@ -520,7 +520,7 @@ def _past_capacity(
 
 def _ceiling_again(bench: BenchEnv, everything: dict[str, Any], good: list[dict[str, Any]], seconds: float) -> None:
     """The do-nothing ceiling over the rates the past-capacity runs chose (overload, burst
-    background), alone and behind HAProxy, and the same bursts, merged into its results."""
+    background) of Tandem on both stores, and the same bursts, merged into its results."""
     ceiling = everything.get("do_nothing", {})
     runs = [everything[name] for name in FRONTED if "overload" in everything.get(name, {})]
     if "sweep" not in ceiling or not runs:

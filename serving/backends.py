@@ -77,8 +77,8 @@ class BackendSwitch:
 
         The batch cost model carries over and retunes itself from the new version's batches
         (decay 0.9: within about ten). Not recalibrated from the new version's warm-up: timed beside
-        a pool that is serving, a first batch measures several times its steady cost
-        (bench/findings.md), and an overstated cost sheds requests right after the swap.
+        a pool that is serving, a first batch costs more than its steady cost, and an overstated cost
+        sheds requests right after the swap.
         """
         if self._pending is not None:
             raise RuntimeError("a model swap is already pending")
