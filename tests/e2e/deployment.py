@@ -40,9 +40,10 @@ DEMO_ROWS_PER_DAY = 1000
 DEMO_POISON_RATE = 0.01
 
 # A promotion rescores the scored days of the last N (TANDEM_SENSOR_PROMOTION_RESCORE_PARTITIONS).
-# The deployment sets N so that the window starts here, whatever today is: the week's first days
-# stay stale after a promotion (outside the window), the others are rescored.
+# The deployment sets N so that the window starts here on the day it starts, whatever day that is:
+# the week's first days stay stale after a promotion (outside the window), the others are rescored.
 RESCORE_FROM = date(2026, 11, 4)
+RESCORE_WINDOW_ENV = "TANDEM_SENSOR_PROMOTION_RESCORE_PARTITIONS"
 
 T = TypeVar("T")
 
@@ -147,6 +148,11 @@ class Deployment:
     production_tag: str
     services: list[Service] = field(default_factory=list)
     _client: httpx.Client | None = None
+
+    @property
+    def rescore_window_days(self) -> int:
+        """N, the promotion's rescore window, as the code location read it when it loaded."""
+        return int(self.env[RESCORE_WINDOW_ENV])
 
     # ------------------------------------------------------------------ processes
     def start(self, name: str, argv: list[str]) -> Service:

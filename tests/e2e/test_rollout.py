@@ -6,6 +6,7 @@ judged by `challenger_report`, and its checks and plots are what a browser shows
 from __future__ import annotations
 
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,11 @@ from tests.e2e.graphql import (
     wait_until_settled,
 )
 from tests.e2e.week import (
-    LEFT_STALE,
     PARTITIONS,
-    RESCORED,
     SCORING_ASSETS,
     BackfillOutcome,
     partition_staleness,
+    promotion_window,
     run_asset_backfill,
 )
 from tests.shared import run_child
@@ -87,13 +87,16 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
     # path_agreement runs of its own; they are over before the promotion, which is what is checked here.
     promoted_at = wait_until_settled(deployment, repository, automation)
     assert f"production -> {candidate}" in tandem_cli(deployment, "models", "promote", candidate)
+    # Automation evaluates the promotion seconds from now: its window ends on this day, which is not
+    # the day the deployment started when the suite crosses midnight (UTC).
+    rescored, left_stale = promotion_window(deployment.rescore_window_days, datetime.now(UTC).date())
     wait_for_production_model(deployment, candidate)
     automated = [{"key": "tandem/trigger", "value": "automation"}]
 
     def since_promotion() -> list[dict[str, Any]]:
         return [run for run in list_runs(deployment, tags=automated) if run["creationTime"] >= promoted_at]
 
-    runs = wait_for_runs_covering(deployment, since_promotion, RESCORED, "the promotion's rescore by automation")
+    runs = wait_for_runs_covering(deployment, since_promotion, rescored, "the promotion's rescore by automation")
     # Each promotion is handled once.
     assert_nothing_requested_after(deployment, repository, automation, runs, timeout=120)
     runs = since_promotion()
@@ -101,15 +104,15 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
     described = [
         (run_tags(run)["dagster/partition"], assets_of(run), run["creationTime"] - promoted_at) for run in runs
     ]
-    assert sorted(run_tags(run)["dagster/partition"] for run in runs) == RESCORED, described
+    assert sorted(run_tags(run)["dagster/partition"] for run in runs) == rescored, described
     assert all(assets_of(run) == SCORING_ASSETS for run in runs), [assets_of(run) for run in runs]
     assert {run_tags(run)["dagster/sensor_name"] for run in runs} == {automation}
 
     # What the UI shows: the window fresh again, the days before it stale because the model moved.
     staleness = partition_staleness(deployment)
-    for partition in RESCORED:
+    for partition in rescored:
         assert staleness[partition] == ("FRESH", []), partition
-    for partition in LEFT_STALE:
+    for partition in left_stale:
         assert staleness[partition] == ("STALE", ["production_model: has a new data version"]), partition
 
     p = predictions.c
@@ -124,9 +127,9 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
             )
             for partition in PARTITIONS
         }
-    for partition in RESCORED:  # both answers kept: the old model's and the new one's
+    for partition in rescored:  # both answers kept: the old model's and the new one's
         assert versions[partition] == {previous, candidate}, partition
-    for partition in LEFT_STALE:
+    for partition in left_stale:
         assert versions[partition] == {previous}, partition
 
 

@@ -25,7 +25,7 @@ from tests.e2e.graphql import (
     list_runs,
 )
 from tests.e2e.week import (
-    LEFT_STALE,
+    PARTITIONS,
     BackfillOutcome,
 )
 
@@ -80,7 +80,7 @@ def test_the_ui_shows_the_stale_marker_the_checks_and_the_score_distribution(
     Unsynced with the cause, beside its score deciles and histogram; the checks tab lists the six
     checks, passed."""
     page = browser_page
-    stale_day = LEFT_STALE[0]
+    stale_day = PARTITIONS[0]  # before the window, whichever day automation evaluated the promotion on
     page.set_viewport_size({"width": 1600, "height": 1700})  # the marker and the histogram on one screen
     page.goto(f"{deployment.url}/assets/predictions?view=partitions&partition={stale_day}", timeout=60_000)
     marker = page.get_by_text(re.compile(r"^Unsynced \(1\)$")).first

@@ -5,14 +5,11 @@ the days, the automation window, and the UI's "Materialize -> Launch backfill" o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import date
+from datetime import date, timedelta
 from typing import Any
 
 from inference.demo import day_range
-from tests.e2e.deployment import (
-    RESCORE_FROM,
-    Deployment,
-)
+from tests.e2e.deployment import Deployment
 from tests.e2e.graphql import (
     BACKFILL,
     LAUNCH_BACKFILL,
@@ -25,12 +22,18 @@ from tests.e2e.graphql import (
 )
 
 PARTITIONS = [day.isoformat() for day in day_range(date(2026, 11, 1), 7)]
-# After the promotion: inside the automation window and rescored, or before it and left stale.
-RESCORED = [key for key in PARTITIONS if date.fromisoformat(key) >= RESCORE_FROM]
-LEFT_STALE = [key for key in PARTITIONS if key not in RESCORED]
 LOCATION = "tandem"  # workspace.yaml
 SCORING_ASSETS = ["path_agreement", "predictions"]  # docs/batch.md's UI backfill (sorted, as assets_of lists them)
 BACKFILL_TIMEOUT_S = 420
+
+
+def promotion_window(window_days: int, evaluated_on: date) -> tuple[list[str], list[str]]:
+    """The week's days a promotion rescores and those it leaves stale, when automation evaluates it
+    on `evaluated_on` (UTC) with a window of `window_days`. The window counts back from that day and
+    the deployment fixed its length when it started: after midnight it holds one day fewer."""
+    first = evaluated_on - timedelta(days=window_days)
+    rescored = [key for key in PARTITIONS if date.fromisoformat(key) >= first]
+    return rescored, [key for key in PARTITIONS if key not in rescored]
 
 
 @dataclass(frozen=True)

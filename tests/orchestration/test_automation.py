@@ -6,12 +6,13 @@ names the cause."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 import pytest
 from dagster import (
     AssetKey,
+    AssetMaterialization,
     AssetsDefinition,
     DagsterInstance,
     Definitions,
@@ -26,8 +27,11 @@ from dagster._core.definitions.declarative_automation.automation_condition_teste
 # Dagster's own helper for what the UI's staleness shows (CachingStaleStatusResolver); not exported.
 from dagster._utils.test.data_versions import get_stale_status_resolver
 
+from assets.model import production_model_observation
 from orchestration.definitions import build_definitions
 from orchestration.resources import ModelStoreResource
+from tests.e2e.deployment import RESCORE_WINDOW_ENV, rescore_window_days
+from tests.e2e.week import PARTITIONS, promotion_window
 from tests.orchestration.support import SETTINGS, batch_resources, predictions_config, run_partition
 from tests.shared import register_untrained_model
 
@@ -173,3 +177,35 @@ def test_path_agreement_follows_predictions_materialized_alone(deployment: Deplo
     deployment.score(SCORED[0], selection=("predictions",))  # the UI's Materialize on predictions alone
     assert requested(deployment.evaluate()) == {"path_agreement": {SCORED[0]}}
     assert requested(deployment.evaluate()) == {}
+
+
+@pytest.mark.parametrize(
+    "evaluated_at",
+    [datetime(2026, 12, 6, 23, 59, tzinfo=UTC), datetime(2026, 12, 7, 0, 1, tzinfo=UTC)],
+    ids=["before-midnight", "after-midnight"],
+)
+def test_the_live_rollout_test_expects_the_window_of_the_day_automation_evaluates(
+    evaluated_at: datetime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live deployment fixes the window's length on the day it starts (tests/e2e/conftest.py);
+    automation counts that length back from the day it evaluates the promotion. A suite that
+    crosses midnight in between rescores one day fewer, and the live test must expect that day's
+    window (tests/e2e/week.promotion_window), not the one of the day it started."""
+    started_on = date(2026, 12, 6)
+    window = rescore_window_days(started_on)
+    monkeypatch.setenv(RESCORE_WINDOW_ENV, str(window))
+    defs = build_definitions(SETTINGS)
+    with DagsterInstance.ephemeral() as instance:
+        instance.report_runless_asset_event(production_model_observation("risk_model:before"))
+        for day in PARTITIONS:  # the live test's week, scored
+            for asset in ("transactions", "predictions", "path_agreement"):
+                instance.report_runless_asset_event(AssetMaterialization(asset_key=asset, partition=day))
+        scored = Definitions(assets=defs.assets, resources=defs.resources)
+        first = evaluate_automation_conditions(scored, instance, evaluation_time=evaluated_at)
+        instance.report_runless_asset_event(production_model_observation("risk_model:promoted"))
+        promoted = evaluate_automation_conditions(scored, instance, evaluation_time=evaluated_at, cursor=first.cursor)
+
+    rescored, _ = promotion_window(window, evaluated_at.date())
+    assert sorted(promoted.get_requested_partitions(PREDICTIONS)) == rescored
+    day_start_window, _ = promotion_window(window, started_on)
+    assert (rescored == day_start_window) == (evaluated_at.date() == started_on)
