@@ -233,7 +233,12 @@ def wait_for_runs_covering(
         done = all(run["status"] == "SUCCESS" for run in runs)
         return runs if done and {run_tags(run).get("dagster/partition") for run in runs} >= set(partitions) else None
 
-    return deployment.wait_until(what, covered, timeout=SENSOR_RUNS_TIMEOUT_S)
+    try:
+        return deployment.wait_until(what, covered, timeout=SENSOR_RUNS_TIMEOUT_S)
+    except AssertionError as timed_out:
+        # The servers' log tails show the last seconds only; which runs exist says what went missing.
+        found = sorted((run_tags(run).get("dagster/partition") or "", run["status"]) for run in find_runs())
+        raise AssertionError(f"wanted runs covering {partitions}, found {found}\n{timed_out}") from None
 
 
 def assert_nothing_requested_after(
