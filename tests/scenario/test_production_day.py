@@ -94,7 +94,13 @@ class Day:
             "model_store": ModelStoreResource(model_name=MODEL_NAME),
             "source": TransactionSourceResource(kind="files", location=str(landing)),
         }
-        self.defs = Definitions(assets=built.assets, jobs=built.jobs, sensors=built.sensors, resources=self.resources)
+        self.defs = Definitions(
+            assets=built.assets,
+            asset_checks=built.asset_checks,
+            jobs=built.jobs,
+            sensors=built.sensors,
+            resources=self.resources,
+        )
         self.assets = [a for a in built.assets or [] if isinstance(a, AssetsDefinition)]
         self.instance = DagsterInstance.ephemeral()
         self.cursors: dict[str, str | None] = {}
