@@ -8,6 +8,8 @@ batch size 1 would predict a 64-request burst as 64 times the real wait and shed
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -66,7 +68,7 @@ class Decision:
     admitted: bool
     predicted_wait_s: float
     limit_s: float
-    reason: str | None = None  # queue_full | over_target | over_deadline
+    reason: str | None = None  # queue_full | over_target | over_deadline | concurrency_limit
 
     @property
     def retry_after_s(self) -> int:
@@ -103,3 +105,45 @@ def admit(
     if wait > target_s:
         return Decision(False, wait, limit, "over_target")
     return Decision(True, wait, limit)
+
+
+class AimdLimit:
+    """AIMD (additive increase, multiplicative decrease) on admitted requests in flight, the one
+    adaptive limit beside the queue: the queue's expected wait cannot see the time a request
+    spends in a saturated event loop before and after its batch, its answer's latency can.
+
+    An answer over the target cuts the limit by `backoff`, at most once per `target_s` (the time a
+    cut takes to show in latencies); an answer within it, while the limit is at least half used,
+    adds one request per limit's worth of answers. Settings: the target, `max_limit`; the floor and
+    the backoff are fixed.
+    """
+
+    MIN_LIMIT = 8  # about capacity x latency at the target on two cores: below it goodput starves
+    BACKOFF = 0.9
+
+    def __init__(self, target_s: float, max_limit: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.target_s = target_s
+        self.max_limit = max_limit
+        self.limit = float(max_limit)
+        self.in_flight = 0
+        self.clock = clock
+        self._last_cut = -math.inf
+
+    def acquire(self) -> bool:
+        if self.in_flight >= int(self.limit):
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self, latency_s: float | None) -> None:
+        """An admitted request ended: answered after `latency_s`, or refused for its body (None)."""
+        in_flight, self.in_flight = self.in_flight, self.in_flight - 1
+        if latency_s is None:
+            return
+        now = self.clock()
+        if latency_s > self.target_s:
+            if now - self._last_cut >= self.target_s:
+                self.limit = max(float(self.MIN_LIMIT), self.limit * self.BACKOFF)
+                self._last_cut = now
+        elif 2 * in_flight >= self.limit:
+            self.limit = min(float(self.max_limit), self.limit + 1 / self.limit)

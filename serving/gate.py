@@ -253,6 +253,7 @@ class ScoreGate:
             state.pop(CALL_STATE, None)
             if call.reservation is not None:
                 call.reservation.release()
+            scorer.finished(time.monotonic() - call.arrived)
         return status
 
     async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:
@@ -277,7 +278,8 @@ class ScoreGate:
         try:
             body = await self._read_and_parse(request, scorer, call)
         except BaseException:
-            admitted.release()  # refused for its body (or the client left)
+            admitted.release()  # refused for its body (or the client left): no latency to learn from
+            scorer.finished(None)
             raise
         return call, body
 

@@ -154,6 +154,11 @@ class ServingMetrics:
         )
         self.shed = self._counter("tandem_serving_shed_total", "Requests refused at admission.", ["reason"])
         self.shed_by_reason = Children(self.shed, "reason")
+        self.concurrency_limit = self._gauge(
+            "tandem_serving_concurrency_limit",
+            "The AIMD limit on admitted /score requests in flight (admission.AimdLimit).",
+            multiprocess_mode="livesum",
+        )
         self.batch_size = self._histogram(
             "tandem_serving_batch_size", "Items per adaptive batch.", buckets=_BATCH_BUCKETS
         )

@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy.engine import Engine
 
 from inference.records import Transaction, raw_frame, validate
-from serving.admission import BatchCostModel, Decision
+from serving.admission import AimdLimit, BatchCostModel, Decision
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, Reservation, WorkItem
 from serving.breaker import BreakerState, CircuitBreaker
@@ -80,6 +80,7 @@ class OnlineScorer:
         self.backends = BackendSwitch(ScoringBackend(model_version, executor, process), self._switched)
         self.breaker = CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_reset_s)
         self.cost = BatchCostModel(COST_DECAY)
+        self.concurrency = AimdLimit(settings.p99_target_ms / 1000, settings.max_concurrency)
         self.writer = ResultWriter(
             engine,
             self.breaker,
@@ -195,13 +196,25 @@ class OnlineScorer:
     # ------------------------------------------------------------------ requests
     def admit(self, deadline: float) -> Reservation | Decision:
         """Admission, decided once per request before its body is read: a `Reservation` (its place
-        in the queue, given back by `score` or `Reservation.release`) or the refusal's `Decision`."""
+        in the queue, given back by `score` or `Reservation.release`; the request's end is told to
+        `finished`) or the refusal's `Decision`."""
         if self.batcher is None:
             raise RuntimeError("start() first")
         admitted = self.batcher.reserve(deadline)
+        if not isinstance(admitted, Decision) and not self.concurrency.acquire():
+            admitted.release()
+            admitted = Decision(
+                False, self.batcher.decide(1, deadline).predicted_wait_s, self.concurrency.target_s, "concurrency_limit"
+            )
         if isinstance(admitted, Decision):
             self.metrics.shed_by_reason[admitted.reason or "unknown"].inc()
+        self.metrics.concurrency_limit.set(self.concurrency.limit)
         return admitted
+
+    def finished(self, latency_s: float | None) -> None:
+        """A request `admit` let in ended: answered `latency_s` after the gate saw it, or refused
+        for its body (None)."""
+        self.concurrency.release(latency_s)
 
     async def score(
         self,

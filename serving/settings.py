@@ -36,6 +36,12 @@ class ServingSettings(BaseSettings):
     queue_capacity: int = Field(
         default=1024, ge=1, description="Hard bound on queued items, whatever the predicted wait says."
     )
+    max_concurrency: int = Field(
+        default=128,
+        ge=1,
+        description="The ceiling of the AIMD limit on admitted requests in flight (admission.AimdLimit), where it "
+        "starts: a burst up to it is admitted whole while answers stay within the p99 target.",
+    )
     max_transactions_per_request: int = Field(default=256, ge=1)
     request_timeout_ms: float = Field(
         default=2000.0,

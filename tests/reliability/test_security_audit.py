@@ -251,6 +251,9 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
         def admit(self, deadline: float) -> Place:
             return Place()  # admitted: refused next for its token, its size or its body
 
+        def finished(self, latency_s: float | None) -> None:
+            pass
+
     class Place:
         """A `Reservation`'s part: given back once the request is refused for its body."""
 

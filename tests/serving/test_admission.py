@@ -7,7 +7,7 @@ from typing import Any
 import polars as pl
 import pytest
 
-from serving.admission import BatchCostModel, Decision, admit, predicted_wait
+from serving.admission import AimdLimit, BatchCostModel, Decision, admit, predicted_wait
 from serving.batcher import AdaptiveBatcher, Reservation
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.metrics import ServingMetrics
@@ -179,3 +179,51 @@ def test_a_burst_of_64_is_admitted_whole_before_any_body_is_read() -> None:
     clock = FakeClock()
     batcher = batcher_with(calibrated(), clock)
     assert all(isinstance(batcher.reserve(clock() + 2.0), Reservation) for _ in range(64))
+
+
+def test_aimd_cuts_on_answers_over_the_target_at_most_once_per_target() -> None:
+    clock = FakeClock()
+    limit = AimdLimit(0.05, max_limit=100, clock=clock)
+    for _ in range(5):
+        assert limit.acquire()
+    for _ in range(5):
+        limit.release(0.2)  # five slow answers in one instant: one cut, not five
+    assert limit.limit == pytest.approx(90.0)
+    clock.now += 0.05
+    assert limit.acquire()
+    limit.release(0.2)
+    assert limit.limit == pytest.approx(81.0)
+
+
+def test_aimd_never_goes_below_its_floor_and_refuses_when_full() -> None:
+    clock = FakeClock()
+    limit = AimdLimit(0.05, max_limit=100, clock=clock)
+    for _ in range(200):
+        clock.now += 0.05
+        assert limit.acquire()
+        limit.release(1.0)
+    assert limit.limit == AimdLimit.MIN_LIMIT
+    assert all(limit.acquire() for _ in range(AimdLimit.MIN_LIMIT))
+    assert not limit.acquire(), "full at the limit"
+    limit.release(None)  # refused for its body: a slot back, nothing learnt
+    assert limit.limit == AimdLimit.MIN_LIMIT and limit.acquire()
+
+
+def test_aimd_grows_back_only_while_the_limit_is_used() -> None:
+    clock = FakeClock()
+    limit = AimdLimit(0.05, max_limit=16, clock=clock)
+    limit.limit = 10.0
+    assert limit.acquire()
+    limit.release(0.01)  # one in flight of ten: not used, no growth
+    assert limit.limit == 10.0
+    for _ in range(6):
+        assert limit.acquire()
+    for _ in range(6):
+        limit.release(0.01)
+    assert 10.0 < limit.limit <= 10.5
+    for _ in range(1000):
+        for _ in range(16):
+            limit.acquire()
+        for _ in range(16):
+            limit.release(0.01)
+    assert limit.limit == 16.0, "never past its ceiling"

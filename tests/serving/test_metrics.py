@@ -269,6 +269,7 @@ class ScriptedScorer:
         self._refusal = refusal
         self.queue = CountingQueue()
         self.admitted: list[Reservation] = []
+        self.finished_latencies: list[float | None] = []
         self.scored_with: list[Reservation | None] = []
 
     def scoring_available(self) -> bool:
@@ -282,6 +283,9 @@ class ScriptedScorer:
         reservation = Reservation(self.queue)  # type: ignore[arg-type]
         self.admitted.append(reservation)
         return reservation
+
+    def finished(self, latency_s: float | None) -> None:
+        self.finished_latencies.append(latency_s)
 
     async def score(
         self, transactions: list[Any], *, reservation: Reservation | None = None, **_: Any

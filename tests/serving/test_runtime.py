@@ -441,3 +441,22 @@ def test_a_keyed_duplicate_of_a_request_whose_scoring_process_died_is_answered_5
         return [response.status_code for response in answers]
 
     assert asyncio.run(scenario()) == [503, 503]
+
+
+def test_past_the_aimd_limit_a_request_is_refused_and_its_place_given_back(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path, max_concurrency=1)
+        deadline = time.monotonic() + 5
+        first = scorer.admit(deadline)
+        assert isinstance(first, Reservation)
+        refusal = scorer.admit(deadline)
+        assert isinstance(refusal, Decision) and refusal.reason == "concurrency_limit"
+        assert shed_count(scorer, "concurrency_limit") == 1
+        first.release()
+        scorer.finished(0.001)  # answered: its slot is free again
+        assert isinstance(scorer.admit(deadline), Reservation)
+        await scorer.close()
+
+    asyncio.run(scenario())
