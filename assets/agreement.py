@@ -24,12 +24,12 @@ from pydantic import Field
 
 from assets.automation import follow_predictions
 from assets.metadata import frame_schema, table_metadata
+from assets.resources import DatabaseResource
 from assets.retries import retry_only_transient_errors
 from assets.scoring import daily_database_step, partition_day
 from inference.agreement import DECISION_THRESHOLD, AgreementReport, Cause, summarize
 from inference.parity import PARITY_TOLERANCE
 from inference.store import ANSWER_PAIR_SCHEMA, answer_pairs
-from orchestration.resources import DatabaseResource
 
 # Bumped by hand when the report would change for the same answers (see assets/batch.py).
 PATH_AGREEMENT_CODE_VERSION = "1"

@@ -31,6 +31,7 @@ from pydantic import Field, model_validator
 from assets.automation import PRODUCTION_MODEL, rescore_after_promotion
 from assets.metadata import score_distribution, table_metadata, table_schema
 from assets.model import build_production_model, challenger_model_observation, production_model_observation
+from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from assets.retries import fail_at_once, retry_only_transient_errors
 from assets.scoring import (
     DATABASE_POOL,
@@ -49,7 +50,6 @@ from inference.store import batch_scores, partition_counts, stored_partition_dat
 from inference.store import predictions as predictions_table
 from inference.store import transactions as transactions_table
 from inference.training import evaluate_auc, train_from_store
-from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from tandem import modelstore
 from tandem.version import code_version
 

@@ -32,6 +32,7 @@ from pydantic import Field
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICTIONS
 from assets.metadata import frame_schema, table_metadata, table_schema
 from assets.model import build_challenger_model
+from assets.resources import DatabaseResource, ModelStoreResource
 from assets.retries import TRANSIENT_RETRY, fail_at_once, retry_only_transient_errors
 from assets.scoring import (
     DATABASE_POOL,
@@ -51,7 +52,6 @@ from inference.store import (
     record_challenger_report,
     utc_now,
 )
-from orchestration.resources import DatabaseResource, ModelStoreResource
 
 # Bumped by hand when the output would change for the same inputs (see assets/batch.py).
 CHALLENGER_PREDICTIONS_CODE_VERSION = "1"

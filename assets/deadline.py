@@ -28,8 +28,8 @@ from dagster import (
     asset_check,
 )
 
+from assets.settings import DeadlineSettings
 from inference.store import utc_now
-from orchestration.settings import DeadlineSettings
 
 PREDICTIONS = AssetKey("predictions")
 DEADLINE_CHECK = "delivered_by_deadline"

@@ -27,7 +27,7 @@ from dagster import (
 # function (a sensor, another asset) carries a data version, exactly as ObserveResult writes it.
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL
 from assets.dagster_tags import DATA_VERSION_IS_USER_PROVIDED_TAG, DATA_VERSION_TAG
-from orchestration.resources import ModelStoreResource
+from assets.resources import ModelStoreResource
 
 # The challenger's data version while the slot is empty.
 NO_CHALLENGER = "none"

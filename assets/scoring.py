@@ -20,6 +20,7 @@ from dagster import (
 )
 from pydantic import Field, ValidationError
 
+from assets.resources import DatabaseResource
 from assets.retries import TRANSIENT_RETRY
 from inference.batch import (
     FORWARD_BATCH_SIZE,
@@ -31,7 +32,6 @@ from inference.batch import (
 )
 from inference.contract import TorchPredictor
 from inference.model import RiskModel
-from orchestration.resources import DatabaseResource
 from tandem.version import code_version
 
 # Concurrency pool shared by every asset that holds database connections (limit: dagster.yaml).

@@ -22,7 +22,7 @@ HistoryLength = Annotated[
 ]
 
 # The demo source's size and poison, bounded alike as TANDEM_DEMO_* and as the source resource's
-# config (orchestration/resources.py).
+# config (assets/resources.py).
 DemoRowsPerDay = Annotated[int, Field(ge=1)]
 DemoPoisonRate = Annotated[float, Field(ge=0.0, le=1.0)]
 

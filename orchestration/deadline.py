@@ -24,11 +24,11 @@ from dagster import (
 )
 
 from assets.deadline import Delivery, judge
+from assets.settings import DeadlineSettings
 from inference.store import utc_now
 from orchestration.alerts import AlertSettings, post_alert
 from orchestration.runs import partitions_in_flight
 from orchestration.sensors import SensorSettings
-from orchestration.settings import DeadlineSettings
 
 
 def deadline_payload(delivery: Delivery, *, run_in_flight: bool, ui_url: str) -> dict[str, Any]:

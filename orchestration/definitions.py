@@ -21,9 +21,9 @@ from assets.automation import PRODUCTION_MODEL
 from assets.batch import build_batch_assets
 from assets.challenger import build_challenger_assets
 from assets.deadline import build_deadline_check
+from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.alerts import build_run_failure_alert
 from orchestration.deadline import build_deadline_sensor
-from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.sensors import (
     DAILY_JOB,
     INGEST_JOB,

@@ -42,6 +42,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICTIONS
 from assets.model import NO_CHALLENGER, challenger_model_observation, production_model_observation
+from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.store import (
     PartitionChange,
     fixed_rejection_partitions,
@@ -49,7 +50,6 @@ from inference.store import (
     stale_scored_partitions,
     utc_now,
 )
-from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.runs import partitions_in_flight
 
 # What define_asset_job returns: Dagster does not export its type.

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import date
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.settings import HistoryLength
@@ -21,47 +21,6 @@ class OrchestrationSettings(BaseSettings):
     schedule_hour_utc: int = Field(default=2, ge=0, le=23)
     schedule_minute: int = Field(default=0, ge=0, le=59)
     history_length: HistoryLength = 16  # for training only (the risk_model asset)
-
-
-class DeadlineSettings(BaseSettings):
-    """When a day's batch predictions are due: read each time the deadline sensor or check
-    evaluates, so a new deadline needs a restart of the code location, not a deploy."""
-
-    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
-
-    predictions_deadline_utc: time = Field(
-        default=time(8, 0), description="time of day (UTC, HH:MM) by which a day's predictions are due"
-    )
-    predictions_deadline_days_after: int = Field(
-        default=1, ge=1, le=7, description="on which day after the partition: 1 = the next day"
-    )
-    deadline_lookback_days: int = Field(
-        default=7,
-        ge=1,
-        le=90,
-        description="the deadline sensor judges the days due in this many days back, so a daemon that was down "
-        "still reports each day it missed; older days are never judged",
-    )
-
-    # A wall-clock time in another zone would move with daylight saving; the deadline is UTC.
-    @field_validator("predictions_deadline_utc")
-    @classmethod
-    def _utc(cls, value: time) -> time:
-        offset = value.utcoffset()
-        if offset is not None and offset != timedelta(0):
-            raise ValueError("the deadline is a UTC time of day: give it without an offset")
-        return value.replace(tzinfo=None)
-
-    def due(self, day: date) -> datetime:
-        """When the predictions of `day` are due."""
-        return datetime.combine(
-            day + timedelta(days=self.predictions_deadline_days_after), self.predictions_deadline_utc, UTC
-        )
-
-    def last_due_day(self, now: datetime) -> date:
-        """The latest day whose deadline is at or before `now`."""
-        day = now.astimezone(UTC).date() - timedelta(days=self.predictions_deadline_days_after)
-        return day if self.due(day) <= now else day - timedelta(days=1)
 
 
 Port = Annotated[int, Field(ge=1, le=65_535)]

@@ -238,11 +238,12 @@ def _settings_classes() -> dict[str, list[type[BaseSettings]]]:
     """The settings classes by where their variables are documented: docs/configuration.md for the
     core, the batch path and `make run`; serving/README.md (and a few in configuration.md) for the
     online path's."""
+    from assets.settings import DeadlineSettings
     from inference.challenger import PromotionGate
     from inference.settings import TandemSettings
     from orchestration.alerts import AlertSettings
     from orchestration.sensors import SensorSettings
-    from orchestration.settings import DeadlineSettings, OrchestrationSettings, PlatformSettings
+    from orchestration.settings import OrchestrationSettings, PlatformSettings
 
     core: list[type[BaseSettings]] = [
         TandemSettings,

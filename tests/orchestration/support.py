@@ -12,11 +12,11 @@ from typing import Any
 import sqlalchemy as sa
 from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult, materialize
 
+from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.model import ModelConfig
 from inference.settings import TandemSettings
 from inference.store import make_engine, predictions, rejected_records
 from orchestration.definitions import build_definitions
-from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.settings import OrchestrationSettings
 from tests.shared import register_untrained_model
 

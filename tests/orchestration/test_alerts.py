@@ -18,8 +18,8 @@ from dagster import (
 )
 from dagster._core.storage.tags import WILL_RETRY_TAG
 
+from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.alerts import build_run_failure_alert
-from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from tests.e2e.deployment import WebhookReceiver
 from tests.shared import free_port
 

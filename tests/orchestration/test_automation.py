@@ -28,8 +28,8 @@ from dagster._core.definitions.declarative_automation.automation_condition_teste
 from dagster._utils.test.data_versions import get_stale_status_resolver
 
 from assets.model import production_model_observation
+from assets.resources import ModelStoreResource
 from orchestration.definitions import build_definitions
-from orchestration.resources import ModelStoreResource
 from tests.e2e.deployment import RESCORE_WINDOW_ENV, rescore_window_days
 from tests.e2e.week import PARTITIONS, promotion_window
 from tests.orchestration.support import SETTINGS, batch_resources, predictions_config, run_partition

@@ -11,13 +11,13 @@ import polars as pl
 import pytest
 from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, ExecuteInProcessResult
 
+from assets.resources import ModelStoreResource
 from inference.demo import EXPECTED_REASON, PoisonKind, generate_day
 from inference.features import build_features
 from inference.migrate import upgrade
 from inference.model import ModelConfig, score_batch
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, split_valid
 from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows, transactions
-from orchestration.resources import ModelStoreResource
 from tandem import modelstore
 from tests.orchestration.support import (
     PARTITION,

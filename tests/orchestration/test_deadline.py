@@ -23,10 +23,10 @@ from dagster import (
 from pydantic import ValidationError
 
 from assets.deadline import DEADLINE_CHECK, PREDICTIONS, build_deadline_check
+from assets.settings import DeadlineSettings
 from orchestration.deadline import build_deadline_sensor
 from orchestration.definitions import defs
 from orchestration.sensors import SensorSettings
-from orchestration.settings import DeadlineSettings
 from tests.e2e.deployment import WebhookReceiver
 
 DAY = date(2026, 11, 3)

@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, ExecuteInProcessResult
 
+from assets.resources import ModelStoreResource
 from inference.agreement import Cause
 from inference.contract import TorchPredictor
 from inference.records import RAW_COLUMNS, validate
@@ -23,7 +24,6 @@ from inference.store import (
     upsert_transactions,
     utc_now,
 )
-from orchestration.resources import ModelStoreResource
 from tests.answers import answer, write_answers
 from tests.orchestration.support import (
     MODEL_NAME,

@@ -10,7 +10,7 @@ from dagster import AssetsDefinition, DagsterEvent, DagsterEventType, DagsterIns
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
-from orchestration.resources import DatabaseResource
+from assets.resources import DatabaseResource
 from tests.orchestration.support import batch_resources, run_partition
 
 pytestmark = pytest.mark.reliability

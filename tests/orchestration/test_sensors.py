@@ -27,6 +27,7 @@ from dagster import (
 )
 
 from assets.model import NO_CHALLENGER
+from assets.resources import DatabaseResource, ModelStoreResource
 from inference.demo import DemoConfig, generate_day
 from inference.migrate import upgrade
 from inference.records import EVENT_TS_DTYPE, validate
@@ -41,7 +42,6 @@ from inference.store import (
     utc_now,
 )
 from orchestration.definitions import build_definitions
-from orchestration.resources import DatabaseResource, ModelStoreResource
 from orchestration.sensors import (
     WATERMARK_OVERLAP,
     SensorSettings,

@@ -26,11 +26,11 @@ from dagster import (
 )
 from pydantic import ValidationError
 
+from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.records import RAW_COLUMNS, RejectReason
 from inference.sources import FileSource
 from inference.store import make_engine, rejected_records, transactions
 from orchestration.definitions import build_definitions
-from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.sensors import DAILY_JOB, INGEST_JOB
 from tests.orchestration.support import (
     MODEL_NAME,

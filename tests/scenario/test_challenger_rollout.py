@@ -30,12 +30,12 @@ import sqlalchemy as sa
 from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult, materialize
 from prometheus_client.parser import text_string_to_metric_families
 
+from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.contract import TorchPredictor
 from inference.demo import DemoConfig, day_range, generate_day
 from inference.records import RAW_COLUMNS, validate
 from inference.store import StoreHistory, challenger_predictions, latest_challenger_report, make_engine, predictions
 from orchestration.definitions import build_definitions
-from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.settings import OrchestrationSettings
 from tandem import cli, modelstore
 from tests.orchestration.support import select_rows

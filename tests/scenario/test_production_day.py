@@ -45,13 +45,13 @@ from dagster import (
     materialize,
 )
 
+from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.agreement import Cause, summarize
 from inference.demo import DemoConfig, generate_day
 from inference.records import RAW_COLUMNS, validate
 from inference.sources import demo_path, write_demo_day
 from inference.store import answer_pairs, make_engine, predictions, transactions
 from orchestration.definitions import build_definitions
-from orchestration.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from orchestration.sensors import DAILY_JOB, INGEST_JOB, RESCORE_JOB
 from orchestration.settings import OrchestrationSettings
 from tandem import modelstore

@@ -1,4 +1,8 @@
-"""Typed resources: configuration resolves when a run starts (EnvVar), never at import."""
+"""Typed resources: configuration resolves when a run starts (EnvVar), never at import.
+
+They live in assets/, below orchestration/ that wires them into Definitions, because assets never
+import orchestration/ (an import-linter contract).
+"""
 
 from __future__ import annotations
 
