@@ -7,6 +7,8 @@ return a MaterializeResult with metadata.
 import hashlib
 import resource
 import time
+from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import Literal, Self
 
@@ -15,6 +17,7 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
+    AssetDep,
     AssetExecutionContext,
     AssetKey,
     AssetsDefinition,
@@ -41,12 +44,12 @@ from assets.scoring import (
     score_day,
     transactions_with_history,
 )
-from inference.batch import ChunkProgress, ingest_day
-from inference.model import IncompatibleModelError, ModelConfig
-from inference.parity import PARITY_TOLERANCE, check_parity
+from inference.batch import ChunkProgress, PartitionReport, ingest_day
+from inference.model import IncompatibleModelError, ModelConfig, RiskModel, TrainingReport
+from inference.parity import PARITY_TOLERANCE, ParityReport, check_parity
 from inference.records import input_hash_expr
 from inference.sources import SourceError
-from inference.store import batch_scores, partition_counts, stored_partition_dates
+from inference.store import PartitionCounts, batch_scores, partition_counts, stored_partition_dates
 from inference.store import predictions as predictions_table
 from inference.store import transactions as transactions_table
 from inference.training import evaluate_auc, train_from_store
@@ -62,6 +65,7 @@ TRANSACTIONS_CODE_VERSION = "1"
 RISK_MODEL_CODE_VERSION = "1"
 PREDICTIONS_CODE_VERSION = "1"
 
+TRANSACTIONS_KEY = AssetKey("transactions")
 PREDICTIONS_KEY = AssetKey("predictions")
 RISK_MODEL_KEY = AssetKey("risk_model")
 
@@ -141,47 +145,69 @@ def _model_for_scoring(context: AssetExecutionContext, model_store: ModelStoreRe
 def build_batch_assets(
     partitions: DailyPartitionsDefinition, history_length: int, *, rescore_days: int = 7
 ) -> list[AssetsDefinition]:
-    @asset(
+    """The batch path's assets over the code location's `partitions`: `history_length` is the K
+    risk_model trains with, `rescore_days` how many scored days a promotion rescores.
+
+    Built by factories because those three are settings read when the definitions load; each
+    asset's body is a module-level function of its own."""
+    return [
+        transactions_asset(partitions),
+        risk_model_asset(history_length),
+        build_production_model(),
+        predictions_asset(partitions, rescore_days),
+    ]
+
+
+def transactions_asset(partitions: DailyPartitionsDefinition) -> AssetsDefinition:
+    return asset(
+        name="transactions",
         **daily_database_step(partitions),
         code_version=TRANSACTIONS_CODE_VERSION,
         metadata={"dagster/column_schema": table_schema(transactions_table)},
         group_name="batch",
         kinds={"polars", "sql"},
         description="Source transactions of one UTC day, stored as received (poison included).",
-    )
-    def transactions(
-        context: AssetExecutionContext,
-        database: DatabaseResource,
-        source: TransactionSourceResource,
-        model_store: ModelStoreResource,
-    ) -> MaterializeResult:
-        day = partition_day(context)
-        _model_for_scoring(context, model_store)
-        try:
-            read = source.read(day)
-        except SourceError as error:
-            # The day's data is wrong (no file, a missing column): a retry reads the same file, so
-            # fail this partition alone with the reason. A lost database connection is not caught.
-            raise Failure(description=str(error), allow_retries=False) from error
-        with retry_only_transient_errors():
-            report = ingest_day(database.engine, read.frame, day, run_id=context.run.run_id)
-        return MaterializeResult(
-            data_version=content_version(read.frame),
-            metadata={
-                **table_metadata(table_schema(transactions_table), report.rows_stored),
-                "rows_received": report.rows_received,
-                "rows_stored": report.rows_stored,
-                "rows_new_or_changed": report.rows_changed,
-                "rejected_at_ingest": report.rejected_at_ingest,
-                "source_kind": read.kind,
-                "source_paths": MetadataValue.json(list(read.paths)),
-                # The landing sensor compares this with the files now there: equal means ingested.
-                **({"source_version": read.version} if read.version is not None else {}),
-            },
-        )
+    )(ingest_transactions)
 
+
+def ingest_transactions(
+    context: AssetExecutionContext,
+    database: DatabaseResource,
+    source: TransactionSourceResource,
+    model_store: ModelStoreResource,
+) -> MaterializeResult:
+    """The body of `transactions`: the run's day read from the source and stored."""
+    day = partition_day(context)
+    _model_for_scoring(context, model_store)
+    try:
+        read = source.read(day)
+    except SourceError as error:
+        # The day's data is wrong (no file, a missing column): a retry reads the same file, so
+        # fail this partition alone with the reason. A lost database connection is not caught.
+        raise Failure(description=str(error), allow_retries=False) from error
+    with retry_only_transient_errors():
+        report = ingest_day(database.engine, read.frame, day, run_id=context.run.run_id)
+    return MaterializeResult(
+        data_version=content_version(read.frame),
+        metadata={
+            **table_metadata(table_schema(transactions_table), report.rows_stored),
+            "rows_received": report.rows_received,
+            "rows_stored": report.rows_stored,
+            "rows_new_or_changed": report.rows_changed,
+            "rejected_at_ingest": report.rejected_at_ingest,
+            "source_kind": read.kind,
+            "source_paths": MetadataValue.json(list(read.paths)),
+            # The landing sensor compares this with the files now there: equal means ingested.
+            **({"source_version": read.version} if read.version is not None else {}),
+        },
+    )
+
+
+def risk_model_asset(history_length: int) -> AssetsDefinition:
+    # A factory for the K alone: it is the code location's setting, read when definitions load.
     @asset(
-        deps=[transactions],
+        name="risk_model",
+        deps=[TRANSACTIONS_KEY],
         code_version=RISK_MODEL_CODE_VERSION,
         group_name="model",
         kinds={"pytorch", "bentoml"},
@@ -194,203 +220,274 @@ def build_batch_assets(
         database: DatabaseResource,
         model_store: ModelStoreResource,
     ) -> MaterializeResult:
-        with retry_only_transient_errors():
-            with database.engine.connect() as conn:
-                days = stored_partition_dates(conn)[-config.training_days :]
-            if len(days) < 2:
-                raise ValueError(f"need at least two stored days of transactions to train, found {len(days)}")
-            first, holdout = days[0], days[-1]
-            model, report = train_from_store(
-                database.engine,
-                first_day=first,
-                holdout_day=holdout,
-                config=ModelConfig(history_length=history_length),
-                seed=config.seed,
-                epochs=config.epochs,
-                max_train_rows=config.max_train_rows,
-            )
-            tag = modelstore.register(model, report, name=model_store.model_name, code_version=code_version())
-            current = model_store.production_tag()
-            try:
-                current_auc = (
-                    evaluate_auc(database.engine, modelstore.load(current), first_day=first, holdout_day=holdout)
-                    if current
-                    else None
-                )
-            except IncompatibleModelError as error:
-                # Production was trained for another vocabulary: this code can neither score with it
-                # nor compare against it, so the new version replaces it (else nothing ever could).
-                context.log.warning(f"production model not comparable, replacing it: {error}")
-                current_auc = None
-        challenged = config.register_as == "challenger" and current is not None
-        promoted = not challenged and (config.force_promote or current_auc is None or report.auc >= current_auc)
-        if promoted:
-            modelstore.promote(tag)
-            # Said at once, so that predictions written after this run record the new version as
-            # their input (production_model_observer would only see it on its next tick).
-            context.log_event(production_model_observation(tag))
-        elif challenged:
-            modelstore.challenge(tag)
-            context.log_event(challenger_model_observation(tag))
-        decision = "promoted" if promoted else "challenger" if challenged else "kept production"
-        context.log.info(f"{tag}: AUC {report.auc:.4f} (production {current_auc}); {decision}")
-        production = model_store.production_tag() or ""
-        return MaterializeResult(
-            # What the materialization leaves in production: a run that promotes nothing keeps it.
-            data_version=DataVersion(production or "none"),
-            metadata={
-                "version_tag": tag,
-                "auc": report.auc,
-                "production_auc_same_holdout": current_auc if current_auc is not None else float("nan"),
-                "promoted": promoted,
-                "decision": decision,
-                "production_tag": production,
-                "parameter_count": report.parameter_count,
-                "flops_per_item": report.flops_per_item,
-                "train_rows": report.train_rows,
-                "holdout_day": holdout.isoformat(),
-            },
-        )
+        return train_risk_model(context, config, database, model_store, history_length)
 
-    @asset(
+    return risk_model
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """A version just registered, and production's AUC on its holdout day (None: nothing to beat)."""
+
+    tag: str
+    report: TrainingReport
+    production: str | None
+    production_auc: float | None
+    holdout: date
+
+
+def _train_and_register(
+    context: AssetExecutionContext,
+    config: RiskModelConfig,
+    database: DatabaseResource,
+    model_store: ModelStoreResource,
+    history_length: int,
+) -> _Trained:
+    with database.engine.connect() as conn:
+        days = stored_partition_dates(conn)[-config.training_days :]
+    if len(days) < 2:
+        raise ValueError(f"need at least two stored days of transactions to train, found {len(days)}")
+    first, holdout = days[0], days[-1]
+    model, report = train_from_store(
+        database.engine,
+        first_day=first,
+        holdout_day=holdout,
+        config=ModelConfig(history_length=history_length),
+        seed=config.seed,
+        epochs=config.epochs,
+        max_train_rows=config.max_train_rows,
+    )
+    tag = modelstore.register(model, report, name=model_store.model_name, code_version=code_version())
+    current = model_store.production_tag()
+    try:
+        current_auc = (
+            evaluate_auc(database.engine, modelstore.load(current), first_day=first, holdout_day=holdout)
+            if current
+            else None
+        )
+    except IncompatibleModelError as error:
+        # Production was trained for another vocabulary: this code can neither score with it
+        # nor compare against it, so the new version replaces it (else nothing ever could).
+        context.log.warning(f"production model not comparable, replacing it: {error}")
+        current_auc = None
+    return _Trained(tag, report, current, current_auc, holdout)
+
+
+def train_risk_model(
+    context: AssetExecutionContext,
+    config: RiskModelConfig,
+    database: DatabaseResource,
+    model_store: ModelStoreResource,
+    history_length: int,
+) -> MaterializeResult:
+    """The body of `risk_model`: a new version trained, registered, and promoted, set as the
+    challenger or kept out of production."""
+    with retry_only_transient_errors():
+        trained = _train_and_register(context, config, database, model_store, history_length)
+    tag, report, current_auc = trained.tag, trained.report, trained.production_auc
+    challenged = config.register_as == "challenger" and trained.production is not None
+    promoted = not challenged and (config.force_promote or current_auc is None or report.auc >= current_auc)
+    if promoted:
+        modelstore.promote(tag)
+        # Said at once, so that predictions written after this run record the new version as
+        # their input (production_model_observer would only see it on its next tick).
+        context.log_event(production_model_observation(tag))
+    elif challenged:
+        modelstore.challenge(tag)
+        context.log_event(challenger_model_observation(tag))
+    decision = "promoted" if promoted else "challenger" if challenged else "kept production"
+    context.log.info(f"{tag}: AUC {report.auc:.4f} (production {current_auc}); {decision}")
+    production = model_store.production_tag() or ""
+    return MaterializeResult(
+        # What the materialization leaves in production: a run that promotes nothing keeps it.
+        data_version=DataVersion(production or "none"),
+        metadata={
+            "version_tag": tag,
+            "auc": report.auc,
+            "production_auc_same_holdout": current_auc if current_auc is not None else float("nan"),
+            "promoted": promoted,
+            "decision": decision,
+            "production_tag": production,
+            "parameter_count": report.parameter_count,
+            "flops_per_item": report.flops_per_item,
+            "train_rows": report.train_rows,
+            "holdout_day": trained.holdout.isoformat(),
+        },
+    )
+
+
+PREDICTIONS_CHECKS = [
+    AssetCheckSpec("rows_accounted_for", asset="predictions", description="scored + rejected = input"),
+    AssetCheckSpec("scores_in_unit_interval", asset="predictions", description="finite, within [0, 1]"),
+    AssetCheckSpec(
+        "unseen_vocabulary_share",
+        asset="predictions",
+        description="share of scored rows with a category, country or currency outside the training "
+        "vocabulary (scored through the unknown bucket); a warning that the model wants retraining",
+    ),
+    AssetCheckSpec(
+        "batch_answers_current",
+        asset="predictions",
+        description="every batch answer is for the stored record's current content",
+    ),
+    AssetCheckSpec("reject_rate_bounded", asset="predictions", blocking=True),
+    AssetCheckSpec(
+        "parity_with_online",
+        asset="predictions",
+        description="a sample re-scored through the online code path agrees within 1e-5",
+    ),
+]
+
+
+def predictions_asset(partitions: DailyPartitionsDefinition, rescore_days: int) -> AssetsDefinition:
+    return asset(
+        name="predictions",
         **daily_database_step(partitions),
-        deps=[transactions_with_history(), PRODUCTION_MODEL],
+        deps=[transactions_with_history(), AssetDep(PRODUCTION_MODEL)],
         code_version=PREDICTIONS_CODE_VERSION,
         automation_condition=rescore_after_promotion(rescore_days),
         metadata={"dagster/column_schema": table_schema(predictions_table)},
         group_name="batch",
         kinds={"pytorch", "sql"},
-        check_specs=[
-            AssetCheckSpec("rows_accounted_for", asset="predictions", description="scored + rejected = input"),
-            AssetCheckSpec("scores_in_unit_interval", asset="predictions", description="finite, within [0, 1]"),
-            AssetCheckSpec(
-                "unseen_vocabulary_share",
-                asset="predictions",
-                description="share of scored rows with a category, country or currency outside the training "
-                "vocabulary (scored through the unknown bucket); a warning that the model wants retraining",
-            ),
-            AssetCheckSpec(
-                "batch_answers_current",
-                asset="predictions",
-                description="every batch answer is for the stored record's current content",
-            ),
-            AssetCheckSpec("reject_rate_bounded", asset="predictions", blocking=True),
-            AssetCheckSpec(
-                "parity_with_online",
-                asset="predictions",
-                description="a sample re-scored through the online code path agrees within 1e-5",
-            ),
-        ],
+        check_specs=PREDICTIONS_CHECKS,
         description="Batch risk scores for one day (path=batch); bad rows quarantined in rejected_records.",
+    )(score_predictions)
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """What a scored day reports: the pipeline's report and, read back from the store, its counts,
+    its score distribution and the parity sample."""
+
+    report: PartitionReport
+    counts: PartitionCounts
+    scores: list[float]
+    parity: ParityReport
+    cpu_seconds: float
+
+
+def _score_and_count(
+    context: AssetExecutionContext,
+    config: PredictionsConfig,
+    database: DatabaseResource,
+    day: date,
+    loaded: tuple[RiskModel, str],
+) -> _Scored:
+    version = loaded[1]
+
+    def progress(chunk: ChunkProgress) -> None:
+        context.log.info(f"chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")
+
+    cpu_started = time.process_time()  # every thread of this process: the pipeline's stages
+    report, predictor = score_day(context, day, database, loaded, config, on_chunk=progress)
+    cpu_seconds = time.process_time() - cpu_started
+    with database.engine.connect() as conn:
+        counts = partition_counts(conn, partition_date=day, partition_key=context.partition_key, model_version=version)
+        scores = batch_scores(conn, partition_key=context.partition_key, model_version=version)
+    parity = check_parity(
+        database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
     )
-    def predictions(
-        context: AssetExecutionContext,
-        config: PredictionsConfig,
-        database: DatabaseResource,
-        model_store: ModelStoreResource,
-    ) -> MaterializeResult:
-        day = partition_day(context)
-        with fail_at_once("the production model could not be loaded"):
-            loaded = model_store.production()
-        version = loaded[1]
+    return _Scored(report, counts, scores, parity, cpu_seconds)
 
-        def progress(chunk: ChunkProgress) -> None:
-            context.log.info(f"chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")
 
-        started = time.perf_counter()
-        with retry_only_transient_errors():
-            cpu_started = time.process_time()  # every thread of this process: the pipeline's stages
-            report, predictor = score_day(context, day, database, loaded, config, on_chunk=progress)
-            cpu_seconds = time.process_time() - cpu_started
-            with database.engine.connect() as conn:
-                counts = partition_counts(
-                    conn, partition_date=day, partition_key=context.partition_key, model_version=version
-                )
-                scores = batch_scores(conn, partition_key=context.partition_key, model_version=version)
-            parity = check_parity(
-                database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
-            )
-        reject_rate = counts.reject_rate
-        unseen_share = report.scored_with_unseen / report.scored if report.scored else 0.0
-        # Above the warning bound the check fails as a warning; above the hard bound it blocks.
-        rate_severity = AssetCheckSeverity.ERROR if reject_rate > config.reject_rate_max else AssetCheckSeverity.WARN
-        return MaterializeResult(
+def score_predictions(
+    context: AssetExecutionContext,
+    config: PredictionsConfig,
+    database: DatabaseResource,
+    model_store: ModelStoreResource,
+) -> MaterializeResult:
+    """The body of `predictions`: the run's day scored by the production model, with its checks."""
+    day = partition_day(context)
+    with fail_at_once("the production model could not be loaded"):
+        loaded = model_store.production()
+    started = time.perf_counter()
+    with retry_only_transient_errors():
+        scored = _score_and_count(context, config, database, day, loaded)
+    report, counts = scored.report, scored.counts
+    unseen_share = report.scored_with_unseen / report.scored if report.scored else 0.0
+    return MaterializeResult(
+        metadata={
+            **table_metadata(table_schema(predictions_table), counts.scored),
+            **score_distribution(scored.scores),
+            "rows_in": report.rows_in,
+            "scored": report.scored,
+            "rejected": report.rejected,
+            "rejected_by_reason": MetadataValue.json(dict(report.rejected_by_reason)),
+            # Answered online too, and scored again here: both answers are kept (docs/decisions/0002).
+            "answered_online": counts.answered_online,
+            "unseen_values_by_field": MetadataValue.json(dict(sorted(report.unseen_by_field.items()))),
+            "unseen_share": unseen_share,
+            "model_version": loaded[1],
+            "rows_per_second": round(report.rows_per_second, 1),
+            "cpu_ms_per_record": round(scored.cpu_seconds * 1000 / max(report.rows_in, 1), 4),
+            "peak_rss_mb": round(_peak_rss_mb(), 1),
+            "stage_busy_s": MetadataValue.json(report.stage_seconds),
+            "duration_s": round(time.perf_counter() - started, 3),
+            "chunks": report.chunks,
+        },
+        check_results=_predictions_checks(scored, config, unseen_share),
+    )
+
+
+def _predictions_checks(scored: _Scored, config: PredictionsConfig, unseen_share: float) -> list[AssetCheckResult]:
+    report, counts, parity = scored.report, scored.counts, scored.parity
+    reject_rate = counts.reject_rate
+    # Above the warning bound the check fails as a warning; above the hard bound it blocks.
+    rate_severity = AssetCheckSeverity.ERROR if reject_rate > config.reject_rate_max else AssetCheckSeverity.WARN
+    return [
+        AssetCheckResult(
+            check_name="rows_accounted_for",
+            passed=counts.scored + counts.rejected == counts.input_rows,
             metadata={
-                **table_metadata(table_schema(predictions_table), counts.scored),
-                **score_distribution(scores),
-                "rows_in": report.rows_in,
-                "scored": report.scored,
-                "rejected": report.rejected,
-                "rejected_by_reason": MetadataValue.json(dict(report.rejected_by_reason)),
-                # Answered online too, and scored again here: both answers are kept (docs/decisions/0002).
+                "input": counts.input_rows,
+                "scored": counts.scored,
+                "rejected": counts.rejected,
                 "answered_online": counts.answered_online,
-                "unseen_values_by_field": MetadataValue.json(dict(sorted(report.unseen_by_field.items()))),
-                "unseen_share": unseen_share,
-                "model_version": version,
-                "rows_per_second": round(report.rows_per_second, 1),
-                "cpu_ms_per_record": round(cpu_seconds * 1000 / max(report.rows_in, 1), 4),
-                "peak_rss_mb": round(_peak_rss_mb(), 1),
-                "stage_busy_s": MetadataValue.json(report.stage_seconds),
-                "duration_s": round(time.perf_counter() - started, 3),
-                "chunks": report.chunks,
+                "accounting": "online answers are kept beside batch ones, not counted instead of them",
             },
-            check_results=[
-                AssetCheckResult(
-                    check_name="rows_accounted_for",
-                    passed=counts.scored + counts.rejected == counts.input_rows,
-                    metadata={
-                        "input": counts.input_rows,
-                        "scored": counts.scored,
-                        "rejected": counts.rejected,
-                        "answered_online": counts.answered_online,
-                        "accounting": "online answers are kept beside batch ones, not counted instead of them",
-                    },
-                ),
-                AssetCheckResult(
-                    check_name="scores_in_unit_interval",
-                    passed=counts.scores_out_of_range == 0,
-                    metadata={"out_of_range": counts.scores_out_of_range},
-                ),
-                AssetCheckResult(
-                    check_name="batch_answers_current",
-                    passed=counts.stale_answers == 0,
-                    metadata={"stale_answers": counts.stale_answers},
-                ),
-                AssetCheckResult(
-                    check_name="parity_with_online",
-                    passed=not parity.mismatched,
-                    metadata={
-                        "sampled": parity.sampled,
-                        "max_abs_difference": parity.max_abs_difference,
-                        "tolerance": PARITY_TOLERANCE,
-                        "mismatched_transactions": MetadataValue.json(parity.mismatched[:50]),
-                    },
-                ),
-                AssetCheckResult(
-                    check_name="reject_rate_bounded",
-                    passed=reject_rate <= config.reject_rate_warn,
-                    severity=rate_severity,
-                    metadata={
-                        "reject_rate": reject_rate,
-                        "rejected_at_scoring": counts.rejected,
-                        "rejected_at_ingest": counts.rejected_at_ingest,
-                        "warn_above": config.reject_rate_warn,
-                        "block_above": config.reject_rate_max,
-                    },
-                ),
-                # Drift, not poison: unseen values are scored, so this warns and never blocks.
-                AssetCheckResult(
-                    check_name="unseen_vocabulary_share",
-                    passed=unseen_share <= config.unseen_share_warn,
-                    severity=AssetCheckSeverity.WARN,
-                    metadata={
-                        "unseen_share": unseen_share,
-                        "scored_with_unseen": report.scored_with_unseen,
-                        "warn_above": config.unseen_share_warn,
-                        "unseen_values_by_field": MetadataValue.json(dict(sorted(report.unseen_by_field.items()))),
-                    },
-                ),
-            ],
-        )
-
-    return [transactions, risk_model, build_production_model(), predictions]
+        ),
+        AssetCheckResult(
+            check_name="scores_in_unit_interval",
+            passed=counts.scores_out_of_range == 0,
+            metadata={"out_of_range": counts.scores_out_of_range},
+        ),
+        AssetCheckResult(
+            check_name="batch_answers_current",
+            passed=counts.stale_answers == 0,
+            metadata={"stale_answers": counts.stale_answers},
+        ),
+        AssetCheckResult(
+            check_name="parity_with_online",
+            passed=not parity.mismatched,
+            metadata={
+                "sampled": parity.sampled,
+                "max_abs_difference": parity.max_abs_difference,
+                "tolerance": PARITY_TOLERANCE,
+                "mismatched_transactions": MetadataValue.json(parity.mismatched[:50]),
+            },
+        ),
+        AssetCheckResult(
+            check_name="reject_rate_bounded",
+            passed=reject_rate <= config.reject_rate_warn,
+            severity=rate_severity,
+            metadata={
+                "reject_rate": reject_rate,
+                "rejected_at_scoring": counts.rejected,
+                "rejected_at_ingest": counts.rejected_at_ingest,
+                "warn_above": config.reject_rate_warn,
+                "block_above": config.reject_rate_max,
+            },
+        ),
+        # Drift, not poison: unseen values are scored, so this warns and never blocks.
+        AssetCheckResult(
+            check_name="unseen_vocabulary_share",
+            passed=unseen_share <= config.unseen_share_warn,
+            severity=AssetCheckSeverity.WARN,
+            metadata={
+                "unseen_share": unseen_share,
+                "scored_with_unseen": report.scored_with_unseen,
+                "warn_above": config.unseen_share_warn,
+                "unseen_values_by_field": MetadataValue.json(dict(sorted(report.unseen_by_field.items()))),
+            },
+        ),
+    ]
