@@ -11,9 +11,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 80
-# The product packages held to the limit. The rest of PRODUCT_PACKAGES still have longer functions
-# being split; each joins this list once it has none (no per-function exemptions).
-PACKAGES_HELD_TO_THE_LIMIT = ("inference", "serving", "tandem")
+# The product packages held to the limit: a new one joins once it has no longer function, never
+# with per-function exemptions, which would let the next long function in unseen.
+PACKAGES_HELD_TO_THE_LIMIT = ("inference", "serving", "tandem", "assets", "orchestration")
 PRODUCT_PACKAGES = ("inference", "tandem", "assets", "orchestration", "serving")
 
 
