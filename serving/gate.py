@@ -253,7 +253,9 @@ class ScoreGate:
             state.pop(CALL_STATE, None)
             if call.reservation is not None:
                 call.reservation.release()
-            scorer.finished(time.monotonic() - call.arrived)
+            # Only answers teach the limit: a 409 that waited out another request's key, or a 422,
+            # says nothing about how loaded the service is.
+            scorer.finished(time.monotonic() - call.arrived if status == 200 else None)
         return status
 
     async def _admit(self, request: Request, scorer: OnlineScorer, request_id: str) -> tuple[ScoreCall, bytes]:

@@ -395,6 +395,31 @@ def test_every_admitted_request_gives_its_place_in_the_queue_back() -> None:
     assert scorer.queue.reserved == 0, "each place given back once"
 
 
+def test_only_answered_requests_teach_the_concurrency_limit_their_latency() -> None:
+    """Each admitted request ends once for the limit: a 200 with its latency; a 422 or a 504 (a
+    key's wait, a deadline) with none, since it says nothing of how loaded the service is."""
+    outcomes = iter([None, DeadlineExceeded()])
+
+    def script() -> None:
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+
+    scorer = ScriptedScorer(script)
+
+    async def go() -> list[int]:
+        async with client_for(scorer) as client:
+            answered = await client.post("/score", json={"transactions": [tx("a")]})
+            late = await client.post("/score", json={"transactions": [tx("b")]})
+            invalid = await client.post("/score", json={"transactions": [{"transaction_id": "c"}]})
+            return [answered.status_code, late.status_code, invalid.status_code]
+
+    assert asyncio.run(go()) == [200, 504, 422]
+    answered, late, invalid = scorer.finished_latencies
+    assert answered is not None and answered > 0
+    assert (late, invalid) == (None, None)
+
+
 def test_a_request_refused_at_admission_is_shed_before_its_body_is_read() -> None:
     refusal = Decision(admitted=False, predicted_wait_s=0.4, limit_s=0.05, reason="over_target")
     scorer = ScriptedScorer(lambda: None, refusal=refusal)
