@@ -1,8 +1,7 @@
 """Admission control: predict how long a newcomer would wait, and refuse at once when it is too long.
 
-The cost of one adaptive batch is modelled as `fixed + per_item * n`: on this model most of a small
-batch's time is fixed (validation, features, the history query), so a per-item average measured at
-batch size 1 would predict a 64-request burst as 64 times the real wait and shed below capacity.
+A batch costs `fixed + per_item * n`: most of a small batch's time is fixed, so a per-item average
+would predict a burst's wait many times too long and shed below capacity.
 """
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ from dataclasses import dataclass
 
 
 class BatchCostModel:
-    """Exponentially weighted least squares of batch duration on batch size.
-
-    The warm-up calibration is kept as a prior that never decays, so a long run of equal-sized
-    batches (all of size 1 at low load) cannot make the slope unidentifiable.
+    """Exponentially weighted least squares of batch duration on batch size. The warm-up is a prior
+    that never decays, so a long run of equal-sized batches cannot make the slope unidentifiable.
     """
 
     def __init__(self, decay: float, prior_weight: float = 2.0) -> None:
@@ -94,8 +91,7 @@ def admit(
     remaining_deadline_s: float,
 ) -> Decision:
     """The one admission rule: a bounded queue that admits a newcomer only when its expected wait
-    fits both the declared p99 target and its own remaining deadline; refusing at once is cheaper
-    for everyone than an answer that arrives too late."""
+    fits both the p99 target and its remaining deadline; a refusal now beats an answer too late."""
     wait = predicted_wait(queued, in_flight_remaining_s, max_batch, cost)
     limit = min(target_s, remaining_deadline_s)
     if queued + items > capacity:
@@ -108,17 +104,15 @@ def admit(
 
 
 class AimdLimit:
-    """AIMD (additive increase, multiplicative decrease) on admitted requests in flight, the one
-    adaptive limit beside the queue: the queue's expected wait cannot see the time a request
-    spends in a saturated event loop before and after its batch, its answer's latency can.
+    """AIMD on admitted requests in flight, the one adaptive limit beside the queue: the queue cannot
+    see a request's time in a saturated event loop before and after its batch; its latency can.
 
-    An answer over the target cuts the limit by `backoff`, at most once per `target_s` (the time a
-    cut takes to show in latencies); an answer within it, while the limit is at least half used,
-    adds one request per limit's worth of answers. Settings: the target, `max_limit`; the floor and
-    the backoff are fixed.
+    An answer over the target cuts the limit by `BACKOFF`, at most once per `target_s` (the time a
+    cut takes to show); an answer within it, while the limit is at least half used, adds one request
+    per limit's worth of answers.
     """
 
-    MIN_LIMIT = 8  # about capacity x latency at the target on two cores: below it goodput starves
+    MIN_LIMIT = 8  # about capacity x latency at the target: below it goodput starves
     BACKOFF = 0.9
 
     def __init__(self, target_s: float, max_limit: int, clock: Callable[[], float] = time.monotonic) -> None:

@@ -1,13 +1,5 @@
-"""The online path's routes beside BentoML's own, and `answer`, the handler of `POST /score`.
-
-In the service `POST /score` is a `@bentoml.api` method (serving/service.py) behind the gate
-(serving/gate.py); the gate refuses early, parses once, and the method calls `answer`. The
-Starlette app here is mounted into the service for `/lineage/{id}`, `/openapi.json` and
-`/metrics`; `build_app(score_route=True)` also routes `/score` through the same gate and the same
-`answer`, without BentoML, for in-process tests and benchmarks.
-
-Every refusal is a `gate.Refused`, rendered (JSON `{"error", "detail"}`, never a bare 500) and
-counted in one place.
+"""The online path's routes beside BentoML's own (`/lineage/{id}`, `/openapi.json`, `/metrics`), and
+`answer`, which the `POST /score` API method calls once the gate has admitted the request.
 """
 
 from __future__ import annotations
@@ -75,15 +67,13 @@ def build_app(
         return JSONResponse(openapi_document(limits, bearer_auth=edge.auth.enabled, model_version=scorer.model_version))
 
     async def metrics(_: Request) -> Response:
-        # Off the event loop: in multiprocess mode it reads every worker's files (26 ms measured on
-        # the live test's server), which every request in flight waited out at each scrape.
+        # Off the event loop: in multiprocess mode it reads every worker's files.
         exposition = await asyncio.to_thread(get_scorer().metrics.exposition)
         return Response(exposition, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        # BentoML runs a mounted app's lifespan at service start: a bad setting fails the start,
-        # not the first request. (Without a lifespan, e.g. in some tests, the first request resolves.)
+        # BentoML runs a mounted app's lifespan at service start: a bad setting fails the start.
         limit = edge.settings.max_body_bytes
         logger.info("bearer auth %s; request bodies up to %d bytes", "on" if edge.auth.enabled else "off", limit)
         yield
@@ -171,8 +161,7 @@ async def _answer(
             504, "deadline_exceeded", f"no answer within {deadline_ms:g} ms", outcome="expired", items=count
         ) from late
     except KeyReused as reused:
-        # Stripe's rule: a key names one body; answering another body under it would hand back
-        # (or store) an answer computed for other inputs.
+        # Stripe's rule: a key names one body.
         detail = {"idempotency_key": reused.key, "message": str(reused)}
         raise Refused(422, IDEMPOTENCY_REUSED, detail, outcome="rejected", items=count) from reused
     except KeyInProgress as busy:

@@ -35,8 +35,7 @@ class ScoringBackend:
 
 class _BatchDispatch(Executor):
     """The batcher's executor: forwards to the serving version's pool and notes that a batch has
-    started, so a switch waits for the end of that batch (and of its item-by-item retries)
-    instead of sending half of it to another version."""
+    started, so a switch waits for the end of that batch and its retries."""
 
     def __init__(self, target: Executor) -> None:
         self.target = target
@@ -55,11 +54,8 @@ class _BatchDispatch(Executor):
 
 
 class BackendSwitch:
-    """The backend that serves, and a pending switch to another one.
-
-    `dispatch` is the executor the batcher submits to; `between_batches` is called by the batcher's
-    hook after every batch, the one moment a pending switch may take effect. `on_switch(backend)`
-    tells the owner (the scorer: its batcher and metrics) in the same synchronous step.
+    """The backend that serves, and a pending switch to another one, which takes effect in
+    `between_batches`; `on_switch(backend)` tells the owner in the same synchronous step.
     """
 
     def __init__(self, serving: ScoringBackend, on_switch: Callable[[ScoringBackend], None]) -> None:
@@ -69,16 +65,11 @@ class BackendSwitch:
         self._pending: tuple[ScoringBackend, asyncio.Future[ScoringBackend]] | None = None
 
     def swap(self, backend: ScoringBackend) -> asyncio.Future[ScoringBackend]:
-        """Serve `backend` (already warm) from the next batch on.
+        """Serve `backend` (already warm) from the next batch on: at once when idle, else when the
+        running batch ends. Resolves to the replaced backend; cancelling it withdraws the swap.
 
-        The swap happens between two batches: at once when the batcher is idle, else when the
-        running batch ends, so a batch dispatched to the old pool finishes there. Resolves to the
-        replaced backend, which no batch can reach any more; cancelling it withdraws the swap.
-
-        The batch cost model carries over and retunes itself from the new version's batches
-        (decay 0.9: within about ten). Not recalibrated from the new version's warm-up: timed beside
-        a pool that is serving, a first batch costs more than its steady cost, and an overstated cost
-        sheds requests right after the swap.
+        The batch cost model carries over and retunes itself: a warm-up timed beside a serving pool
+        overstates the cost, which would shed requests right after the swap.
         """
         if self._pending is not None:
             raise RuntimeError("a model swap is already pending")
@@ -103,8 +94,7 @@ class BackendSwitch:
         backend, done = self._pending
         self._pending = None
         previous = self.serving
-        # Everything a batch or a request reads, switched in one synchronous step of the event
-        # loop, so no batch and no request sees half of each version.
+        # One synchronous step: no batch and no request sees half of each version.
         self.serving = backend
         self.dispatch.target = backend.executor
         self._on_switch(backend)
@@ -116,9 +106,8 @@ def warm_up_backend(
     backend: ScoringBackend, *, max_batch_size: int, rounds: int = 3, timeout_s: float | None = None
 ) -> list[tuple[int, float]]:
     """Score synthetic records through the whole path (store reads included, writes excluded) at
-    batch size 1 and the largest batch; returns (batch size, seconds) samples for the cost model.
-
-    Raises if any answer is not a finite score, or (TimeoutError) past `timeout_s` in all.
+    batch size 1 and the largest; returns (batch size, seconds) samples for the cost model. Raises
+    if an answer is not a finite score, or TimeoutError past `timeout_s`.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
 

@@ -1,6 +1,5 @@
-"""One asyncio task owned by an object (the batcher's loop, the shadow's, the periodic watchers'):
-started on the running loop, cancelled and awaited on stop. Written by hand: asyncio has task groups,
-but none that an object starts in one call and stops in another."""
+"""One asyncio task owned by an object: started on the running loop, cancelled and awaited on stop
+(asyncio's task groups cannot be started in one call and stopped in another)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Adaptive batching across concurrent requests, with a bounded queue in front of it.
+"""Adaptive batching across concurrent requests, behind a bounded queue.
 
-One batch runs at a time in the scoring process; whatever queued while it ran becomes the next
-batch (up to `max_batch`), so the batch size follows the load without a timing window: an idle
-service answers a lone request at once, a busy one amortises the fixed cost of a batch over many.
-
-Unlike BentoML's CORK dispatcher the queue is bounded by admission (see `admission`), an item past
-its deadline is dropped before work starts on it, and a batch that raises is retried item by item,
-so one item's failure is never handed to the others.
+One batch runs at a time; whatever queued meanwhile is the next batch (up to `max_batch`), so the
+batch size follows the load without a timing window. An item past its deadline is dropped before
+work starts on it, and a batch that raises is retried item by item, so one item fails alone.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ from serving.scoring import BatchResult, ItemSpec
 from serving.scoring_process import run_on
 
 logger = logging.getLogger(__name__)
-# The reason on items whose batch was lost with the scoring process: a server fault, never an
-# answer about the item (the HTTP layer turns it into 503).
+# The reason on items whose batch was lost with the scoring process: a server fault (503).
 SCORING_PROCESS_DIED = "scoring_process_died"
 
 
@@ -75,11 +70,9 @@ class Reservation:
 
 
 class AdaptiveBatcher:
-    """The queue of admitted items and the one loop that turns it into batches, on the event loop.
-
-    `decide` is admission (the predicted wait against the p99 target and the item's deadline);
-    queued items go to `process` on `executor` (the scoring process) at most `max_batch` at a
-    time, one batch in flight; `on_batch` sees every batch's outcome (the result writer).
+    """The queue of admitted items and the one loop that turns it into batches, on the event loop:
+    `decide` is admission; queued items go to `process` on `executor` at most `max_batch` at a time,
+    one batch in flight; `on_batch` sees every batch's outcome.
     """
 
     def __init__(
@@ -116,8 +109,7 @@ class AdaptiveBatcher:
         self.broken = False
 
     def switch_backend(self, process: ProcessFn, model_version: str) -> None:
-        """Score later batches with `process` (a warmed-up version): whatever broke the old
-        scoring process, if anything, is behind us."""
+        """Score later batches with `process`, a warmed-up version: the old one's breakage is behind us."""
         self.process = process
         self.model_version = model_version
         self.broken = False
@@ -152,7 +144,7 @@ class AdaptiveBatcher:
 
     def reserve(self, deadline: float) -> Reservation | Decision:
         """Admit a request whose body is not read yet: it counts as one queued item until its items
-        are enqueued or it ends, so a burst read in one turn of the loop does not all see an empty queue."""
+        are enqueued, so a burst does not all see an empty queue."""
         decision = self.decide(1, deadline)
         if not decision.admitted:
             return decision

@@ -1,11 +1,7 @@
 """A circuit breaker in front of the database, so a dead database costs no latency.
 
-Closed: calls go through. After `failure_threshold` consecutive failures it opens: callers skip the
-database at once for `reset_s`. Then it is half-open: exactly one caller probes; success closes it,
-failure opens it again. Thread-safe. One per process, not one in all: the server process's breaker
-is shared by the result writer and the idempotency store (serving/runtime.py), and each scoring
-process has its own for history reads and stored-answer lookups (serving/worker.py); the two learn
-of an outage separately, and the metric shows the worse of them.
+After `failure_threshold` consecutive failures it opens: callers skip the database for `reset_s`.
+Then one caller probes; success closes it, failure opens it again. Thread-safe; one per process.
 """
 
 from __future__ import annotations
@@ -52,9 +48,8 @@ class CircuitBreaker:
             if state is BreakerState.CLOSED:
                 return True
             now = self._clock()
-            # A probe unanswered for reset_s is given up: its caller failed for a reason that says
-            # nothing about the database (a local error, a bug) and recorded neither outcome. Held
-            # for good, it kept the breaker half-open and refusing every caller until a restart.
+            # A probe unanswered for reset_s is given up: its caller recorded neither outcome, and
+            # held for good it would keep the breaker refusing everyone.
             if state is BreakerState.HALF_OPEN and (
                 self._probe_since is None or now - self._probe_since >= self.reset_s
             ):

@@ -1,12 +1,7 @@
-"""The gate in front of `POST /score`: an ASGI middleware (BentoML's public `add_asgi_middleware`)
-that refuses what it can before BentoML's API method sees the request, cheapest first.
-
-Bearer token (401), headers (400), admission (503 with Retry-After, decided once, before the body is
-read: reading and parsing are most of what a refusal costs), body size (413), a body slower than the
-request's deadline (408), JSON and schema (422 naming the field; the invalid items are quarantined,
-where BentoML's own parse would answer 400 and keep nothing), item count (413), a dead scoring process
-(503). What passes goes on to BentoML with its body, and the admitted call rides in the ASGI scope's
-`state` (`call_in`). Every refusal is a `Refused`, rendered and counted in one place.
+"""The gate in front of `POST /score`, an ASGI middleware: it refuses what it can before BentoML
+sees the request, cheapest first (token, headers, admission before the body is read, body size and
+time, schema with the invalid items quarantined, item count, a dead scoring process). The admitted
+call rides in the ASGI scope's `state` (`call_in`); every refusal is a `Refused`.
 """
 
 from __future__ import annotations
@@ -145,9 +140,8 @@ def call_in(scope: MutableMapping[str, Any]) -> ScoreCall:
 
 
 class _RequestIds:
-    """Request ids unique across processes and restarts: 64 random bits drawn once per process,
-    then a counter. `uuid4` reads the OS's randomness for every request, 1.6 us against 0.2 us,
-    paid by every refusal past capacity. A forked child draws its own prefix."""
+    """Request ids unique across processes and restarts: 64 random bits drawn once per process (and
+    per forked child), then a counter; cheaper than `uuid4` for every refusal past capacity."""
 
     def __init__(self) -> None:
         self._draw()
@@ -161,14 +155,13 @@ class _RequestIds:
         return f"{self._prefix}{next(self._counter):016x}"
 
 
-# 32 hex digits, as uuid4().hex was: lineage rows and the Idempotency-Key's owner carry them.
+# 32 hex digits: lineage rows and the Idempotency-Key's owner carry them.
 new_request_id = _RequestIds()
 
 
 class Edge:
-    """Settings of the edge (token, body limit), resolved on first use or at service start, never
-    at import: the service module (and so this gate) is imported by `bentoml build` and by tests
-    without the serving environment."""
+    """Settings of the edge (token, body limit), resolved on first use, never at import: `bentoml
+    build` and tests import the service without the serving environment."""
 
     def __init__(self, settings: SecuritySettings | None) -> None:
         self._given = settings
@@ -205,7 +198,7 @@ class ScoreGate:
             metrics.in_flight.dec()
             elapsed = time.perf_counter() - started
             metrics.latency_by_status[str(status)].observe(elapsed)
-            # The latency SLI without depending on bucket boundaries: 200s slower than the enforced target.
+            # The latency SLI, independent of bucket boundaries.
             if status == 200 and elapsed > target_seconds(scorer.settings.p99_target_ms):
                 metrics.over_target.inc()
 
@@ -225,8 +218,7 @@ class ScoreGate:
         replayed = False
 
         async def replay() -> Message:
-            # The body once (the gate has read it); after that the client's own stream, so that
-            # a disconnect still reaches whoever listens for it.
+            # The body once, then the client's stream, so a disconnect still reaches its listeners.
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -241,20 +233,17 @@ class ScoreGate:
 
         state = scope.setdefault("state", {})
         state[CALL_STATE] = call
-        # The body is JSON, validated: BentoML picks its parser by Content-Type, and a form type
-        # would send this JSON to its multipart parser (a 500 for a request that is valid).
+        # BentoML picks its parser by Content-Type: a form type would send valid JSON to its multipart parser.
         scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"] + [
             (b"content-type", b"application/json")
         ]
         try:
             await self.app(scope, replay, sending)
         finally:
-            # Nothing of the request outlives its answer in whatever keeps the scope alive.
             state.pop(CALL_STATE, None)
             if call.reservation is not None:
                 call.reservation.release()
-            # Only answers teach the limit: a 409 that waited out another request's key, or a 422,
-            # says nothing about how loaded the service is.
+            # Only answers teach the limit: a 409 or a 422 says nothing about the load.
             scorer.finished(time.monotonic() - call.arrived if status == 200 else None)
         return status
 
@@ -288,7 +277,7 @@ class ScoreGate:
     async def _read_and_parse(self, request: Request, scorer: OnlineScorer, call: ScoreCall) -> bytes:
         _, deadline, deadline_ms = call.resolve(None, None)
         try:
-            # A body that never ends would otherwise hold its place in the queue until BentoML's backstop.
+            # A body that never ends must not hold its place in the queue.
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 body = await read_body(request, self.edge.settings.max_body_bytes)
         except BodyRefused as refused:
@@ -353,14 +342,13 @@ def _too_many(limit: int) -> Refused:
 
 def _request_problems(parsed: ScoreRequest) -> list[dict[str, Any]]:
     problems: list[dict[str, Any]] = []
-    # Claimed in idempotency_keys: PostgreSQL text cannot hold NUL, and the failed claim counted
-    # against the breaker, so two such requests opened it for every client. (A header cannot carry NUL.)
+    # PostgreSQL text cannot hold NUL: a failed key claim would count against the breaker.
     if has_nul(parsed.idempotency_key):
         problems.append({"loc": ["idempotency_key"], "msg": "NUL characters are not allowed"})
     seen: set[str] = set()
     for index, tx in enumerate(parsed.transactions):
         for name in ("transaction_id", "account_id"):
-            # PostgreSQL text cannot hold NUL: such an id would fail every write (and open the breaker).
+            # PostgreSQL text cannot hold NUL: such an id would fail every write.
             if "\x00" in getattr(tx, name):
                 problems.append({"loc": ["transactions", index, name], "msg": "NUL characters are not allowed"})
         if tx.transaction_id in seen:
@@ -393,12 +381,10 @@ async def _invalid(scorer: OnlineScorer, body: bytes, error: ValidationError, re
         if len(loc) >= 2 and loc[0] == "transactions" and isinstance(loc[1], int):
             name = ".".join(str(part) for part in loc[2:]) or "transaction"
             details.setdefault(loc[1], f"{name}: {e['msg']}")
-    # NUL cannot be stored (the batch path's `nul_character`); such an item is answered 422 but not
-    # quarantined.
+    # NUL cannot be stored: such an item is answered 422 but not quarantined.
     details = {index: detail for index, detail in details.items() if not has_nul(items[index])}
     try:
         await asyncio.to_thread(scorer.quarantine_invalid, items, details, request_id)
     except Exception:  # best effort: the client's 422 must not turn into a 500
         logger.exception("quarantining the invalid items of request %s failed", request_id)
-    # The whole request is refused: every item in it, valid or not, is answered 422.
     return Refused(422, "invalid_request", errors, outcome="rejected", items=len(items))

@@ -1,17 +1,11 @@
-"""Idempotency keys with Stripe's semantics: a key names one request body.
+"""Idempotency keys with Stripe's semantics: a key names one request body. The same key and body
+get the first answer and write nothing; another body is refused (422); a duplicate of a request
+still being answered waits for its answer up to its own deadline, and is admitted on its own when
+the first gets none.
 
-- the same key with the same body gets the answer the first request got, and writes nothing;
-- the same key with another body is refused (422 `idempotency_key_reused`), never answered;
-- while the first request is still being answered, a duplicate waits for its answer (the same
-  process) or for the store to hold it (another process), up to its own deadline; when the first
-  gets no answer (shed, expired, cancelled, its scoring process died), a duplicate is admitted on
-  its own, as on another process it takes the released claim.
-
-Every server process and pod must agree, so the store decides: a key is claimed with one atomic
-INSERT ... ON CONFLICT DO NOTHING in `idempotency_keys`, and the answer is stored beside the claim.
-This process's recent keys are also kept in memory, so a retry here costs no query. With the store
-unreachable (breaker open) only this process's memory is consulted: a key reused on another
-process during an outage is not caught there, which the runbook says.
+Every process and pod must agree, so the store decides: a key is claimed with one atomic INSERT ...
+ON CONFLICT DO NOTHING, and the answer is stored beside the claim. Recent keys are also kept in
+memory, the only judge while the store is unreachable.
 """
 
 from __future__ import annotations
@@ -109,9 +103,8 @@ def _outcome_write(key: str, request_id: str, response: str | None) -> Callable[
     return write
 
 
-# A key this process has answered: (fingerprint, the answer as JSON). A tuple of a str and bytes,
-# which the garbage collector stops tracking: 100,000 answered keys kept as futures holding lists
-# of models made every full collection of the server walk them all (bench/findings.md).
+# A key this process has answered: (fingerprint, the answer as JSON), plain values that the
+# garbage collector stops tracking.
 _Answered = tuple[str, bytes]
 
 
@@ -132,10 +125,8 @@ class IdempotencyKeys:
         self.size = size
         self.stale_after_s = stale_after_s
         self._local: collections.OrderedDict[str, _LocalKey | _Answered] = collections.OrderedDict()
-        # Outcomes of claims this process holds that the store did not take (breaker open, an
-        # outage): (key, request_id) -> the answer's JSON, or None to release the claim. Written
-        # with the next outcome the store takes; left unwritten, another process saw the claim
-        # unanswered (409) until it went stale, then scored the key again.
+        # Outcomes the store did not take (an outage): (key, request_id) -> the answer's JSON, or
+        # None to release the claim; written with the next outcome it takes, so no claim stays unanswered.
         self._unstored: collections.OrderedDict[tuple[str, str], str | None] = collections.OrderedDict()
         self._unstored_lock = threading.Lock()
 
@@ -170,16 +161,14 @@ class IdempotencyKeys:
                     return Admission(replay, None, False)
         except BaseException as error:
             self._forget(key, owner)
-            # A duplicate carries the same body under the same key, so a reuse refuses it too; what
-            # else ended this attempt (its own deadline, its cancellation) is not the duplicate's.
+            # A reuse refuses the duplicates too; this attempt's own deadline or cancellation does not.
             _give_up(owner, error if isinstance(error, KeyReused) else _OwnerGaveUp())
             raise
         return Admission(None, owner, claim is not None)
 
     def complete(self, key: str, admission: Admission, results: list[ItemResult]) -> str | None:
-        """Record the answer; returns the JSON to store (the caller writes it off the event loop),
-        or None when nothing is to be stored. A degraded answer (scored without history) is not
-        kept for the key: a retry once the store is back deserves the full answer."""
+        """Record the answer; returns the JSON to store off the event loop, or None. A degraded
+        answer is not kept: a retry once the store is back deserves the full answer."""
         assert admission.owner is not None
         if any(result.degraded for result in results):
             self._forget(key, admission.owner)
@@ -189,10 +178,8 @@ class IdempotencyKeys:
         return answer.decode() if admission.claimed_in_store else None
 
     def release(self, key: str, admission: Admission) -> None:
-        """The request got no answer (shed, expired, failed, cancelled): the key is free for a
-        retry, and each duplicate waiting on it is admitted on its own. Handed this request's
-        error, a duplicate with a longer deadline got its 504, and one waiting on a request whose
-        scoring process died got an error nothing answers (a 500)."""
+        """The request got no answer: the key is free for a retry, and each duplicate waiting on it
+        is admitted on its own rather than handed this request's error."""
         assert admission.owner is not None
         self._forget(key, admission.owner)
         _give_up(admission.owner, _OwnerGaveUp())
@@ -257,9 +244,8 @@ class IdempotencyKeys:
             claim = again
 
     async def _claiming(self, work: Callable[[Connection], _T], key: str, request_id: str) -> _T | None:
-        """`work` (a claim or a take-over for `request_id`) off the event loop. Cancelled meanwhile
-        (the client's request ended, shutdown), the thread still commits the claim: it is released
-        once it lands, where it stayed unanswered and every retry was told 409 until it went stale."""
+        """`work` (a claim or a take-over) off the event loop. Cancelled meanwhile, the thread still
+        commits the claim: it is released once it lands, or every retry would get 409 until it went stale."""
         claiming = asyncio.ensure_future(asyncio.to_thread(self._guarded, work))
         try:
             return await asyncio.shield(claiming)

@@ -1,14 +1,8 @@
 """Model promotion without a restart: follow the production pointer, warm the new version up in a
 scoring process of its own while the old one keeps answering, then swap between two batches.
 
-A new process per version, rather than new weights in the running one: a version that fails to
-load, scores NaN or hangs is found out in a process no request depends on, and is discarded
-without the serving process ever having seen it. The price is the new process's model load and
-warm-up (1-3 s on two shared cores; its imports are paid once, by the fork server in `worker`)
-competing with the serving pool for the same cores; tests/serving/test_hot_swap_live.py measures
-what that does to p99.
-
-Rollback is the same move: the pointer names an earlier version, which is loaded afresh.
+A new process per version: a version that fails to load, scores NaN or hangs is found out where no
+request depends on it. Rollback is the same move to an earlier version.
 """
 
 from __future__ import annotations
@@ -38,9 +32,8 @@ def shutdown_now(executor: Executor) -> None:
 
 
 async def _to_the_end(work: Awaitable[T]) -> T:
-    """Await `work`; if the caller is cancelled meanwhile (the service closing mid-swap), still
-    wait for `work` to end before passing the cancellation on, so that a close returns only once
-    the old pool's process has exited rather than leaving that to a thread nobody waits for."""
+    """Await `work`; cancelled meanwhile (closing mid-swap), still wait for it to end before passing
+    the cancellation on, so a close returns only once the old pool's process has exited."""
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
@@ -52,11 +45,9 @@ async def _to_the_end(work: Awaitable[T]) -> T:
 async def bring_up(
     scorer: OnlineScorer, tag: str, *, load: LoadFn, load_timeout_s: float, discard: Callable[[Executor], None]
 ) -> tuple[ScoringBackend, list[tuple[int, float]]]:
-    """Start a scoring pool for `tag`, warm it up off the event loop and make it the serving one.
-
-    Returns the backend it replaced and the warm-up timings. On any failure, or cancellation
-    (shutdown mid-load), the new pool is discarded, since it may be hung mid-load, and the
-    serving one is left alone.
+    """Start a scoring pool for `tag`, warm it up off the event loop and make it the serving one;
+    returns the backend it replaced and the warm-up timings. On failure or cancellation the new
+    pool is discarded (it may be hung mid-load) and the serving one is left alone.
     """
     backend: ScoringBackend | None = None
     swap: asyncio.Future[ScoringBackend] | None = None
@@ -104,9 +95,8 @@ class _Periodic:
 
 
 class _PointerFollower(_Periodic):
-    """A task that follows a pointer of the model store and loads what it names, retrying a
-    version that failed with a doubling back-off (each try costs a process start on the cores the
-    serving pool needs)."""
+    """Follows a pointer of the model store and loads what it names, retrying a failed version with
+    a doubling back-off (each try costs a process start on the serving pool's cores)."""
 
     def __init__(
         self,
@@ -119,9 +109,8 @@ class _PointerFollower(_Periodic):
         discard: Callable[[Executor], None] = shutdown_now,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`pointer` reads the tag (None: none set); `load` starts a scoring pool for a tag
-        (cheaply: the process and the model load lazily, during warm-up); `discard` disposes of
-        a pool that failed, which may be hung mid-load."""
+        """`pointer` reads the tag (None: none set); `load` starts a scoring pool for a tag;
+        `discard` disposes of a pool that failed."""
         super().__init__(interval_s)
         self.pointer = pointer
         self.load = load
@@ -157,7 +146,6 @@ class ModelWatcher(_PointerFollower):
     name = "tandem-model-watcher"
 
     def __init__(self, scorer: OnlineScorer, *, production_tag: Callable[[], str | None], **follow: Any) -> None:
-        """`follow`: the _PointerFollower settings (load, interval_s, load_timeout_s, retry_max_s, ...)."""
         super().__init__(pointer=production_tag, **follow)
         self.scorer = scorer
 
@@ -169,10 +157,8 @@ class ModelWatcher(_PointerFollower):
         return await self.swap_to(tag)
 
     async def swap_to(self, tag: str) -> SwapOutcome:
-        """Load and warm `tag` up off the event loop, then make it the serving version.
-
-        On any failure the serving version is left alone and the attempt is counted and logged.
-        """
+        """Load and warm `tag` up off the event loop, then serve it; on failure the serving version
+        is left alone and the attempt counted."""
         serving = self.scorer.model_version
         started = self.clock()
         logger.info("loading model %s to replace %s", tag, serving)
@@ -192,8 +178,7 @@ class ModelWatcher(_PointerFollower):
             return "failed"
         self._succeeded(tag)
         self.scorer.metrics.model_swaps.labels(outcome="succeeded").inc()
-        # The swap took effect between batches, so nothing is running on the old pool: shutting
-        # it down only waits for its process to exit.
+        # The swap took effect between batches: nothing runs on the old pool any more.
         await _to_the_end(asyncio.to_thread(previous.executor.shutdown, True))
         largest = max(n for n, _ in samples)
         logger.info(
@@ -208,12 +193,9 @@ class ModelWatcher(_PointerFollower):
 
 
 class PoolSupervisor(_Periodic):
-    """Replaces a scoring process that died (OOM kill, segfault in a native library).
-
-    The batcher marks the pool broken when a batch finds its process gone; from then requests are
-    answered 503 at once. Within about one `interval_s` a new process for the serving version is
-    started, warmed up like a promoted one, and swapped in. Only after
-    `RESTORE_ATTEMPTS_BEFORE_RESTART` failed attempts in a row does `/livez` ask for a restart.
+    """Replaces a scoring process that died (OOM kill, a native crash): requests are answered 503
+    meanwhile; a new process for the serving version is warmed up and swapped in within about
+    `interval_s`. Only repeated failures make `/livez` ask for a restart.
     """
 
     name = "tandem-pool-supervisor"
@@ -257,21 +239,18 @@ class PoolSupervisor(_Periodic):
 
 
 class ChallengerWatcher(_PointerFollower):
-    """Follows the challenger pointer for the shadow: a new challenger is started in a scoring
-    process of its own (niceness ServingSettings.shadow_nice), warmed up with one round, and handed
-    to the ShadowScorer; a cleared or promoted one is let go. The champion is never involved, so a
-    challenger that fails to load only leaves shadowing off, logged and retried with back-off."""
+    """Follows the challenger pointer: a new challenger gets a low-priority scoring process of its
+    own, is warmed up and handed to the ShadowScorer; a cleared one is let go. A challenger that
+    fails to load only leaves shadowing off; the champion is never involved."""
 
     name = "tandem-challenger-watcher"
 
     def __init__(self, shadow: ShadowScorer, *, challenger_tag: Callable[[], str | None], **follow: Any) -> None:
-        """`follow`: the _PointerFollower settings (load, interval_s, load_timeout_s, retry_max_s, ...)."""
         super().__init__(pointer=challenger_tag, **follow)
         self.shadow = shadow
 
     async def poll_once(self) -> str | None:
-        """Shadow with the version the pointer names; returns what changed ("started", "stopped",
-        "failed") or None."""
+        """Shadow the version the pointer names; returns "started", "stopped", "failed" or None."""
         tag = await asyncio.to_thread(self.pointer)
         if tag == self.shadow.model_version:
             return None

@@ -1,11 +1,6 @@
-"""Prometheus metrics of the online path.
-
-Under `bentoml serve` PROMETHEUS_MULTIPROC_DIR is set, so values live in shared files and /metrics
-sums the workers; in-process (tests) a private registry keeps instances independent.
-
-The SLO figures (p99 target, availability target, SLO window) are exported from the settings, so
-alerts and dashboards read the numbers the service runs with instead of repeating them; the latency
-histogram always has a bucket exactly at the p99 target, so `le="<target>"` measures the latency SLI.
+"""Prometheus metrics of the online path. Under `bentoml serve` values live in shared files and
+/metrics sums the workers; in-process a private registry keeps instances apart. The SLO figures are
+exported from the settings, and the latency histogram has a bucket exactly at the p99 target.
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ LabelledMetric = TypeVar("LabelledMetric", Counter, Gauge, Histogram)
 
 class Children(Generic[LabelledMetric]):
     """The children of a metric with one label, each bound once: `labels()` checks and locks on
-    every call (1.2 us here, three times for every refused request, which is most of them past
-    capacity)."""
+    every call, several times for every refused request."""
 
     def __init__(self, metric: LabelledMetric, label: str, *, exported: tuple[str, ...] = ()) -> None:
         """`exported`: values bound (and so exported at 0) from the start."""
@@ -241,11 +235,8 @@ class ServingMetrics:
         )
 
     def serving_model(self, model_version: str) -> None:
-        """Mark `model_version` as the one answering requests.
-
-        The earlier version is set to 0 rather than removed: in multiprocess mode a removed child
-        lingers in the process's file with its last value.
-        """
+        """Mark `model_version` as the one answering requests; the earlier one is set to 0, since in
+        multiprocess mode a removed child lingers with its last value."""
         if self._serving is not None and self._serving != model_version:
             self.model_info.labels(model_version=self._serving, code_version=self.code_version).set(0)
         self.model_info.labels(model_version=model_version, code_version=self.code_version).set(1)

@@ -55,7 +55,6 @@ def limits_of(serving: ServingSettings, security: SecuritySettings) -> Limits:
     )
 
 
-TITLE = "Tandem risk scorer"
 DESCRIPTION = (
     "Tandem scores payment risk online: one answer per transaction, each on its own (a bad item fails only "
     "itself), from a warm model behind a bounded queue; the same model scores every day in batch through "
@@ -205,9 +204,8 @@ def openapi_document(limits: Limits, *, bearer_auth: bool = False, model_version
 
 
 def _with_value_sets(schemas: dict[str, Any]) -> dict[str, Any]:
-    """List the training vocabularies as examples, not as an `enum`: any value of the field's
-    pattern is accepted (an unseen one is scored through the unknown bucket and flagged), and
-    the known ones show clients (and fuzzers such as schemathesis) what the model knows best."""
+    """List the training vocabularies as examples, not as an `enum`: an unseen value is accepted
+    (scored through the unknown bucket), and the known ones show clients what the model knows best."""
     properties = schemas["Transaction"]["properties"]
     for name, values in (("currency", CURRENCIES), ("merchant_category", MERCHANT_CATEGORIES), ("country", COUNTRIES)):
         properties[name] = {**properties[name], "examples": list(values)}

@@ -73,8 +73,7 @@ class Outbox:
 
     def drain(self, write: Callable[[list[dict[str, Any]]], None], chunk: int) -> int:
         """Hand the oldest rows to `write` chunk by chunk until empty or `write` raises; returns rows
-        drained. A `PartlyWritten` chunk keeps only its unwritten rows: kept whole, a row the writer
-        had quarantined was quarantined again at every retry."""
+        drained. A `PartlyWritten` chunk keeps only its unwritten rows, so none is handled twice."""
         drained = 0
         while True:
             with self._lock:

@@ -1,6 +1,5 @@
 """The online scorer: admission, coalescing of duplicates, the adaptive batcher and persistence,
-wired once per worker. Framework-free, so tests can drive it in-process; the BentoML service and
-the HTTP app are thin shells around it.
+wired once per server process. Framework-free, so tests can drive it in-process.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import logging
 import sqlite3
 import time
 from concurrent.futures import Executor
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 from sqlalchemy.engine import Engine
 
@@ -31,9 +30,6 @@ from serving.writer import ResultWriter
 
 logger = logging.getLogger(__name__)
 
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
-
 SCHEMA_INVALID = "schema_invalid"
 # Per-batch forgetting factor of the batch cost estimate: it follows a slower machine within tens of batches.
 COST_DECAY = 0.9
@@ -52,11 +48,8 @@ class DeadlineExceeded(Exception):
 
 
 class OnlineScorer:
-    """The online path in the server process: admission, batching, idempotency, result writing.
-
-    One per server process, built by the service and used by the HTTP app. It owns the batcher (and
-    through it the scoring backend: process function, executor, model version), the idempotency
-    keys, the result writer with its outbox, and the breaker those share; it answers readiness
+    """The online path in one server process: it owns the batcher and the scoring backend, the
+    idempotency keys, the result writer with its outbox, and the breaker those share; it is ready
     once a warm-up has run end to end.
     """
 
@@ -71,8 +64,7 @@ class OnlineScorer:
         outbox: Outbox,
         metrics: ServingMetrics,
     ) -> None:
-        """`process` scores a batch on `executor` (the scoring process in production, a thread in
-        tests); `engine` is the server process's own, for writes."""
+        """`process` scores a batch on `executor` (the scoring process; a thread in tests)."""
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
@@ -113,7 +105,7 @@ class OnlineScorer:
 
     # ------------------------------------------------------------------ lifecycle
     def warm_up(self, rounds: int = 3) -> list[tuple[int, float]]:
-        """Run real inferences end to end (see `warm_up_backend`) and seed the cost model with the timings."""
+        """Run real inferences end to end and seed the cost model with their timings."""
         samples = warm_up_backend(self.backends.serving, max_batch_size=self.settings.max_batch_size, rounds=rounds)
         self.cost.calibrate(samples)
         self.warm = True
@@ -178,8 +170,8 @@ class OnlineScorer:
         return self.batcher is None or not self.batcher.broken
 
     def alive(self) -> bool:
-        """Liveness: a dead scoring process is replaced in-process (`lifecycle.PoolSupervisor`);
-        only when that keeps failing does the server ask to be restarted."""
+        """Liveness: a dead scoring process is replaced in-process; only when that keeps failing
+        does the server ask to be restarted."""
         return self.scoring_available() or self.restore_failures < RESTORE_ATTEMPTS_BEFORE_RESTART
 
     def ready(self) -> bool:
@@ -195,9 +187,8 @@ class OnlineScorer:
 
     # ------------------------------------------------------------------ requests
     def admit(self, deadline: float) -> Reservation | Decision:
-        """Admission, decided once per request before its body is read: a `Reservation` (its place
-        in the queue, given back by `score` or `Reservation.release`; the request's end is told to
-        `finished`) or the refusal's `Decision`."""
+        """Admission, once per request before its body is read: a `Reservation` (its place in the
+        queue; the request's end goes to `finished`) or the refusal's `Decision`."""
         if self.batcher is None:
             raise RuntimeError("start() first")
         admitted = self.batcher.reserve(deadline)
@@ -212,8 +203,7 @@ class OnlineScorer:
         return admitted
 
     def finished(self, latency_s: float | None) -> None:
-        """A request `admit` let in ended: answered `latency_s` after the gate saw it, or refused
-        for its body (None)."""
+        """An admitted request ended: answered after `latency_s`, or refused for its body (None)."""
         self.concurrency.release(latency_s)
 
     async def score(
@@ -225,13 +215,10 @@ class OnlineScorer:
         deadline: float,
         reservation: Reservation | None = None,
     ) -> tuple[list[ItemResult], float]:
-        """Answers in request order, and the CPU seconds of the batches spent on them.
+        """Answers in request order, and the CPU seconds of the batches spent on them. Items take
+        the `reservation`'s place in the queue; without one (in-process callers) they are admitted here.
 
-        `reservation`: the request was admitted before its body was read (`admit`); its items take
-        its place in the queue. Without one (in-process callers) the items are admitted here.
-
-        Raises Shed (refused at admission), DeadlineExceeded, KeyReused (the key named another
-        body) or KeyInProgress (another process is still answering the key).
+        Raises Shed, DeadlineExceeded, KeyReused or KeyInProgress.
         """
         if idempotency_key is None:
             return await self._score_items(
@@ -310,8 +297,7 @@ class OnlineScorer:
             # Only a truly identical item coalesces: same transaction, same body.
             identity = (tx.transaction_id, request_fingerprint([tx]))
             running = self.in_flight.get(identity)
-            # A done item leaves `in_flight` only once its callback runs, later in this turn of the
-            # loop: one refused at admission (cancelled) or expired is no answer to join.
+            # A done item leaves `in_flight` only when its callback runs: it is no answer to join.
             if running is not None and not running.abandoned and not running.future.done():
                 plan.append(running)
                 continue

@@ -38,11 +38,8 @@ _R = TypeVar("_R")
 
 # Answers this process gave, for replays that arrive before the result writer has stored them.
 _RECENT_ANSWERS = 50_000
-# A remembered answer is a tuple of these columns as a stored row holds them (unseen fields joined
-# by commas), so `_replayed` rebuilds either. Plain values, which the collector stops tracking, so
-# the 50,000 cost a full collection nothing; kept as models (each tracked, with a dict and a set
-# of its own), they made the scoring process's full collections take 45-57 ms under load, 66-74 ms
-# with all 50,000, a pause every queued batch waits behind (bench/findings.md).
+# A remembered answer is a tuple of these columns as a stored row holds them, so `_replayed`
+# rebuilds either: plain values, which the garbage collector stops tracking, unlike models.
 _REMEMBERED_FIELDS = (
     "transaction_id",
     "score",

@@ -1,18 +1,13 @@
 """One scoring process that the event loop talks to over a pipe, with no thread in between.
 
-`ProcessPoolExecutor` hands every call through two threads of the calling process (its manager
-thread, and its call queue's feeder thread, which pickles), and its result comes back through the
-manager thread and `call_soon_threadsafe`. Each hop waits for the server's GIL, which the event
-loop holds while it parses requests: past capacity the hops were 3-15 ms of a 25-46 ms batch round
-trip, and the pool's two threads 11% of the server process's samples (bench/findings.md). Here
-the event loop writes a batch to the pipe itself and reads the answer when its selector says the
-pipe is readable. Hand-written because no library has an executor whose result lands on the event
-loop without a thread.
+`ProcessPoolExecutor` passes every call through two threads that wait for the server's GIL, which
+the event loop holds while it parses requests. Here the event loop writes a batch to the pipe itself
+and reads the answer when its selector says the pipe is readable; no library has an executor whose
+result lands on the event loop without a thread.
 
-Calls from other threads (warm-up, the shadow) go through one helper thread, as the pool's did;
-either way one call is in the pipe at a time. A process that dies fails the call in flight and
-every later one with `BrokenProcessPool`, as the pool did, so the batcher and the supervisor
-treat it the same.
+Calls from other threads (warm-up, the shadow) go through one helper thread; one call is in the
+pipe at a time. A process that dies fails the call in flight and every later one with
+`BrokenProcessPool`, as the pool did.
 """
 
 from __future__ import annotations
@@ -73,8 +68,8 @@ async def run_on(executor: Executor, fn: Callable[..., _T], /, *args: Any) -> _T
 
 
 class ScoringProcess(Executor):
-    """A one-process executor (what `ProcessPoolExecutor(max_workers=1)` was here) whose process
-    starts at once and runs `initializer(*initargs)` before its first call."""
+    """A one-process executor whose process starts at once and runs `initializer(*initargs)` before
+    its first call."""
 
     def __init__(
         self,

@@ -1,8 +1,5 @@
 """The service's edge: an optional bearer token and request-size limits, applied before any work.
-
-Settings resolve when the app first needs them (service start or first request), never at import:
-`bentoml build` and the tests import the service module without a token in the environment.
-The token is a `SecretStr`, so neither its repr nor a settings dump in a log shows it.
+The token is a `SecretStr`, so no repr or settings dump in a log shows it.
 """
 
 from __future__ import annotations
@@ -83,10 +80,8 @@ class BodyRefused(Exception):
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (BodyRefused) as soon as it is known to exceed `limit` bytes.
-
-    A declared Content-Length is checked before reading anything; a chunked body (no length) is
-    counted while it streams in, so an endless body costs at most `limit` bytes of memory.
+    """The body, refused (BodyRefused) as soon as it is known to exceed `limit` bytes: by its
+    Content-Length before reading, or while it streams in, so it costs at most `limit` bytes.
     """
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -111,14 +106,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def drain_before_close(request: Request) -> None:
     """Read and drop the rest of a body refused for its size when the client asked for
-    `Connection: close`, before answering.
-
-    uvicorn closes such a connection as soon as the answer is written, and a close with body
-    still arriving makes the kernel reset the connection: a client that sends its whole body
-    before reading (Python's urllib does, with Connection: close) got "connection reset" instead of
-    its 413. On a kept-alive connection uvicorn drops the rest of the body itself, and a client
-    waiting on `Expect: 100-continue` sends none, so both are answered at once. Bounded in bytes
-    and time (nginx's lingering close does the same), and nothing read is kept.
+    `Connection: close`, before answering: closing with body still arriving makes the kernel reset
+    the connection, and a client that sends its whole body first sees a reset instead of its 413.
+    Bounded in bytes and time, as nginx's lingering close.
     """
     if "close" not in request.headers.get("connection", "").lower() or "expect" in request.headers:
         return

@@ -1,14 +1,9 @@
-"""The BentoML service: the composition root of the online path.
+"""The BentoML service, the composition root of the online path:
+`bentoml serve serving.service:RiskScorer` (127.0.0.1:3001; Dagster has 3000).
 
-`bentoml serve serving.service:RiskScorer` (port 3001 on 127.0.0.1; Dagster has 3000).
-
-One worker by default (TANDEM_SERVING_WORKERS): on two cores one runs the event loop (HTTP,
-admission) and one the scoring process; each further worker loads another model copy and competes
-for the same cores (the benchmark measures goodput against workers). Workers share the outbox file
-and, under `bentoml serve`, the Prometheus values.
-
-The class-scope model is the one served at start; a promotion or rollback later is picked up by
-`serving.lifecycle.ModelWatcher` without a restart (unless TANDEM_SERVING_MODEL_TAG pins a version).
+One worker by default: on two cores one runs the event loop and one the scoring process. Workers
+share the outbox file and the Prometheus values. The class-scope model is served at start; a
+promotion later is picked up without a restart unless TANDEM_SERVING_MODEL_TAG pins a version.
 """
 
 from __future__ import annotations
@@ -52,11 +47,9 @@ POOL_CHECK_INTERVAL_S = 0.5  # how soon a dead scoring process is noticed and re
 
 
 def production_model() -> BentoModel:
-    """The version to serve: a pinned tag, else the production pointer, else the only stored version.
-
-    BentoML needs the reference at class scope (so `bentoml build` packs the model), hence this
-    runs when the service module is loaded. Inside a built Bento there is no pointer file, but the
-    Bento carries exactly one version: the one that was production when it was built.
+    """The version to serve: a pinned tag, else the production pointer, else the only stored
+    version (a built Bento carries exactly one). Runs at import: `bentoml build` packs the
+    class-scope model.
     """
     if (foreign := modelstore.foreign_store()) is not None:
         raise LookupError(foreign)
@@ -101,15 +94,13 @@ def current_scorer() -> OnlineScorer:
 @bentoml.service(
     workers=ServingSettings().workers,
     http={"host": "127.0.0.1", "port": 3001},
-    # BentoML's own metrics middleware and access log cost more per request than the model's
-    # share on this hardware; /metrics is served by the scoring app instead.
+    # BentoML's metrics middleware and access log cost more per request than the model's share;
+    # /metrics is served by the mounted app instead.
     metrics={"enabled": False},
     logging={"access": {"enabled": False}},
-    # Only a backstop: requests carry their own deadlines (at most max_deadline_ms) and are
-    # answered 504 by the scorer. Read when the module loads, as `workers` is.
+    # Only a backstop: requests carry their own, shorter deadlines and are answered 504 first.
     traffic={"timeout": ServingSettings().backstop_timeout_s},
-    # No trace exporter is configured, and BentoML's OpenTelemetry middleware costs event-loop CPU
-    # on every request; drop this to trace /score.
+    # No trace exporter is configured; BentoML's tracing middleware costs event-loop CPU per request.
     tracing={"excluded_urls": ["/score"]},
 )
 class RiskScorer:
@@ -144,12 +135,9 @@ class RiskScorer:
             outbox=Outbox(settings.data_dir / "serving" / "outbox.sqlite3"),
             metrics=ServingMetrics(code_version=self.worker_config.code_version, settings=serving),
         )
-        # Loads the model in the scoring process and runs real inferences end to end; until
-        # then the worker is not ready.
+        # Not ready until real inferences have run end to end.
         self.scorer.warm_up()
-        # Everything allocated so far (bentoml, torch, polars, pydantic) lives as long as the
-        # process; exempt from collection, a full GC no longer pauses the event loop (measured:
-        # bench/findings.md, "Measurements behind the code").
+        # Everything allocated so far lives as long as the process: full collections need not scan it.
         gc.freeze()
         # Empty counts as unset, as in production_model(): the deployment ships TANDEM_SERVING_MODEL_TAG=.
         follow = not serving.model_tag and serving.model_poll_interval_s > 0
@@ -203,11 +191,9 @@ class RiskScorer:
         size, 422 schema or a reused Idempotency-Key, 409 key in flight, 503 overload or no scoring
         process (Retry-After), 504 deadline. Send the key and the deadline as headers
         (Idempotency-Key, X-Deadline-Ms) or, from a BentoML client, as the fields of the same names."""
-        # The gate admitted the request (its headers, its place in the queue) and validated the body.
         call = call_in(ctx.request.scope)
         response = await answer(call, self.scorer, transactions, idempotency_key, deadline_ms)
-        # BentoML gives a method that takes a Context the context's status, not its response's:
-        # a refusal answered here (422 key reused, 409, 504, 503) must keep its own.
+        # BentoML answers with the context's status, not the response's: a refusal keeps its own.
         ctx.response.status_code = response.status_code
         return response  # type: ignore[return-value]
 
@@ -230,10 +216,8 @@ class RiskScorer:
 
     @bentoml.on_shutdown
     async def stop_scorer(self) -> None:
-        """SIGTERM (pod deletion): by now the server has stopped accepting requests and answered the
-        ones it had, so the batcher is idle. Close the scorer: submitted rows are written, then one
-        last outbox drain bounded by shutdown_drain_s (the outbox is an emptyDir in Kubernetes, and
-        rows left in it leave with the pod)."""
+        """SIGTERM: the server has answered what it held. Submitted rows are written, then one last
+        outbox drain bounded by shutdown_drain_s (the outbox leaves with the pod)."""
         await self.supervisor.close()
         if self.watcher is not None:
             await self.watcher.close()

@@ -1,17 +1,9 @@
 """Shadow scoring: the challenger scores a sample of what the champion answered, off the critical
-path, and its answers go to `challenger_predictions` (path=shadow), never to a client.
+path; its answers go to `challenger_predictions` (path=shadow), never to a client.
 
-What keeps the champion's answers and p99 untouched:
-- an item is offered only after the champion's batch is answered, from the batcher's hook, and the
-  offer is a bounded append on the event loop (no I/O, no await);
-- the challenger runs in a scoring process of its own at niceness 19 (`SHADOW_NICE`):
-  on shared cores the scheduler gives it what the champion's process leaves;
-- a shadow batch starts only while the champion is idle (no batch in flight, nothing queued), and
-  gathers up to `ShadowLimits.max_batch` items for `ShadowLimits.linger_s` first, so the challenger's fixed cost per
-  batch is paid rarely; when the champion has more queued than its next batch takes, new samples are
-  dropped ("overload"), and waiting ones age out ("stale") while it stays busy;
-- no shadow work counts in admission, in the champion's cost model or in its latency metrics; what
-  was dropped is counted in `tandem_shadow_dropped_total{reason}`.
+The champion's answers and p99 stay untouched: an item is offered after its batch was answered, as
+a bounded append; the challenger runs in its own process at niceness 19; a shadow batch starts only
+while the champion is idle, and samples are dropped (and counted) while it is over capacity.
 """
 
 from __future__ import annotations
@@ -69,13 +61,8 @@ class _Offered:
 
 
 class ShadowScorer:
-    """The challenger's side of the online path in one server process: the sample, a bounded queue,
-    one loop that scores the queue on the challenger's backend while the champion is idle, and the
-    writes of the shadow answers.
-
-    `champion_queued()` says how many items the champion has queued and `champion_busy()` whether
-    it is scoring or has anything queued (the batcher's `queued` and `busy`); `set_backend` is how
-    the challenger watcher installs, replaces or removes the challenger.
+    """The challenger's side in one server process: the sample, a bounded queue, one loop that
+    scores it while the champion is idle (`champion_busy`), and the writes of the shadow answers.
     """
 
     def __init__(
@@ -118,9 +105,8 @@ class ShadowScorer:
 
     # ------------------------------------------------------------------ on the event loop, per batch
     def offer(self, specs: Sequence[ItemSpec], outcome: BatchResult) -> None:
-        """One champion batch, after it was answered: its sampled scored items join the shadow
-        queue unless the champion is over capacity or the queue is full. A degraded batch is not
-        offered: the store the challenger would read history from is down."""
+        """One champion batch, after it was answered: its sampled scored items join the shadow queue
+        unless the champion is over capacity or the queue is full. A degraded batch is not offered."""
         if self.backend is None or self.settings.shadow_sample <= 0 or outcome.degraded:
             return
         share = self.settings.shadow_sample
@@ -212,7 +198,7 @@ class ShadowScorer:
             write.add_done_callback(self._writes.discard)
 
     def _lingering(self) -> bool:
-        """The batch is not full and its oldest item has not waited shadow_linger_ms yet."""
+        """The batch is not full and its oldest item has not waited `linger_s` yet."""
         if len(self._queue) >= self.limits.max_batch:
             return False
         return self.clock() - self._queue[0].at < self.limits.linger_s
@@ -228,8 +214,7 @@ class ShadowScorer:
             self.metrics.shadow_queue_depth.set(len(self._queue))
 
     def _write(self, rows: list[dict[str, object]]) -> None:
-        """Off the event loop. Best effort: shadow answers lost to an outage are counted, not kept
-        in the outbox, which is for the answers clients received."""
+        """Off the event loop, best effort: the outbox is for the answers clients received."""
         try:
             with self.engine.begin() as conn:
                 upsert_challenger_predictions(conn, prediction_frame(rows))

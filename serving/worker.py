@@ -1,9 +1,5 @@
-"""The scoring process: the model, the feature pipeline and the store reads, away from the event loop.
-
-Scoring is mostly Python-orchestrated polars and torch; in a thread of the serving process it
-holds the GIL often enough to stall the event loop, which then queues requests invisibly in the
-socket backlog. A process of its own gives each of the two cores one job: HTTP and admission in
-the server process, batches here.
+"""The scoring process: the model, the feature pipeline and the store reads, away from the event
+loop. In a thread of the server process, polars and torch hold the GIL long enough to stall it.
 """
 
 from __future__ import annotations
@@ -52,15 +48,13 @@ def initialize(config: WorkerConfig) -> None:
     if config.nice:
         os.nice(config.nice)
     torch.set_num_threads(config.torch_threads)
-    # Scored with the K the model was trained with (TorchPredictor.history_length), so a version
-    # swapped in later is scored with its own K, whatever the settings say.
+    # Each version is scored with the history length it was trained with, whatever the settings say.
     predictor = TorchPredictor(
         model=load_model(Path(config.model_dir)),
         model_version=config.model_version,
         forward_batch_size=config.forward_batch_size,
     )
-    # No ping per checkout: it was a round trip on each of a batch's two reads, which retry once
-    # themselves on a connection the server dropped (`scoring.read_reconnecting`).
+    # No ping per checkout: a batch's reads retry once on a dropped connection (`read_reconnecting`).
     engine = make_engine(config.database_url, **{**config.engine_options, "pool_pre_ping": False})
     try:
         with engine.connect() as conn:
@@ -69,8 +63,7 @@ def initialize(config: WorkerConfig) -> None:
         logger.warning("could not prepare the history reads: %s", error)
     breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
     _core = ScoringCore(predictor, engine, breaker, code_version=config.code_version)
-    # The imported libraries and the model live as long as the process: a full collection
-    # scanning them paused scoring (bench/findings.md, "Measurements behind the code").
+    # The libraries and the model live as long as the process: full collections need not scan them.
     gc.freeze()
 
 
@@ -81,14 +74,11 @@ def score(specs: list[ItemSpec]) -> BatchResult:
 
 
 def start_pool(config: WorkerConfig) -> ScoringProcess:
-    # Read by polars when the fork server imports it (the server process's own polars is already
-    # up). One thread: a batch is many small polars operations, and waking a second thread for
-    # each cost more CPU for no less latency (bench/findings.md), CPU the event loop needs.
+    # Read by polars when the fork server imports it. One thread: a batch is many small operations,
+    # and waking a second thread for each costs CPU the event loop needs, for no less latency.
     os.environ.setdefault("POLARS_MAX_THREADS", "1")
-    # Not fork: the server process already runs threads and an event loop. A fork server is a
-    # fresh single-threaded process that imports this module (torch, polars, the store) once, so
-    # the pool of a version promoted later forks ready-made instead of spending seconds of CPU
-    # on imports beside the pool that is answering requests (spawn did, and p99 showed it).
+    # Not fork: the server process runs threads and an event loop. The fork server imports this
+    # module once, so a later version's pool forks ready-made instead of importing beside the serving one.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     return ScoringProcess(context, initializer=initialize, initargs=(config,))

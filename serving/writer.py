@@ -1,10 +1,6 @@
-"""Result persistence off the event loop: one upsert per adaptive batch, an outbox when the
-database is down, and a drain of that outbox once it is back.
-
-One thread owns every write of what clients received (answers, quarantined items), so batches land
-in order and neither the event loop nor the scoring process ever waits on them. The challenger's
-shadow answers are written apart, best effort (serving/shadow.py): they never queue behind, or
-ahead of, a client's.
+"""Result persistence off the event loop: coalesced upserts, an outbox when the database is down,
+and a drain of that outbox once it is back. One thread owns every write of what clients received,
+so batches land in order and nothing on the request path waits on them.
 """
 
 from __future__ import annotations
@@ -78,12 +74,9 @@ class StoreOutage(PartlyWritten):
 
 
 class ResultWriter:
-    """The one writer of the service's results, on a thread of its own in the server process.
-
-    Jobs (prediction rows, quarantined items) are written in submission order. A database that
-    cannot be reached (`is_transient_db_error`) sends the rows to the durable outbox, drained once
-    the breaker lets a write through again; a row the database refuses as data is quarantined
-    alone (`store`). `close` writes what was submitted, then drains the outbox within a bound.
+    """The one writer of the service's results, on a thread of its own: jobs are written in
+    submission order; rows an unreachable database cannot take go to the outbox, drained once the
+    breaker lets a write through; a row the database refuses as data is quarantined alone.
     """
 
     def __init__(
@@ -129,11 +122,8 @@ class ResultWriter:
         self._jobs.join()
 
     def close(self, drain_s: float = 0.0, *, retry_s: float = 0.25) -> int:
-        """Stop the writer thread once every submitted job is written or spilled, then keep draining
-        the outbox for up to `drain_s` (shutdown: a pod's outbox leaves with the pod). The drain
-        runs after the thread has stopped, never beside it. Returns the rows that last drain wrote.
-
-        An open breaker refuses a drain until it half-opens, hence the retries until time is up.
+        """Stop the writer thread once every submitted job is written or spilled, then drain the
+        outbox for up to `drain_s`, retrying while the breaker is open; returns the rows drained.
         """
         if self._thread.is_alive():
             self._jobs.put(_STOP)
@@ -187,14 +177,10 @@ class ResultWriter:
                     self._jobs.task_done()
 
     def _gather(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, object | None]:
-        """`rows` and the row jobs submitted within `coalesce_s` after them, as one write: one
-        transaction and one frame for many adaptive batches. One write per batch took the server
-        process about 4 ms, most of it CPU under the GIL its event loop needs (bench/findings.md).
-        Returns the rows, the jobs merged in, and a job of another kind that ended the gathering
-        (or None).
-
-        An answer key met twice keeps its first row, as two writes in a row would: an online
-        answer is never rewritten.
+        """`rows` and the row jobs submitted within `coalesce_s` after them, as one write (a write
+        costs CPU under the GIL the event loop needs). Returns the rows, the jobs merged in, and a
+        job of another kind that ended the gathering (or None). An answer met twice keeps its first
+        row: an online answer is never rewritten.
         """
         if self.coalesce_s <= 0:
             return rows, 0, None
@@ -228,12 +214,9 @@ class ResultWriter:
         self._set_depth(self._outbox_depth + len(rows))
 
     def store(self, rows: list[dict[str, Any]]) -> None:
-        """Upsert `rows`; a row the database refuses as data is quarantined on its own.
-
-        Bisects a refused write down to the refused rows, so they cost O(k log n) extra
-        transactions and never hold back the others (in the outbox they would block every row
-        behind them forever). Raises StoreOutage, naming the rows not yet written, when the
-        database cannot be reached or lacks its schema: those are retried, not quarantined.
+        """Upsert `rows`, bisecting a refused write down to the rows the database refuses as data,
+        each quarantined alone so it never holds back the others. Raises StoreOutage, naming the
+        rows not yet written, when the database cannot be reached or lacks its schema.
         """
         pending = [rows]
         while pending:
@@ -243,8 +226,6 @@ class ResultWriter:
                     write_prediction_rows(conn, part)
             except Exception as error:
                 unwritten = [row for chunk in (*pending, part) for row in chunk]
-                # Unreachable, or without its schema (retry later, from the outbox), rather than
-                # refusing this row (quarantine it).
                 if is_transient_db_error(error) or is_missing_schema(error):
                     raise StoreOutage(unwritten) from error
                 if len(part) > 1:
