@@ -21,12 +21,13 @@ from inference.lineage import explain
 from inference.records import ID_MAX_LENGTH, Transaction
 from inference.settings import TandemSettings
 from serving.batcher import SCORING_PROCESS_DIED
-from serving.gate import Edge, Refused, ScoreCall, ScoreGate, call_in, new_request_id
+from serving.gate import Edge, ScoreCall, new_request_id
 from serving.idempotency import IDEMPOTENCY_IN_PROGRESS, IDEMPOTENCY_REUSED, KeyInProgress, KeyReused
 from serving.metrics import ServingMetrics
-from serving.openapi import limits_of, openapi_document
+from serving.openapi import service_document
+from serving.refusals import Refused
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
-from serving.schemas import REQUEST_ID_HEADER, ItemResult, ScoreRequest, ScoreResponse
+from serving.schemas import REQUEST_ID_HEADER, ItemResult, ScoreResponse
 from serving.security import SecuritySettings
 
 logger = logging.getLogger(__name__)
@@ -38,21 +39,12 @@ class _Edge(Edge):
         return TandemSettings().dagster_ui_url
 
 
-def build_app(
-    get_scorer: Callable[[], OnlineScorer], *, security: SecuritySettings | None = None, score_route: bool = True
-) -> Starlette:
+def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySettings | None = None) -> Starlette:
     """`get_scorer` is called per request: the scorer exists only once the service has started.
 
     `security` unset: SecuritySettings from the environment, read when the service starts.
     """
     edge = _Edge(security)
-
-    async def score(request: Request) -> Response:
-        # The body the gate validated, parsed again as BentoML's API method would.
-        parsed = ScoreRequest.model_validate_json(await request.body())
-        return await answer(
-            call_in(request.scope), get_scorer(), parsed.transactions, parsed.idempotency_key, parsed.deadline_ms
-        )
 
     async def lineage(request: Request) -> Response:
         request_id = new_request_id()
@@ -63,8 +55,7 @@ def build_app(
 
     async def openapi(_: Request) -> Response:
         scorer = get_scorer()
-        limits = limits_of(scorer.settings, edge.settings)
-        return JSONResponse(openapi_document(limits, bearer_auth=edge.auth.enabled, model_version=scorer.model_version))
+        return JSONResponse(service_document(scorer.settings, edge.settings, scorer.model_version))
 
     async def metrics(_: Request) -> Response:
         # Off the event loop: in multiprocess mode it reads every worker's files.
@@ -84,19 +75,14 @@ def build_app(
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(
-        lifespan=lifespan, routes=[Route("/score", score, methods=["POST"]), *routes] if score_route else routes
-    )
-    if score_route:
-        app.add_middleware(ScoreGate, get_scorer=get_scorer, security=security)
-    return app
+    return Starlette(lifespan=lifespan, routes=routes)
 
 
 async def _lineage(request: Request, request_id: str, edge: _Edge, scorer: OnlineScorer) -> Response:
     """Every answer, and every rejection, of one transaction; Refused for a bad id or an unreachable store."""
     refusal = edge.auth.check(request.headers.get("authorization"))
     if refusal is not None:
-        raise Refused.at_edge(refusal)
+        raise refusal
     transaction_id = str(request.path_params["transaction_id"])
     if not 0 < len(transaction_id) <= ID_MAX_LENGTH or "\x00" in transaction_id:
         raise Refused(422, "invalid_request", f"transaction_id must be 1-{ID_MAX_LENGTH} characters, no NUL")
@@ -134,7 +120,7 @@ async def answer(
     try:
         return await _answer(call, scorer, transactions, idempotency_key, deadline_ms)
     except Refused as refused:
-        return refused.response(scorer, call.request_id)
+        return refused.response(scorer.metrics, call.request_id)
 
 
 async def _answer(

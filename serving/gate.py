@@ -21,16 +21,16 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inference.records import has_nul
 from serving.admission import Decision
 from serving.batcher import Reservation
 from serving.metrics import target_seconds
+from serving.refusals import Refused
 from serving.runtime import OnlineScorer
-from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, REQUEST_ID_HEADER, ScoreRequest
-from serving.security import BearerAuth, BodyRefused, Refusal, SecuritySettings, drain_before_close, read_body
+from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, ScoreRequest
+from serving.security import BearerAuth, SecuritySettings, drain_before_close, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -38,74 +38,6 @@ MAX_IDEMPOTENCY_KEY = 200
 SCORE_PATH = "/score"
 # The key of the admitted call in the ASGI scope's `state` (Starlette's `request.state`).
 CALL_STATE = "tandem_score_call"
-
-
-class Refused(Exception):
-    """A request refused with a status, an error code and a reason; `items` of it are counted
-    under `outcome` (rejected, shed, expired, failed)."""
-
-    def __init__(
-        self,
-        status: int,
-        error: str,
-        detail: Any = None,
-        *,
-        outcome: str | None = None,
-        items: int = 1,
-        headers: dict[str, str] | None = None,
-        drain_body: bool = False,
-    ) -> None:
-        super().__init__(error)
-        self.drain_body = drain_body  # a body refused for its size, the rest of it still arriving
-        self.status = status
-        self.error = error
-        self.detail = detail
-        self.outcome = outcome
-        self.items = items
-        self.headers = headers or {}
-
-    @classmethod
-    def at_edge(cls, refusal: Refusal, *, drain_body: bool = False) -> Refused:
-        headers = {"WWW-Authenticate": 'Bearer realm="tandem"'} if refusal.status == 401 else {}
-        return cls(refusal.status, refusal.error, refusal.detail, headers=headers, drain_body=drain_body)
-
-    @classmethod
-    def overloaded(cls, decision: Decision, *, items: int) -> Refused:
-        detail = {
-            "reason": decision.reason,
-            "predicted_wait_ms": round(decision.predicted_wait_s * 1000, 1),
-            "limit_ms": round(decision.limit_s * 1000, 1),
-        }
-        return cls(
-            503,
-            "overloaded",
-            detail,
-            outcome="shed",
-            items=items,
-            headers={"Retry-After": str(decision.retry_after_s)},
-        )
-
-    @classmethod
-    def unavailable(cls, *, items: int) -> Refused:
-        # Until the server has replaced its scoring process (lifecycle.PoolSupervisor), fail fast.
-        return cls(
-            503,
-            "unavailable",
-            "the scoring process died; a new one is starting",
-            outcome="failed",
-            items=items,
-            headers={"Retry-After": "1"},
-        )
-
-    def response(self, scorer: OnlineScorer | None, request_id: str) -> JSONResponse:
-        """The one rendering of a refusal: JSON `{"error", "detail"}`, and its items counted."""
-        if scorer is not None and self.outcome is not None:
-            scorer.metrics.items_by_outcome[self.outcome].inc(self.items)
-        return JSONResponse(
-            {"error": self.error, "detail": self.detail},
-            status_code=self.status,
-            headers={REQUEST_ID_HEADER: request_id, **self.headers},
-        )
 
 
 @dataclass
@@ -210,7 +142,7 @@ class ScoreGate:
         except Refused as refused:
             if refused.drain_body:  # after _admit let go of its place: a slow sender holds none
                 await drain_before_close(request)
-            response = refused.response(scorer, request_id)
+            response = refused.response(scorer.metrics, request_id)
             await response(scope, receive, send)
             return response.status_code
         status = 500
@@ -251,7 +183,7 @@ class ScoreGate:
         arrived = time.monotonic()
         refusal = self.edge.auth.check(request.headers.get("authorization"))
         if refusal is not None:
-            raise Refused.at_edge(refusal)
+            raise refusal
         settings = scorer.settings
         call = ScoreCall(
             request_id=request_id,
@@ -280,8 +212,6 @@ class ScoreGate:
             # A body that never ends must not hold its place in the queue.
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 body = await read_body(request, self.edge.settings.max_body_bytes)
-        except BodyRefused as refused:
-            raise Refused.at_edge(refused.refusal, drain_body=refused.body_left) from refused
         except TimeoutError as late:
             raise Refused(
                 408,

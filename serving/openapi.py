@@ -212,6 +212,12 @@ def _with_value_sets(schemas: dict[str, Any]) -> dict[str, Any]:
     return schemas
 
 
+def service_document(serving: ServingSettings, security: SecuritySettings, model_version: str) -> dict[str, Any]:
+    """The service's /openapi.json, with the limits and token it runs with."""
+    limits = limits_of(serving, security)
+    return openapi_document(limits, bearer_auth=security.auth_token is not None, model_version=model_version)
+
+
 def amend_bentoml_document(bentoml_spec: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     """BentoML's document with Tandem's title, description and version, /score's refusals and
     headers, and the routes of the mounted app (BentoML documents only its own)."""

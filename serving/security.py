@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from dataclasses import dataclass
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.requests import ClientDisconnect, Request
+
+from serving.refusals import Refused
 
 MIB = 1024 * 1024
 BEARER_PREFIX = "bearer "
@@ -39,15 +40,6 @@ class SecuritySettings(BaseSettings):
         return None if isinstance(value, str) and not value.strip() else value
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """Why a request is refused at the edge: the HTTP status, an error code, and a reason."""
-
-    status: int
-    error: str
-    detail: str
-
-
 class BearerAuth:
     def __init__(self, token: SecretStr | None) -> None:
         self._expected = token.get_secret_value().encode() if token is not None else None
@@ -56,31 +48,24 @@ class BearerAuth:
     def enabled(self) -> bool:
         return self._expected is not None
 
-    def check(self, authorization: str | None) -> Refusal | None:
+    def check(self, authorization: str | None) -> Refused | None:
         """None when the request may pass; the refusal never echoes what the client sent."""
         if self._expected is None:
             return None
         if authorization is None:
-            return Refusal(401, "unauthorized", "missing Authorization: Bearer <token> header")
+            return Refused.unauthorized("missing Authorization: Bearer <token> header")
         if authorization[: len(BEARER_PREFIX)].lower() != BEARER_PREFIX:
-            return Refusal(401, "unauthorized", "Authorization must use the Bearer scheme")
+            return Refused.unauthorized("Authorization must use the Bearer scheme")
         # Starlette decodes header bytes as latin-1; encoding back recovers exactly what was sent.
         presented = authorization[len(BEARER_PREFIX) :].strip().encode("latin-1")
         # Constant time in the token's contents, so response timing does not leak a prefix match.
         if not hmac.compare_digest(presented, self._expected):
-            return Refusal(401, "unauthorized", "invalid bearer token")
+            return Refused.unauthorized("invalid bearer token")
         return None
 
 
-class BodyRefused(Exception):
-    def __init__(self, refusal: Refusal, *, body_left: bool = False) -> None:
-        super().__init__(refusal.detail)
-        self.refusal = refusal
-        self.body_left = body_left  # refused for its size, with the rest still on its way
-
-
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (BodyRefused) as soon as it is known to exceed `limit` bytes: by its
+    """The body, refused as soon as it is known to exceed `limit` bytes: by its
     Content-Length before reading, or while it streams in, so it costs at most `limit` bytes.
     """
     declared = request.headers.get("content-length")
@@ -90,17 +75,17 @@ async def read_body(request: Request, limit: int) -> bytes:
         except ValueError:
             length = -1
         if length < 0:
-            raise BodyRefused(Refusal(400, "bad_header", "Content-Length must be a non-negative integer"))
+            raise Refused(400, "bad_header", "Content-Length must be a non-negative integer")
         if length > limit:
-            raise BodyRefused(_too_large(limit), body_left=True)
+            raise _too_large(limit)
     received = bytearray()
     try:
         async for chunk in request.stream():
             received += chunk
             if len(received) > limit:
-                raise BodyRefused(_too_large(limit), body_left=True)
+                raise _too_large(limit)
     except ClientDisconnect as gone:
-        raise BodyRefused(Refusal(400, "client_disconnected", "the body ended before it was complete")) from gone
+        raise Refused(400, "client_disconnected", "the body ended before it was complete") from gone
     return bytes(received)
 
 
@@ -127,8 +112,9 @@ async def drain_before_close(request: Request) -> None:
                 return
 
 
-def _too_large(limit: int) -> Refusal:
-    return Refusal(413, "payload_too_large", f"request body over {limit} bytes")
+def _too_large(limit: int) -> Refused:
+    # drain_body: refused for its size, with the rest still on its way.
+    return Refused(413, "payload_too_large", f"request body over {limit} bytes", drain_body=True)
 
 
-__all__ = ["BearerAuth", "BodyRefused", "Refusal", "SecuritySettings", "drain_before_close", "read_body"]
+__all__ = ["BearerAuth", "SecuritySettings", "drain_before_close", "read_body"]

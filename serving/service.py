@@ -28,7 +28,7 @@ from serving.backends import ScoringBackend
 from serving.gate import ScoreGate, call_in
 from serving.lifecycle import ChallengerWatcher, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
-from serving.openapi import ApiDocs, limits_of, openapi_document
+from serving.openapi import ApiDocs, service_document
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
 from serving.schemas import ScoreRequest, ScoreResponse
@@ -79,9 +79,7 @@ def engine_options(url: str, serving: ServingSettings) -> dict[str, typing.Any]:
 
 def api_document() -> dict[str, typing.Any]:
     scorer = current_scorer()
-    security = SecuritySettings()
-    limits = limits_of(scorer.settings, security)
-    return openapi_document(limits, bearer_auth=security.auth_token is not None, model_version=scorer.model_version)
+    return service_document(scorer.settings, SecuritySettings(), scorer.model_version)
 
 
 def current_scorer() -> OnlineScorer:
@@ -90,7 +88,7 @@ def current_scorer() -> OnlineScorer:
 
 
 # /lineage/{id}, /openapi.json and /metrics; /score is the @bentoml.api below, behind the gate.
-@bentoml.asgi_app(build_app(current_scorer, score_route=False), path="/")
+@bentoml.asgi_app(build_app(current_scorer), path="/")
 @bentoml.service(
     workers=ServingSettings().workers,
     http={"host": "127.0.0.1", "port": 3001},

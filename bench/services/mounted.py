@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import bentoml
 
-from serving.app import build_app
+from bench.services.score_route import with_score_route
 from serving.service import RiskScorer, current_scorer
 
 
-@bentoml.asgi_app(build_app(current_scorer, score_route=True), path="/")
+@bentoml.asgi_app(with_score_route(current_scorer), path="/")
 @bentoml.service(**RiskScorer.config)
 class MountedScorer(RiskScorer.inner):  # type: ignore[name-defined, misc]
     score = None  # not an API here: the mounted app's /score answers instead

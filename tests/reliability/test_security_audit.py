@@ -238,7 +238,7 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
     # the environment only when the first request arrives.
     from starlette.testclient import TestClient
 
-    from serving.app import build_app
+    from bench.services.score_route import with_score_route
 
     class Stub:
         metrics = ServingMetrics()
@@ -261,7 +261,7 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
             pass
 
     monkeypatch.delenv("TANDEM_SERVING_AUTH_TOKEN", raising=False)
-    app = build_app(Stub)  # type: ignore[arg-type]
+    app = with_score_route(Stub)  # type: ignore[arg-type]
     monkeypatch.setenv("TANDEM_SERVING_AUTH_TOKEN", "set-after-import")
     monkeypatch.setenv("TANDEM_SERVING_MAX_BODY_BYTES", "100")
     with TestClient(app) as client:
@@ -274,7 +274,7 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
 
     # Started (the lifespan BentoML runs for a mounted app), a bad setting fails the start itself.
     monkeypatch.setenv("TANDEM_SERVING_MAX_BODY_BYTES", "0")
-    with pytest.raises(ValidationError), TestClient(build_app(Stub)):  # type: ignore[arg-type]
+    with pytest.raises(ValidationError), TestClient(with_score_route(Stub)):  # type: ignore[arg-type]
         pass
 
 

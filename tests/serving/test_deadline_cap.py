@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from starlette.datastructures import Headers
 
-from serving.gate import Refused, ScoreCall, _check_one_key, _deadline_header, _key_header
+from serving.gate import ScoreCall, _check_one_key, _deadline_header, _key_header
+from serving.refusals import Refused
 from serving.settings import ServingSettings
 
 

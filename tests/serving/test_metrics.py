@@ -18,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
+from bench.services.score_route import with_score_route
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import utc_now
 from serving.admission import Decision
-from serving.app import build_app
 from serving.batcher import Reservation
 from serving.metrics import ITEM_OUTCOMES, SCORE_BUCKETS, ServingMetrics, latency_buckets
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
@@ -160,7 +160,7 @@ async def started_outcome_scorer(
 
 @asynccontextmanager
 async def client_for(scorer: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(lambda: scorer, security=SecuritySettings())
+    app = with_score_route(lambda: scorer, security=SecuritySettings())
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://tandem.test") as client:
         yield client
