@@ -314,7 +314,7 @@ async def _invalid(scorer: OnlineScorer, body: bytes, error: ValidationError, re
     # NUL cannot be stored: such an item is answered 422 but not quarantined.
     details = {index: detail for index, detail in details.items() if not has_nul(items[index])}
     try:
-        await asyncio.to_thread(scorer.quarantine_invalid, items, details, request_id)
+        await asyncio.to_thread(scorer.writer.submit_invalid, items, details, request_id)
     except Exception:  # best effort: the client's 422 must not turn into a 500
         logger.exception("quarantining the invalid items of request %s failed", request_id)
     return Refused(422, "invalid_request", errors, outcome="rejected", items=len(items))

@@ -10,11 +10,10 @@ import logging
 import sqlite3
 import time
 from concurrent.futures import Executor
-from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from inference.records import Transaction, raw_frame, validate
+from inference.records import Transaction
 from serving.admission import AimdLimit, BatchCostModel, Decision
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, Reservation, WorkItem
@@ -30,7 +29,6 @@ from serving.writer import ResultWriter
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_INVALID = "schema_invalid"
 # Per-batch forgetting factor of the batch cost estimate: it follows a slower machine within tens of batches.
 COST_DECAY = 0.9
 # A scoring process that cannot be replaced this many times running is past in-process repair.
@@ -363,25 +361,6 @@ class OnlineScorer:
         self.writer.submit_rejections(outcome.rejected)
         self.shadow.offer([item.spec for item in batch], outcome)
         self.metrics.breaker_state.set(max(int(self.breaker.state), outcome.breaker_state))
-
-    def quarantine_invalid(self, items: list[Any], details: dict[int, str], request_id: str) -> None:
-        """Best effort: record schema-invalid items (never scored) in rejected_records."""
-        records = [(index, item) for index, item in enumerate(items) if isinstance(item, dict) and index in details]
-        if not records:
-            return
-        reasons = validate(raw_frame([item for _, item in records]))["reject_reason"].to_list()
-        rows = []
-        for (index, item), reason in zip(records, reasons, strict=True):
-            rows.append(
-                {
-                    **item,
-                    "reject_reason": reason or SCHEMA_INVALID,
-                    "reject_detail": details[index][:500],
-                    "request_id": request_id,
-                }
-            )
-            self.metrics.item_errors.labels(reason=reason or SCHEMA_INVALID).inc()
-        self.writer.submit_rejections(rows)
 
 
 __all__ = [

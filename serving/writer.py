@@ -16,7 +16,7 @@ import polars as pl
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from inference.records import raw_frame
+from inference.records import raw_frame, validate
 from inference.store import (
     RejectStage,
     ResultPath,
@@ -45,6 +45,7 @@ class _Rejections:
 
 
 _STOP = object()
+SCHEMA_INVALID = "schema_invalid"
 # Rows one gathered write may hold (see ResultWriter._gather).
 _MAX_GATHERED_ROWS = 4096
 
@@ -116,6 +117,26 @@ class ResultWriter:
     def submit_rejections(self, rows: list[dict[str, Any]]) -> None:
         if rows:
             self._jobs.put(_Rejections(rows))
+
+    def submit_invalid(self, items: list[Any], details: dict[int, str], request_id: str) -> None:
+        """Best effort: quarantine schema-invalid items (never scored) by their index in `items`;
+        blocking (validation runs polars), so off the event loop."""
+        records = [(index, item) for index, item in enumerate(items) if isinstance(item, dict) and index in details]
+        if not records:
+            return
+        reasons = validate(raw_frame([item for _, item in records]))["reject_reason"].to_list()
+        rows = []
+        for (index, item), reason in zip(records, reasons, strict=True):
+            rows.append(
+                {
+                    **item,
+                    "reject_reason": reason or SCHEMA_INVALID,
+                    "reject_detail": details[index][:500],
+                    "request_id": request_id,
+                }
+            )
+            self.metrics.item_errors.labels(reason=reason or SCHEMA_INVALID).inc()
+        self.submit_rejections(rows)
 
     def flush(self) -> None:
         """Block until every submitted job has been written or spilled to the outbox."""
