@@ -113,9 +113,10 @@ def test_probes_hit_the_routes_bentoml_serves() -> None:
 def test_the_metrics_route_the_pods_advertise_exists() -> None:
     from serving.app import build_app
 
+    # The app the service mounts beside its /score API method.
     app = build_app(lambda: None)  # type: ignore[arg-type, return-value]
     routes = {route.path for route in app.routes if isinstance(route, Route)}
-    assert {"/score", "/metrics"} <= routes
+    assert "/metrics" in routes
     annotations = MANIFESTS["Deployment/tandem-scorer"]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/path"] == "/metrics"
     assert annotations["prometheus.io/port"] == str(SERVICE_PORT)
