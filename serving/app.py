@@ -178,7 +178,7 @@ def _count_answers(metrics: ServingMetrics, results: list[ItemResult]) -> None:
         outcomes["degraded" if result.degraded else "scored"] += 1
         metrics.scores.observe(result.score)
         for name in result.unseen_fields:
-            metrics.unseen_values.labels(field=name).inc()
+            metrics.unseen_values[name].inc()
     for outcome, count in outcomes.items():
         if count:
             metrics.items_by_outcome[outcome].inc(count)

@@ -185,15 +185,9 @@ class IdempotencyKeys:
         _give_up(admission.owner, _OwnerGaveUp())
 
     # ------------------------------------------------------------------ the store (blocking; off the loop)
-    def store_answer(self, key: str, request_id: str, response: str) -> None:
-        self._store_outcome(key, request_id, response)
-
-    def store_release(self, key: str, request_id: str) -> None:
-        self._store_outcome(key, request_id, None)
-
-    def _store_outcome(self, key: str, request_id: str, response: str | None) -> None:
-        """This outcome, then those that waited for the store; each one it does not take waits for
-        the next outcome (behind the others: one the store keeps refusing holds none back)."""
+    def store_outcome(self, key: str, request_id: str, response: str | None) -> None:
+        """Store a claim's answer, or (None) its release, then the outcomes that waited for the store;
+        each one it does not take waits for the next (behind the others, so none holds the rest back)."""
         with self._unstored_lock:
             outcomes = [((key, request_id), response), *self._unstored.items()]
             self._unstored.clear()
@@ -251,7 +245,7 @@ class IdempotencyKeys:
             return await asyncio.shield(claiming)
         except asyncio.CancelledError:
             loop = asyncio.get_running_loop()
-            claiming.add_done_callback(lambda _: loop.run_in_executor(None, self.store_release, key, request_id))
+            claiming.add_done_callback(lambda _: loop.run_in_executor(None, self.store_outcome, key, request_id, None))
             raise
 
     def _guarded(self, work: Callable[[Connection], _T]) -> _T | None:

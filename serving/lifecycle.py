@@ -167,7 +167,7 @@ class ModelWatcher(_PointerFollower):
                 self.scorer, tag, load=self.load, load_timeout_s=self.load_timeout_s, discard=self.discard
             )
         except Exception:  # whatever broke the new version, the old one keeps serving
-            self.scorer.metrics.model_swaps.labels(outcome="failed").inc()
+            self.scorer.metrics.model_swaps["failed"].inc()
             logger.exception(
                 "model %s failed to load or warm up; still serving %s (attempt %d, next in %.0f s)",
                 tag,
@@ -177,7 +177,7 @@ class ModelWatcher(_PointerFollower):
             )
             return "failed"
         self._succeeded(tag)
-        self.scorer.metrics.model_swaps.labels(outcome="succeeded").inc()
+        self.scorer.metrics.model_swaps["succeeded"].inc()
         # The swap took effect between batches: nothing runs on the old pool any more.
         await _to_the_end(asyncio.to_thread(previous.executor.shutdown, True))
         largest = max(n for n, _ in samples)

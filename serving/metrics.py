@@ -180,15 +180,14 @@ class ServingMetrics:
         self.degraded = self._counter(
             "tandem_serving_degraded_total", "Items scored without account history (database down)."
         )
-        self.unseen_values = self._counter(
+        unseen_values = self._counter(
             "tandem_unseen_values_total",
             "Scored items whose field held a value outside the training vocabulary (scored through the "
             "model's unknown bucket), by field: vocabulary drift, a reason to retrain.",
             ["field"],
         )
-        for name in VOCABULARY_FIELDS:
-            # Exported at 0 from the start, so a rate() over the first unseen value sees it.
-            self.unseen_values.labels(field=name)
+        # Children exported at 0 from the start, so rate() and increase() see the first one.
+        self.unseen_values = Children(unseen_values, "field", exported=VOCABULARY_FIELDS)
 
     def _define_model_metrics(self) -> None:
         self.model_info = self._gauge(
@@ -197,28 +196,24 @@ class ServingMetrics:
             ["model_version", "code_version"],
             multiprocess_mode="livemax",
         )
-        self.model_swaps = self._counter(
+        model_swaps = self._counter(
             "tandem_serving_model_swaps_total",
             "Attempts to serve a newly promoted (or rolled back) model version without a restart, by outcome.",
             ["outcome"],
         )
-        for outcome in ("succeeded", "failed"):
-            # Exported at 0 from the start, so an alert on increase() sees the first failure.
-            self.model_swaps.labels(outcome=outcome)
-        self.shadow_items = self._counter(
+        self.model_swaps = Children(model_swaps, "outcome", exported=("succeeded", "failed"))
+        shadow_items = self._counter(
             "tandem_shadow_items_total",
             "Sampled items for the challenger's shadow scoring, by outcome (scored, dropped).",
             ["outcome"],
         )
-        self.shadow_dropped = self._counter(
+        self.shadow_items = Children(shadow_items, "outcome", exported=("scored", "dropped"))
+        shadow_dropped = self._counter(
             "tandem_shadow_dropped_total",
             "Sampled items the challenger did not score, by reason; never counted against the p99 target.",
             ["reason"],
         )
-        for name in ("scored", "dropped"):
-            self.shadow_items.labels(outcome=name)
-        for reason in SHADOW_DROP_REASONS:
-            self.shadow_dropped.labels(reason=reason)
+        self.shadow_dropped = Children(shadow_dropped, "reason", exported=SHADOW_DROP_REASONS)
         self.shadow_queue_depth = self._gauge(
             "tandem_shadow_queue_depth", "Items waiting for the challenger.", multiprocess_mode="livesum"
         )

@@ -267,13 +267,8 @@ class OnlineScorer:
 
     def _store_key_outcome(self, admission: Admission, key: str, request_id: str, response: str | None) -> None:
         # Off the event loop and not awaited: the client's answer does not wait for its bookkeeping.
-        if not admission.claimed_in_store:
-            return
-        loop = asyncio.get_running_loop()
-        if response is None:
-            loop.run_in_executor(None, self.keys.store_release, key, request_id)
-        else:
-            loop.run_in_executor(None, self.keys.store_answer, key, request_id, response)
+        if admission.claimed_in_store:
+            asyncio.get_running_loop().run_in_executor(None, self.keys.store_outcome, key, request_id, response)
 
     async def _score_items(
         self,

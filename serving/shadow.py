@@ -130,8 +130,8 @@ class ShadowScorer:
         self._wakeup.set()
 
     def _drop(self, count: int, reason: str) -> None:
-        self.metrics.shadow_items.labels(outcome="dropped").inc(count)
-        self.metrics.shadow_dropped.labels(reason=reason).inc(count)
+        self.metrics.shadow_items["dropped"].inc(count)
+        self.metrics.shadow_dropped[reason].inc(count)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -191,7 +191,7 @@ class ShadowScorer:
         if len(batch) > scored:  # the challenger refused an item the champion scored
             self._drop(len(batch) - scored, "scoring_failed")
         if scored > len(rows):  # replays: this input and history were shadowed, and stored, before
-            self.metrics.shadow_items.labels(outcome="scored").inc(scored - len(rows))
+            self.metrics.shadow_items["scored"].inc(scored - len(rows))
         if rows:
             write = loop.run_in_executor(None, self._write, rows)
             self._writes.add(write)
@@ -222,4 +222,4 @@ class ShadowScorer:
             logger.warning("could not store %d shadow answers", len(rows), exc_info=True)
             self._drop(len(rows), "store_error")
             return
-        self.metrics.shadow_items.labels(outcome="scored").inc(len(rows))
+        self.metrics.shadow_items["scored"].inc(len(rows))

@@ -392,11 +392,11 @@ def test_an_outcome_the_store_did_not_take_is_written_with_the_next_one(engine: 
 
     asyncio.run(scenario())
     breaker.record_failure()  # an outage opens the breaker
-    keys.store_answer("k1", "r1", "[]")
-    keys.store_release("k2", "r2")
+    keys.store_outcome("k1", "r1", "[]")
+    keys.store_outcome("k2", "r2", None)
     assert claimed(engine, "k1") and not claimed(engine, "k1", answered=True)
     assert claimed(engine, "k2")
     breaker.record_success()  # the store is back
-    keys.store_answer("k3", "r3", "[]")
+    keys.store_outcome("k3", "r3", "[]")
     assert claimed(engine, "k1", answered=True) and claimed(engine, "k3", answered=True)
     assert not claimed(engine, "k2"), "the release is written too"
