@@ -136,6 +136,17 @@ query SensorTicks($sensorSelector: SensorSelector!, $afterTimestamp: Float) {
 """
 
 
+SENSOR_TICK = """
+query SensorTick($sensorSelector: SensorSelector!, $tickId: ID!) {
+  sensorOrError(sensorSelector: $sensorSelector) {
+    __typename
+    ... on Sensor { sensorState { tick(tickId: $tickId) { timestamp } } }
+    ... on Error { message }
+  }
+}
+"""
+
+
 ASSET_GRAPH = """
 query AssetGraph {
   assetNodes {
@@ -216,6 +227,34 @@ def sensor_ticks_after(
         return ticks or None
 
     return deployment.wait_until(f"a {sensor} tick after {after:.0f}", ticks_after, timeout=timeout, interval=1)
+
+
+def requested_at(deployment: Deployment, repository: Repository, sensor: str, run: dict[str, Any]) -> float:
+    """When the tick of `sensor` that requested `run` evaluated (the run's dagster/tick tag)."""
+    selector = {**repository.selector(), "sensorName": sensor}
+    state = deployment.graphql(SENSOR_TICK, sensorSelector=selector, tickId=run_tags(run)["dagster/tick"])
+    assert state["sensorOrError"]["__typename"] == "Sensor", state
+    return float(state["sensorOrError"]["sensorState"]["tick"]["timestamp"])
+
+
+def wait_for_first_run(
+    deployment: Deployment,
+    repository: Repository,
+    sensor: str,
+    find_runs: Callable[[], list[dict[str, Any]]],
+    after: float,
+) -> list[dict[str, Any]]:
+    """Wait until `find_runs` lists a run; on a timeout, say what each tick of `sensor` since
+    `after` requested, which tells a sensor that requested nothing from runs that went missing."""
+    try:
+        return deployment.wait_until(
+            f"a run requested by {sensor}", lambda: find_runs() or None, timeout=SENSOR_RUNS_TIMEOUT_S
+        )
+    except AssertionError as timed_out:
+        selector = {**repository.selector(), "sensorName": sensor}
+        state = deployment.graphql(SENSOR_TICKS, sensorSelector=selector, afterTimestamp=after)["sensorOrError"]
+        ticks = [(tick["timestamp"] - after, tick["status"], tick["runIds"]) for tick in state["sensorState"]["ticks"]]
+        raise AssertionError(f"{sensor}'s latest ticks since then (s, status, runs): {ticks}\n{timed_out}") from None
 
 
 def wait_for_runs_covering(

@@ -35,8 +35,10 @@ from tests.e2e.graphql import (
     assert_nothing_requested_after,
     assets_of,
     list_runs,
+    requested_at,
     run_errors,
     run_tags,
+    wait_for_first_run,
     wait_for_production_model,
     wait_for_runs_covering,
     wait_until_settled,
@@ -87,15 +89,19 @@ def test_a_promotion_marks_the_scored_days_stale_and_automation_rescores_its_win
     # path_agreement runs of its own; they are over before the promotion, which is what is checked here.
     promoted_at = wait_until_settled(deployment, repository, automation)
     assert f"production -> {candidate}" in tandem_cli(deployment, "models", "promote", candidate)
-    # Automation evaluates the promotion seconds from now: its window ends on this day, which is not
-    # the day the deployment started when the suite crosses midnight (UTC).
-    rescored, left_stale = promotion_window(deployment.rescore_window_days, datetime.now(UTC).date())
     wait_for_production_model(deployment, candidate)
     automated = [{"key": "tandem/trigger", "value": "automation"}]
 
     def since_promotion() -> list[dict[str, Any]]:
         return [run for run in list_runs(deployment, tags=automated) if run["creationTime"] >= promoted_at]
 
+    # The window ends on the UTC day of the tick that evaluated the promotion, read off that tick:
+    # a suite that crosses midnight rescores one day fewer than on the day it started or promoted.
+    first = wait_for_first_run(deployment, repository, automation, since_promotion, promoted_at)
+    evaluated_on = datetime.fromtimestamp(
+        min(requested_at(deployment, repository, automation, run) for run in first), UTC
+    )
+    rescored, left_stale = promotion_window(deployment.rescore_window_days, evaluated_on.date())
     runs = wait_for_runs_covering(deployment, since_promotion, rescored, "the promotion's rescore by automation")
     # Each promotion is handled once.
     assert_nothing_requested_after(deployment, repository, automation, runs, timeout=120)

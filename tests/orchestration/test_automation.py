@@ -209,3 +209,38 @@ def test_the_live_rollout_test_expects_the_window_of_the_day_automation_evaluate
     assert sorted(promoted.get_requested_partitions(PREDICTIONS)) == rescored
     day_start_window, _ = promotion_window(window, started_on)
     assert (rescored == day_start_window) == (evaluated_at.date() == started_on)
+
+
+def test_a_promotion_observed_while_automation_evaluates_is_rescored_once(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The observer's write can commit after a tick captured its event bound and before it reads
+    production_model's events: that tick sees the move, and so does the next (the event's id is past
+    the bound it stored). The window is still requested once: the next tick's reset (the days it
+    just requested) outweighs a move that carries no timestamp of its own."""
+    storage = deployment.instance.event_log_storage
+    bound = storage.get_maximum_record_id()
+    register_untrained_model(MODEL, seed=1)
+    assert deployment.observe_production_model() is not None
+    with monkeypatch.context() as patch:
+        # The bound this tick captured before the observation committed.
+        patch.setattr(storage, "get_maximum_record_id", lambda: bound)
+        assert requested(deployment.evaluate()) == {
+            "predictions": IN_WINDOW_AND_SCORED,
+            "path_agreement": IN_WINDOW_AND_SCORED,
+        }
+    assert requested(deployment.evaluate()) == {}, "seen twice, requested once"
+
+
+def test_two_promotions_between_two_evaluations_rescore_the_window_once(deployment: Deployment) -> None:
+    register_untrained_model(MODEL, seed=1)
+    assert deployment.observe_production_model() is not None
+    promoted = register_untrained_model(MODEL, seed=2)
+    assert deployment.observe_production_model() is not None
+    assert requested(deployment.evaluate()) == {
+        "predictions": IN_WINDOW_AND_SCORED,
+        "path_agreement": IN_WINDOW_AND_SCORED,
+    }
+    assert requested(deployment.evaluate()) == {}
+    deployment.score(SCORED[1], selection=("predictions", "path_agreement"))
+    assert deployment.stale(SCORED[1]) == ("FRESH", []), f"scored with {promoted}, the last one promoted"

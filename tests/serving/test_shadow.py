@@ -61,6 +61,24 @@ class ChallengerStep:
         return scored_batch(specs, model_version=CHALLENGER, batch_id=uuid.uuid4().hex, score=0.75)
 
 
+class Champion:
+    """The champion's load as the shadow reads it. The shadow asks whether it is busy only once
+    its batch has lingered long enough, so `asked_busy` counts the passes it waited for the
+    champion alone."""
+
+    def __init__(self) -> None:
+        self.queued = 0  # items waiting for the champion's next batch
+        self.in_flight = False  # a champion batch running
+        self.asked_busy = 0
+
+    def queued_items(self) -> int:
+        return self.queued
+
+    def busy(self) -> bool:
+        self.asked_busy += 1
+        return self.in_flight or self.queued > 0
+
+
 def metric(metrics: ServingMetrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
@@ -232,35 +250,36 @@ def test_a_slow_challenger_fills_its_queue_and_drops_the_rest(sqlite_engine: Eng
 def test_an_overloaded_champion_drops_shadow_work_first(sqlite_engine: Engine) -> None:
     """Offers while the champion has more queued than a batch takes are dropped at once; queued
     ones age out while it stays busy. No event loop work beyond the offer itself."""
-    waiting = {"items": 0}
+    champion = Champion()
     clock = {"now": 100.0}
     metrics = ServingMetrics()
     shadow = ShadowScorer(
         engine=sqlite_engine,
         settings=ServingSettings(shadow_sample=1.0, max_batch_size=8),
         metrics=metrics,
-        champion_queued=lambda: waiting["items"],
-        champion_busy=lambda: waiting["items"] > 0,
+        champion_queued=champion.queued_items,
+        champion_busy=champion.busy,
         clock=lambda: clock["now"],
-        limits=ShadowLimits(max_age_s=0.5),
+        limits=ShadowLimits(linger_s=0.1, max_age_s=0.5),
     )
 
     async def scenario() -> None:
         shadow.set_backend(ScoringBackend(CHALLENGER, ThreadPoolExecutor(max_workers=1), ChallengerStep()))
         specs = [ItemSpec(raw=transaction(f"o-{i}").to_raw(), request_id="r") for i in range(3)]
-        waiting["items"] = 8
+        champion.queued = 8
         shadow.offer(specs, champion_step(specs))
         assert metric(metrics, "tandem_shadow_dropped_total", reason="overload") == 3
-        waiting["items"] = 3  # busy, but within a batch: queued, waiting for the champion to be idle
+        champion.queued = 3  # busy, but within a batch: queued, waiting for the champion to be idle
         shadow.offer(specs, champion_step(specs))
         shadow.start()
-        await asyncio.sleep(0.05)
+        clock["now"] += 0.2  # past the linger, within the age limit: only the champion holds it back
+        await until_async(lambda: champion.asked_busy >= 3)
         assert metric(metrics, "tandem_shadow_items_total", outcome="scored") == 0, "not while the champion has work"
         clock["now"] += 1.0
         await until_async(lambda: metric(metrics, "tandem_shadow_dropped_total", reason="stale") == 3)
         degraded = champion_step(specs)
         degraded.degraded = True
-        waiting["items"] = 0
+        champion.queued = 0
         shadow.offer(specs, degraded)
         assert len(shadow._queue) == 0, "a degraded batch is not shadowed"
         await shadow.close()
@@ -319,15 +338,17 @@ def test_shadow_rows_never_reach_predictions(sqlite_engine: Engine) -> None:
 def test_samples_gather_into_one_challenger_batch_while_the_champion_is_idle(sqlite_engine: Engine) -> None:
     """Three champion batches' samples within the linger are one challenger batch, started only
     once the champion has no batch in flight."""
-    champion = {"busy": False}
+    champion = Champion()
+    clock = {"now": 100.0}
     metrics = ServingMetrics()
     step = ChallengerStep()
     shadow = ShadowScorer(
         engine=sqlite_engine,
         settings=ServingSettings(shadow_sample=1.0),
         metrics=metrics,
-        champion_queued=lambda: 0,
-        champion_busy=lambda: champion["busy"],
+        champion_queued=champion.queued_items,
+        champion_busy=champion.busy,
+        clock=lambda: clock["now"],
         limits=ShadowLimits(linger_s=0.2, max_batch=8),
     )
 
@@ -337,10 +358,11 @@ def test_samples_gather_into_one_challenger_batch_while_the_champion_is_idle(sql
         for batch in range(3):
             specs = [ItemSpec(raw=transaction(f"g-{batch}").to_raw(), request_id="r")]
             shadow.offer(specs, champion_step(specs))
-        champion["busy"] = True  # a champion batch in flight past the linger: the shadow waits
-        await asyncio.sleep(0.3)
+        champion.in_flight = True  # a champion batch in flight past the linger: the shadow waits
+        clock["now"] += 0.3
+        await until_async(lambda: champion.asked_busy >= 3)
         assert step.batch_sizes == []
-        champion["busy"] = False
+        champion.in_flight = False
         await until_async(lambda: metric(metrics, "tandem_shadow_items_total", outcome="scored") == 3)
         await shadow.close()
 
