@@ -17,19 +17,19 @@ from bench.harness import ROOT, say
 GIT_TIMEOUT_S = 120.0
 
 
-def _git(*args: str) -> subprocess.CompletedProcess[str]:
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=True
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=True
     )
 
 
 @contextlib.contextmanager
-def checkout(commit: str, parent: Path) -> Iterator[Path | str]:
-    """Yield the path of `commit`'s worktree under `parent`, or why there is none."""
+def checkout(commit: str, parent: Path, repo: Path = ROOT) -> Iterator[Path | str]:
+    """Yield the path of `commit`'s worktree of `repo` under `parent`, or why there is none."""
     path = parent / f"baseline-{commit}"
     try:
-        _git("worktree", "prune")  # a killed run's worktree whose directory is gone
-        _git("worktree", "add", "--detach", str(path), commit)
+        _git(repo, "worktree", "prune")  # a killed run's worktree whose directory is gone
+        _git(repo, "worktree", "add", "--detach", str(path), commit)
     except (OSError, subprocess.SubprocessError) as error:
         detail = (getattr(error, "stderr", None) or str(error)).strip().splitlines() or [type(error).__name__]
         why = f"{commit} could not be checked out as a worktree: {detail[-1]}"
@@ -41,4 +41,4 @@ def checkout(commit: str, parent: Path) -> Iterator[Path | str]:
         yield path
     finally:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            _git("worktree", "remove", "--force", str(path))
+            _git(repo, "worktree", "remove", "--force", str(path))
