@@ -25,7 +25,8 @@ from bench.harness import (
     start_service,
     tandem_spec,
 )
-from bench.run import _sweep, prepare_environment
+from bench.online import sweep
+from bench.run import prepare_environment
 
 
 def _profile(service: RunningService, seconds: float, out: Path) -> list[subprocess.Popen[bytes]]:
@@ -67,10 +68,10 @@ def main() -> int:
                 continue
             try:
                 body = fresh_bodies(good, spec.name)
-                results[spec.name] = _sweep(service, rates, args.seconds, body)
+                results[spec.name] = sweep(service, rates, args.seconds, body)
                 if args.profile_rate and spec.name == "tandem":
                     recorders = _profile(service, args.seconds, args.out)
-                    _sweep(service, [args.profile_rate], args.seconds, body)
+                    sweep(service, [args.profile_rate], args.seconds, body)
                     for recorder in recorders:
                         recorder.wait(timeout=60)
             finally:
@@ -78,11 +79,11 @@ def main() -> int:
     finally:
         bench.drop()
     (args.out / "cpu_probe.json").write_text(json.dumps(results, indent=2, default=str))
-    for name, sweep in results.items():
-        if isinstance(sweep, list):
-            for level in sweep:
+    for name, levels in results.items():
+        if isinstance(levels, list):
+            for level in levels:
                 print(
-                    f"{name} @ {level['offered_rps']:.0f} rps: CPU {level['cpu_ms_per_request']:.2f} ms/req, "
+                    f"{name} @ {level['offered_rps']:.0f} rps: CPU {level['cpu_ms_per_served']:.2f} ms/served, "
                     f"p99 {level['p99_ms']:.1f} ms, goodput {level['goodput_rps']:.0f}, shed {level['shed']}"
                 )
     return 0

@@ -103,40 +103,53 @@ class ServiceSpec:
     extra_env: dict[str, str]
     path: str = "/score"
     workers: int = 1
+    cwd: Path = ROOT  # the checkout the service runs from
+
+
+def _bentoml_serve(target: str) -> Callable[[int], list[str]]:
+    """`bentoml serve` as `make run` and deploy/ start it: one plain server, no proxy in front."""
+    bentoml = str(Path(sys.executable).parent / "bentoml")
+    return lambda port: [bentoml, "serve", target, "--port", str(port), "--host", "127.0.0.1"]
 
 
 def tandem_spec(workers: int = 1) -> ServiceSpec:
-    bentoml = str(Path(sys.executable).parent / "bentoml")
     return ServiceSpec(
         "tandem" if workers == 1 else f"tandem_workers_{workers}",
-        "(1) Tandem (embedded SQLite, the default)" if workers == 1 else f"Tandem, {workers} workers",
-        lambda p: [bentoml, "serve", "serving.service:RiskScorer", "--port", str(p), "--host", "127.0.0.1"],
+        "Tandem (embedded SQLite, the default)" if workers == 1 else f"Tandem, {workers} workers",
+        _bentoml_serve("serving.service:RiskScorer"),
         # Explicit even for 1, so a TANDEM_SERVING_WORKERS in the caller's environment cannot leak in.
         {"TANDEM_SERVING_WORKERS": str(workers)},
         workers=workers,
     )
 
 
-# The services measured past capacity: Tandem as it is deployed (docs/decisions/0009), on both stores.
-FRONTED = ("tandem", "tandem_postgres")
+def baseline_spec(checkout: Path, commit: str) -> ServiceSpec:
+    """The code before issue 46's work, served from its own checkout as its own bench started it
+    (`bentoml serve serving.service:RiskScorer`, one worker), its packages first on the path."""
+    return ServiceSpec(
+        "baseline",
+        f"{commit} (before issue 46), embedded SQLite",
+        _bentoml_serve("serving.service:RiskScorer"),
+        {"TANDEM_SERVING_WORKERS": "1", "PYTHONPATH": str(checkout)},
+        cwd=checkout,
+    )
 
 
-def _on_postgres(spec: ServiceSpec, name: str, label: str, database_url: str, data_dir: Path) -> ServiceSpec:
+def on_postgres(spec: ServiceSpec, database_url: str, data_dir: Path) -> ServiceSpec:
     """`spec` on PostgreSQL: its own database and local state (the outbox)."""
     env = {**spec.extra_env, "DATABASE_URL": database_url, "TANDEM_DATA_DIR": str(data_dir)}
-    return ServiceSpec(name, label, spec.argv, env)
+    label = spec.label.replace("embedded SQLite, the default", "PostgreSQL").replace("embedded SQLite", "PostgreSQL")
+    return ServiceSpec(f"{spec.name}_postgres", label, spec.argv, env, spec.path, spec.workers, spec.cwd)
 
 
 def tandem_postgres_spec(database_url: str, data_dir: Path) -> ServiceSpec:
-    return _on_postgres(tandem_spec(), "tandem_postgres", "(1p) Tandem on PostgreSQL", database_url, data_dir)
+    return on_postgres(tandem_spec(), database_url, data_dir)
 
 
 def service_specs() -> list[ServiceSpec]:
-    """The services of the online comparison; the PostgreSQL ones are added by `bench_online`."""
+    """Tandem, stock BentoML and the do-nothing ceiling; the baseline and the PostgreSQL
+    variants are added by the online scenario."""
     bin_dir = Path(sys.executable).parent
-
-    def bentoml(target: str) -> Callable[[int], list[str]]:
-        return lambda port: [str(bin_dir / "bentoml"), "serve", target, "--port", str(port), "--host", "127.0.0.1"]
 
     def uvicorn(app: str) -> Callable[[int], list[str]]:
         return lambda port: [
@@ -146,21 +159,8 @@ def service_specs() -> list[ServiceSpec]:
 
     return [
         tandem_spec(),
-        ServiceSpec(
-            "tandem_mounted",
-            "(1b) Tandem, /score mounted (before @bentoml.api)",
-            bentoml("bench.services.mounted:MountedScorer"),
-            {"TANDEM_SERVING_WORKERS": "1"},
-        ),
-        ServiceSpec(
-            "tandem_unbatched",
-            "(2) Tandem, batching off",
-            bentoml("serving.service:RiskScorer"),
-            {"TANDEM_SERVING_MAX_BATCH_SIZE": "1", "TANDEM_SERVING_WORKERS": "1"},
-        ),
-        ServiceSpec("stock_bentoml", "(3) stock BentoML", bentoml("bench.services.stock_bentoml:StockScorer"), {}),
-        ServiceSpec("drifted", "(4) drifted baseline", uvicorn("bench.services.drifted:app"), {}),
-        ServiceSpec("do_nothing", "(5) HTTP ceiling", uvicorn("bench.services.do_nothing:app"), {}),
+        ServiceSpec("stock_bentoml", "stock BentoML", _bentoml_serve("bench.services.stock_bentoml:StockScorer"), {}),
+        ServiceSpec("do_nothing", "HTTP ceiling (do-nothing)", uvicorn("bench.services.do_nothing:app"), {}),
     ]
 
 
@@ -207,7 +207,7 @@ class RunningService:
         with log.open("w") as sink:
             self.process = subprocess.Popen(
                 spec.argv(self.port),
-                cwd=ROOT,
+                cwd=spec.cwd,
                 env={**bench.env, **spec.extra_env},
                 stdout=sink,
                 stderr=subprocess.STDOUT,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +22,6 @@ def _pyplot() -> ModuleType:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _max_goodput(service: dict[str, Any], target_ms: float) -> float | None:
-    """Best goodput at the target over the levels the generator vouches for (None: no such level)."""
-    return online_targets.goodput_at_target(service.get("sweep", []), target_ms)
 
 
 def _generator(level: dict[str, Any]) -> str:
@@ -70,16 +66,18 @@ def write_report(
     seconds: float,
     phases: list[tuple[str, float, float]],
     shadow: dict[str, Any] | None = None,
+    targets: dict[str, Any] | None = None,
 ) -> None:
     """`phases`: (name, estimated seconds, measured seconds) of the phases run so far; `shadow`:
-    the shadow-scoring scenario's result (bench/shadow.py), when it ran."""
+    the shadow-scoring scenario's result (bench/shadow.py), when it ran; `targets`: the online
+    verdicts (`online_targets.judge`), judged here when not given."""
     _plot_latency(out, online, target_ms)
     _plot_batch(out, raw, batch)
     _plot_workers(out, workers, target_ms)
     forward = raw["items_per_second"]
     partitions = batch["partitions"]
     largest = max(partitions, key=int)
-    goodput = {name: _max_goodput(service, target_ms) for name, service in online.items()}
+    verdicts = targets if targets is not None else online_targets.judge(online, target_ms)
     lines = [
         "# Tandem benchmark report",
         "",
@@ -87,6 +85,7 @@ def write_report(
         "measured side by side. Raw numbers: `results/*.json` next to this file. Regenerate: `make bench`",
         "(`make bench-quick` writes a quick run to a temporary directory instead).",
         "",
+        *targets_section(verdicts),
         "## Raw model forward (the limit)",
         "",
         f"{raw['parameter_count']:,} parameters, {raw['flops_per_item'] / 1e6:.1f} MFLOP per item, "
@@ -109,75 +108,31 @@ def write_report(
         "",
         "![batch throughput](batch_throughput.png)",
         "",
-        "## Online path (open-loop load, latency from the scheduled send time)",
-        "",
-        f"Declared p99 target: {target_ms:.0f} ms. Goodput = responses within the target per second, at the best",
-        "load level whose p99 met the target, among the levels the load generator can be trusted at (below).",
-        "",
-        "| service | best goodput at p99 <= target | CPU ms / request (lowest load) |",
-        "| --- | ---: | ---: |",
+        *online_section(online, target_ms),
     ]
-    for name, service in online.items():
-        if "error" in service:
-            lines.append(f"| {service['label']} | did not start: {service['error']} | |")
-            continue
-        cpu = service["sweep"][0]["cpu_ms_per_request"] if service["sweep"] else float("nan")
-        best = goodput[name]
-        shown = "not measurable (every level generator-limited)" if best is None else f"{best:,.0f} rps"
-        lines.append(f"| {service['label']} | {shown} | {cpu:.2f} |")
-    lines += _generator_section(online)
-    lines += ["", "![latency vs offered load](online_latency.png)", "", "### Sweeps", ""]
-    for service in online.values():
-        if "sweep" not in service:
-            continue
-        lines += [
-            f"**{service['label']}**",
-            "",
-            "| offered rps | p50 ms | p99 ms | p99.9 ms | goodput rps | shed | timeouts | conn errors | "
-            "CPU ms/req | ceiling p99 ms |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-            *[
-                f"| {s['offered_rps']:.0f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['p999_ms']:.1f} | "
-                f"{s['goodput_rps']:.0f} | {s['shed']} | {s['client_timeouts']} | {s.get('connection_errors', 0)} | "
-                f"{s['cpu_ms_per_request']:.2f} | {_generator(s)} |"
-                for s in service["sweep"]
-            ],
-            "",
-        ]
-        if "sweep_stopped" in service:
-            lines += [f"Sweep {service['sweep_stopped']}.", ""]
     lines += _workers_section(workers, target_ms)
-    tandem = online.get("tandem", {})
-    stock = online.get("stock_bentoml", {})
-    lines += ["## Overload, bursts, poison", ""]
-    for name, label in (("tandem", "Tandem (SQLite)"), ("tandem_postgres", "Tandem (PostgreSQL)")):
-        lines += _past_capacity_section(online.get(name, {}), label)
-    for label, service in (("Tandem", tandem), ("stock BentoML", stock)):
-        if "poison_2pct" in service:
-            p = service["poison_2pct"]
+    lines += ["## Past capacity, bursts, poison", ""]
+    for name in online_targets.DEPLOYED:
+        lines += _past_capacity_section(online.get(name, {}).get("past_capacity", {}), online.get(name, {}))
+    for name in ("tandem", "stock_bentoml"):
+        if "poison_2pct" in online.get(name, {}):
+            p = online[name]["poison_2pct"]
             lines.append(
-                f"- 2% poison inputs at {p['offered_rps']:.0f} rps, {label}: {p['collateral_failures']} collateral "
-                f"failures among good requests (statuses {p['statuses']})."
+                f"- 2% poison inputs at {p['offered_rps']:.0f} rps, {online[name]['label']}: "
+                f"{p['collateral_failures']} collateral failures among good requests (statuses {p['statuses']})."
             )
-    drifted = online.get("drifted", {}).get("sweep")
-    if drifted and tandem.get("sweep"):
-        lines.append(
-            f"- Drifted baseline at the lowest load ({drifted[0]['offered_rps']:.0f} rps): p99 "
-            f"{drifted[0]['p99_ms']:,.1f} ms, against Tandem's {tandem['sweep'][0]['p99_ms']:,.1f} ms."
-        )
     if shadow is not None:
         lines += ["", *shadow_section(shadow)]
-    lines += ["", "## Targets", "", "| target | measured | verdict |", "| --- | --- | --- |"]
-    judged = online_targets.judge(online, target_ms)
-    lines += [f"| {t['target']} | {t['measured']} | {_online_verdict(t['verdict'])} |" for t in judged["targets"]]
+    lines += ["", "## Other targets", "", "| target | measured | verdict |", "| --- | --- | --- |"]
     if shadow is not None:
         t = shadow["verdict"]
         lines.append(f"| {t['target']} | {t['measured']} | {_online_verdict(t['verdict'])} |")
-    online_cpu = tandem["sweep"][0]["cpu_ms_per_request"] if tandem.get("sweep") else float("nan")
+    first: dict[str, Any] = next(iter(online.get("tandem", {}).get("rounds", [])), {})
+    online_cpu = first["sweep"][0]["cpu_ms_per_request"] if first.get("sweep") else float("nan")
     batch_cpu = partitions[largest]["cpu_ms_per_record"]
     rows = [
         (
-            "batch cost per record >= 10x below online",
+            "batch cost per record >= 10x below online (lowest load, first round)",
             f"{batch_cpu:.3f} vs {online_cpu:.2f} CPU ms",
             online_cpu >= 10 * batch_cpu,
         ),
@@ -185,10 +140,6 @@ def write_report(
     ]
     lines += [f"| {name} | {measured} | {_verdict(ok)} |" for name, measured, ok in rows]
     lines += [
-        "",
-        f"Online verdicts use only load levels where the do-nothing ceiling's p99 stayed <= "
-        f"{online_targets.GENERATOR_LIMIT_P99_MS:.0f} ms at the same offered rate; a verdict with no such level "
-        "left reads _not measurable_. Raw: `results/online_targets.json`.",
         "",
         "Why a target was missed, and what the numbers say beyond the verdicts: [findings.md](findings.md),",
         "written by hand against the committed run (a new run may move the numbers it quotes).",
@@ -205,21 +156,109 @@ def write_report(
     (out / "report.md").write_text("\n".join(lines))
 
 
-def _past_capacity_section(tandem: dict[str, Any], label: str) -> list[str]:
-    """One service's overload runs and its burst at moderate load."""
+def targets_section(verdicts: dict[str, Any]) -> list[str]:
+    """Issue 46's targets: each with its threshold, the number measured and the verdict."""
+    return [
+        f"## Targets (issue 46), against {verdicts['baseline_commit']}",
+        "",
+        "| target | threshold | measured | verdict |",
+        "| --- | --- | --- | --- |",
+        *[
+            f"| {t['target']} | {t['threshold']} | {t['measured']} | {_online_verdict(t['verdict'])} |"
+            for t in verdicts["targets"]
+        ],
+        "",
+        f"Each figure is the median over the rounds, every round beside it. Online verdicts use only load "
+        f"levels where the do-nothing ceiling's p99 stayed <= {verdicts['generator_limit_p99_ms']:.0f} ms at "
+        "the same offered rate; a verdict with no such level left reads _not measurable_, as does one whose "
+        "baseline could not run. Raw: `results/online_targets.json`.",
+        "",
+    ]
+
+
+def _median_cell(values: list[float], digits: int, unit: str = "") -> str:
+    if not values:
+        return "-"
+    each = ", ".join(f"{v:,.{digits}f}" for v in values)
+    return f"{statistics.median(values):,.{digits}f}{unit} ({each})"
+
+
+def online_section(online: dict[str, Any], target_ms: float) -> list[str]:
+    """The side-by-side table over the rounds, the generator check, the plot and every sweep."""
+    rounds = max((len(s.get("rounds", [])) for s in online.values()), default=0)
+    rate = online_targets.LIGHT_LOAD_RPS
+    lines = [
+        "## Online path (open-loop load, latency from the scheduled send time)",
+        "",
+        f"Declared p99 target: {target_ms:.0f} ms. {rounds} round(s); in each, every service starts afresh and "
+        "runs its sweep, the ceiling first, Tandem and the baseline trading places from one round to the next. "
+        "A sweep stops once two levels in a row missed the target. Capacity = the best goodput (answers within "
+        "the target per second) at a usable level whose p99 met the target. CPU per served request = CPU of the "
+        "service's process tree over the level, per request answered 200.",
+        "",
+        f"| service | capacity at p99 <= {target_ms:.0f} ms, rps: median (each round) | CPU ms / served request "
+        f"at capacity | CPU ms / served request at {rate} rps |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for service in online.values():
+        if "error" in service:
+            lines.append(f"| {service['label']} | did not run: {service['error']} | | |")
+            continue
+        capacities = online_targets.round_capacities(service, target_ms)
+        failed = [r["error"] for r in service.get("rounds", []) if "error" in r]
+        lines.append(
+            f"| {service['label']} | {_median_cell(capacities, 0)}"
+            + (f"; {len(failed)} round(s) did not start" if failed else "")
+            + f" | {_median_cell(online_targets.cpu_at_capacity(service, target_ms), 2)}"
+            f" | {_median_cell(online_targets.cpu_at_rate(service, rate), 2)} |"
+        )
+    lines += ["", *_generator_section(online), "![latency vs offered load](online_latency.png)", ""]
+    return lines + _sweeps_section(online)
+
+
+def _sweeps_section(online: dict[str, Any]) -> list[str]:
+    lines = ["### Sweeps", ""]
+    for service in online.values():
+        runs = [(i + 1, r) for i, r in enumerate(service.get("rounds", []))]
+        if not runs:
+            continue
+        lines += [
+            f"**{service['label']}**",
+            "",
+            "| round | offered rps | p50 ms | p99 ms | p99.9 ms | goodput rps | shed | timeouts | conn errors | "
+            "CPU ms / served | ceiling p99 ms |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for number, run in runs:
+            if "error" in run:
+                lines.append(f"| {number} | did not start: {run['error']} | | | | | | | | | |")
+            lines += [
+                f"| {number} | {s['offered_rps']:.0f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | "
+                f"{s['p999_ms']:.1f} | {s['goodput_rps']:.0f} | {s['shed']} | {s['client_timeouts']} | "
+                f"{s.get('connection_errors', 0)} | {online_targets.cpu_per_served(s):.2f} | {_generator(s)} |"
+                for s in run.get("sweep", [])
+            ]
+        lines.append("")
+    return lines
+
+
+def _past_capacity_section(tandem: dict[str, Any], service: dict[str, Any]) -> list[str]:
+    """One service's overload runs and its burst at 30% load (`tandem`: its `past_capacity`)."""
+    label = service.get("label", "")
     lines: list[str] = []
     if "overload" in tandem:
         lines += [
-            f"{label} past its capacity at the target ({tandem['capacity_rps']:,.0f} rps, measured in this run), "
+            f"{label}, deployed as deploy/ ships it (one plain `bentoml serve`), past its capacity at the "
+            f"target ({tandem['capacity_rps']:,.0f} rps, {tandem.get('capacity_source', 'measured in this run')}), "
             f"client timeout {_client_timeout(tandem['overload']):.0f} s:",
             "",
-            "| load | offered rps | accepted p99 ms | first 0.5 s / after | goodput rps | shed | shed p99 ms | "
-            "first 0.5 s / after | shed without Retry-After | timeouts | conn errors | RSS MB before -> after | "
-            "ceiling p99 ms |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| load | offered rps | accepted p99 ms | first 0.5 s / after | goodput rps | statuses | "
+            "shed p99 ms | first 0.5 s / after | shed without Retry-After | timeouts | conn errors | "
+            "RSS MB before -> after | ceiling p99 ms |",
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             *[
                 f"| {factor} capacity | {o['offered_rps']:,.0f} | {o['p99_ms']:.1f} | {_onset(o, '')} | "
-                f"{o['goodput_rps']:,.0f} | {o['shed']} | {_ms(o['shed_p99_ms'])} | {_onset(o, 'shed_')} | "
+                f"{o['goodput_rps']:,.0f} | {_statuses(o)} | {_ms(o['shed_p99_ms'])} | {_onset(o, 'shed_')} | "
                 f"{o['shed_without_retry_after']} | {o['client_timeouts']} | {o['connection_errors']} | "
                 f"{o['rss_mb_before']:,.0f} -> {o['rss_mb_after']:,.0f} | {_generator(o)} |"
                 for factor, o in tandem["overload"].items()
@@ -244,6 +283,10 @@ def _past_capacity_section(tandem: dict[str, Any], label: str) -> list[str]:
         )
         lines.append("")
     return lines
+
+
+def _statuses(level: dict[str, Any]) -> str:
+    return ", ".join(f"{status}: {count}" for status, count in sorted(level["statuses"].items()))
 
 
 def _runs(values: list[float]) -> str:
@@ -323,30 +366,33 @@ def _shadow_cost(shadow: dict[str, Any], rates: list[str]) -> list[str]:
 
 
 def _generator_section(online: dict[str, Any]) -> list[str]:
-    """The do-nothing ceiling's p99 at every offered rate of this run: the generator's own check."""
-    sweep = online.get("do_nothing", {}).get("sweep", [])
+    """The do-nothing ceiling's p99 at every offered rate, each round: the generator's own check."""
+    ceiling = online.get("do_nothing", {})
     limit = online_targets.GENERATOR_LIMIT_P99_MS
     lines = [
-        "",
         "### Load generator check (the do-nothing ceiling at every offered rate)",
         "",
-        f"A rate where the do-nothing service's p99 exceeds {limit:.0f} ms is **generator-limited**: the figures",
-        "of every service at that rate are the load generator's as much as the service's, and no verdict uses",
-        "them. The ceiling ran every rate any service or verdict used (the overload and burst-background",
-        "rates after Tandem's run had set them).",
+        f"A level is **generator-limited** where the do-nothing service's p99 at the same rate, in the same "
+        f"round, exceeds {limit:.0f} ms (or the ceiling did not run it): the figures of every service there are "
+        "the load generator's as much as the service's, and no verdict uses them. Past capacity, the burst's "
+        "background and the poison mix are checked against the ceiling's worst reading at their rate, over "
+        "the rounds and its last run (over the rates past capacity chose).",
         "",
     ]
-    if not sweep:
+    readings = [(f"round {i + 1}", r) for i, r in enumerate(ceiling.get("rounds", []))]
+    readings += [("past-capacity rates", ceiling["again"])] if "again" in ceiling else []
+    if not readings:
         return [*lines, "The ceiling did not run: every level is generator-limited.", ""]
-    limited = [s for s in sweep if s.get("generator_limited", True)]
-    return [
-        *lines,
-        "| offered rps | " + " | ".join(f"{s['offered_rps']:,.0f}" for s in sweep) + " |",
-        "| --- | " + " | ".join("---:" for _ in sweep) + " |",
-        "| ceiling p99 ms | " + " | ".join(f"{s['p99_ms']:.1f}" for s in sweep) + " |",
-        "| generator-limited | " + " | ".join("**yes**" if s in limited else "no" for s in sweep) + " |",
-        "",
-    ]
+    lines += ["| reading | p99 ms by offered rps (**over the limit**) |", "| --- | --- |"]
+    for name, reading in readings:
+        levels = reading.get("sweep", [])
+        shown = ", ".join(
+            f"{s['offered_rps']:,.0f}: "
+            + (f"**{s['p99_ms']:.1f}**" if not s["p99_ms"] <= limit else f"{s['p99_ms']:.1f}")
+            for s in levels
+        )
+        lines.append(f"| {name} | {shown or reading.get('error', 'did not run')} |")
+    return [*lines, ""]
 
 
 def _workers_section(workers: dict[str, Any], target_ms: float) -> list[str]:
@@ -444,29 +490,34 @@ def _plot_workers(out: Path, workers: dict[str, Any], target_ms: float) -> None:
 
 def _plot_latency(out: Path, online: dict[str, Any], target_ms: float) -> None:
     plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(8, 5))
+    figure, axis = plt.subplots(figsize=(9, 5.5))
     for service in online.values():
-        sweep = service.get("sweep")
-        if not sweep:
-            continue
-        (line,) = axis.plot(
-            [s["offered_rps"] for s in sweep], [s["p99_ms"] for s in sweep], marker="o", label=service["label"]
-        )
-        limited = [s for s in sweep if s.get("generator_limited", True)]
-        # Crosses: generator-limited levels (the ceiling's p99 over its limit there), in no verdict.
-        axis.scatter(
-            [s["offered_rps"] for s in limited],
-            [s["p99_ms"] for s in limited],
-            marker="x",
-            s=80,
-            color=line.get_color(),
-        )
+        colour = None
+        for run in service.get("rounds", []):
+            levels = run.get("sweep")
+            if not levels:
+                continue
+            (line,) = axis.plot(
+                [s["offered_rps"] for s in levels],
+                [s["p99_ms"] for s in levels],
+                marker="o",
+                markersize=3,
+                alpha=0.8,
+                color=colour,
+                label=service["label"] if colour is None else None,
+            )
+            colour = line.get_color()
+            limited = [s for s in levels if s.get("generator_limited", True)]
+            # Crosses: generator-limited levels (the ceiling's p99 over its limit there), in no verdict.
+            axis.scatter(
+                [s["offered_rps"] for s in limited], [s["p99_ms"] for s in limited], marker="x", s=60, color=colour
+            )
     axis.axhline(target_ms, color="grey", linestyle="--", label=f"p99 target {target_ms:.0f} ms")
     axis.set_yscale("log")
     axis.set_xlabel("offered load (requests/s, open loop)")
     axis.set_ylabel("p99 latency of successful requests (ms)")
-    axis.set_title("Online p99 latency against offered load (x: generator-limited level)")
-    axis.legend()
+    axis.set_title("Online p99 against offered load, one line per round (x: generator-limited level)")
+    axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(out / "online_latency.png", dpi=110)
     plt.close(figure)

@@ -238,7 +238,7 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
     # the environment only when the first request arrives.
     from starlette.testclient import TestClient
 
-    from bench.services.score_route import with_score_route
+    from tests.serving.score_route import with_score_route
 
     class Stub:
         metrics = ServingMetrics()

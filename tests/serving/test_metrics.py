@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
-from bench.services.score_route import with_score_route
+from tests.serving.score_route import with_score_route
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import utc_now
 from serving.admission import Decision

@@ -1,6 +1,5 @@
 """`POST /score` as a route of the mounted Starlette app rather than a `@bentoml.api` method: the
-same gate, scorer and `answer`, without BentoML's API path. The benchmark's mounted variant serves
-it, and in-process tests drive the gate through it."""
+same gate, scorer and `answer` the service runs, driven in-process by tests without a server."""
 
 from __future__ import annotations
 
