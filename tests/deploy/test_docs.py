@@ -232,6 +232,9 @@ OTHER_VARIABLES = {
     "TANDEM_RUN_E2E",
     "TANDEM_E2E_ARTIFACTS",
 }
+# A decision record not built yet proposes Tandem settings; naming them is its point. Once its
+# status changes, its variables must exist as any page's do.
+PROPOSED_STATUS = "- Status: Proposed: not built yet"
 
 
 def _settings_classes() -> dict[str, list[type[BaseSettings]]]:
@@ -339,6 +342,8 @@ def test_environment_variables_named_in_the_docs_exist(page: Path) -> None:
     real = set(_all_variables()) | OTHER_VARIABLES
     named = set(re.findall(r"\b(?:TANDEM|DAGSTER|BENTOML)_[A-Z0-9_]*[A-Z0-9]\b|\bDATABASE_URL\b", page.read_text()))
     unknown = {name for name in named - real if not any(variable.startswith(f"{name}_") for variable in real)}
+    if PROPOSED_STATUS in page.read_text():
+        unknown = {name for name in unknown if not name.startswith("TANDEM_")}
     assert not unknown, f"no settings class reads {sorted(unknown)}"
 
 
