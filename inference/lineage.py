@@ -27,7 +27,8 @@ class ResultLineage:
     code_version: str
     input_hash: str
     history_hash: str | None
-    input_is_current: bool  # the stored source record still has this content
+    # The stored source record still has this content; None: no stored record to compare with.
+    input_is_current: bool | None
     degraded: bool
     unseen_fields: list[str]
     produced_at: str
@@ -179,7 +180,7 @@ def _result(
         code_version=row["code_version"],
         input_hash=row["input_hash"],
         history_hash=row["history_hash"],
-        input_is_current=row["input_hash"] == current_hash,
+        input_is_current=None if current_hash is None else row["input_hash"] == current_hash,
         degraded=bool(row["degraded"]),
         unseen_fields=[name for name in (row["unseen_fields"] or "").split(",") if name],
         produced_at=str(row["produced_at"]),

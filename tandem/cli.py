@@ -152,7 +152,7 @@ def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bo
     for result in report.results:
         flags = [
             "CURRENT" if result.current else "",
-            "" if result.input_is_current else "superseded input",
+            "superseded input" if result.input_is_current is False else "",
             "degraded" if result.degraded else "",
             f"unseen {','.join(result.unseen_fields)}" if result.unseen_fields else "",
         ]

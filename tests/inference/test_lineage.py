@@ -171,6 +171,20 @@ def test_a_degraded_answer_says_so(engine: Engine, stored_hash: str) -> None:
     assert online.versus_batch == Cause.DEGRADED.value
 
 
+def test_an_online_answer_without_a_stored_record_is_not_called_superseded(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's first request scores a transaction no source holds: nothing superseded its
+    input, so neither the report nor the CLI may say so."""
+    write_answers(engine, _online(0.25, "hash-of-the-request"))
+    (online,) = explain(engine, TX, dagster_ui_url="http://ui").results
+    assert online.current and online.input_is_current is None
+    monkeypatch.setenv("DATABASE_URL", engine.url.render_as_string(hide_password=False))
+    assert cli.main(["lineage", TX]) == 0
+    online_line = next(line for line in capsys.readouterr().out.splitlines() if "via online" in line)
+    assert online_line.endswith("CURRENT") and "superseded" not in online_line
+
+
 def test_the_cli_answers_in_text_and_json(
     engine: Engine, stored_hash: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
