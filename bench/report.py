@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from types import ModuleType
 
-from bench import loadgen, online_targets
+from bench import batch_baseline, loadgen, online_targets
 
 
 def _pyplot() -> ModuleType:
@@ -139,6 +139,8 @@ def write_report(
         *batch_targets(raw, batch),
     ]
     lines += [f"| {name} | {measured} | {_verdict(ok)} |" for name, measured, ok in rows]
+    against = batch_baseline.judge(batch.get("baseline"), _baseline_commit(batch))
+    lines.append(f"| {against['target']} | {against['measured']} | {_online_verdict(against['verdict'])} |")
     lines += [
         "",
         "Why a target was missed, and what the numbers say beyond the verdicts: [findings.md](findings.md),",
@@ -596,6 +598,10 @@ def best_raw_forward(raw: dict[str, Any]) -> tuple[float, str]:
     return max(measured)
 
 
+def _baseline_commit(batch: dict[str, Any]) -> str:
+    return str(batch.get("baseline", {}).get("commit") or online_targets.BASELINE_COMMIT)
+
+
 def batch_section(raw: dict[str, Any], batch: dict[str, Any]) -> list[str]:
     """The batch path's tables: pipelined against sequential per partition, and the forward batch sweep."""
     best, where = best_raw_forward(raw)
@@ -638,7 +644,7 @@ def batch_section(raw: dict[str, Any], batch: dict[str, Any]) -> list[str]:
                 for size, r in sweep["runs"].items()
             ],
         ]
-    return lines
+    return lines + batch_baseline.section(batch.get("baseline"), _baseline_commit(batch))
 
 
 def batch_targets(raw: dict[str, Any], batch: dict[str, Any]) -> list[tuple[str, str, bool]]:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from bench import online_targets
+from bench import baseline, batch_baseline, online_targets
 from bench.harness import (
     ROOT,
     START_DAY,
@@ -102,7 +102,10 @@ class Plan:
                 2 * PROCESS_START_S + rows / INGEST_ROWS_PER_S + 2 * rows / SCORE_ROWS_PER_S for rows in self.partitions
             )
             + len(FORWARD_BATCH_SWEEP) * (PROCESS_START_S + min(self.partitions) / SCORE_ROWS_PER_S)
-            + 100_000 * 2 / INGEST_ROWS_PER_S,  # the upsert benchmark: insert, then replay
+            + 100_000 * 2 / INGEST_ROWS_PER_S  # the upsert benchmark: insert, then replay
+            # The baseline's worktree, then the largest partition 3 times more: ABBA after Tandem's run.
+            + 10
+            + 3 * (PROCESS_START_S + max(self.partitions) / SCORE_ROWS_PER_S),
         }
         if batch_only:
             return phases
@@ -239,7 +242,11 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- batch path
-def bench_batch_path(bench: BenchEnv, partition_rows: list[int]) -> dict[str, Any]:
+def bench_batch_path(
+    bench: BenchEnv, partition_rows: list[int], checkout: Path | str | None = None, commit: str = ""
+) -> dict[str, Any]:
+    """Every partition pipelined and sequential, the smallest at each swept forward batch; with a
+    baseline `checkout` (or why there is none), the largest also side by side with its code."""
     from inference.batch import ingest_day
     from inference.demo import DemoConfig, generate_day
     from inference.store import make_engine
@@ -252,16 +259,7 @@ def bench_batch_path(bench: BenchEnv, partition_rows: list[int]) -> dict[str, An
         deleted first, outside the measurement), so every run pays for the same inserts."""
         _clear_partition(engine, day)
         output = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "bench.batch_worker",
-                "--database-url",
-                bench.database_url,
-                "--day",
-                day.isoformat(),
-                *options,
-            ],
+            batch_baseline.worker_command(bench.database_url, day.isoformat(), *options),
             cwd=ROOT,
             env=bench.env,
             capture_output=True,
@@ -282,15 +280,46 @@ def bench_batch_path(bench: BenchEnv, partition_rows: list[int]) -> dict[str, An
             for size in FORWARD_BATCH_SWEEP:
                 sweep[str(size)] = score(day, "--forward-batch", str(size))
                 say(f"batch partition {rows:,} rows, forward batch {size}: {sweep[str(size)]}")
+    comparison = None
+    if checkout is not None:
+        day = START_DAY + timedelta(days=30 + partition_rows.index(max(partition_rows)))
+        comparison = _against_baseline(bench, engine, day, checkout, lambda: runs[str(max(partition_rows))], score)
+        comparison["partition_rows"] = max(partition_rows)
+        comparison["commit"] = commit
     upsert = _bench_upsert(engine)
     engine.dispose()
     return {
+        **({"baseline": comparison} if comparison is not None else {}),
         "partitions": runs,
         "sequential": sequential,
         "forward_batch_sweep": {"partition_rows": min(partition_rows), "runs": sweep},
         "upsert": upsert,
         "database": engine.dialect.name,
     }
+
+
+def _against_baseline(
+    bench: BenchEnv,
+    engine: Any,
+    day: date,
+    checkout: Path | str,
+    first: Callable[[], dict[str, Any]],
+    score: Callable[..., dict[str, Any]],
+) -> dict[str, Any]:
+    """`day` scored by Tandem and by the baseline checkout's own worker, in alternating order."""
+    if isinstance(checkout, str):
+        return {"tandem": [first()], "baseline": [], "error": checkout}
+
+    def theirs() -> dict[str, Any] | str:
+        _clear_partition(engine, day)
+        env = {**bench.env, "PYTHONPATH": str(checkout)}
+        result = batch_baseline.run_worker(
+            batch_baseline.worker_command(bench.database_url, day.isoformat()), checkout, env
+        )
+        say(f"batch partition {day}, baseline: {result}")
+        return result
+
+    return batch_baseline.side_by_side(first, lambda: score(day), theirs)
 
 
 def _clear_partition(engine: Any, day: date) -> None:
@@ -361,6 +390,13 @@ def main() -> int:
         help="where results/*.json, report.md and the plots go; default bench/ for a full run "
         "(the committed results), a new temporary directory for --quick",
     )
+    parser.add_argument(
+        "--baseline",
+        default=online_targets.BASELINE_COMMIT,
+        metavar="REV",
+        help="the commit whose batch path is scored beside this checkout's, from its own worktree "
+        f"(default {online_targets.BASELINE_COMMIT}); the online comparison stays on the default",
+    )
     args = parser.parse_args()
     if args.shadow_only:
         from bench import shadow
@@ -378,8 +414,8 @@ def main() -> int:
         with phases.run("raw forward"):
             raw = bench_raw_forward(plan.forward_seconds)
             write_result(out, "raw_forward", raw)
-        with phases.run("batch path"):
-            batch = bench_batch_path(bench, plan.partitions)
+        with phases.run("batch path"), baseline.checkout(args.baseline, bench.root) as checkout:
+            batch = bench_batch_path(bench, plan.partitions, checkout, args.baseline)
             write_result(out, "batch_path", batch)
         with phases.run("raw forward, again"):
             # The batch path's share is judged against the faster reading (bench.report.best_raw_forward).
@@ -392,7 +428,9 @@ def main() -> int:
         targets = [{"target": t, "measured": m, "met": ok} for t, m, ok in batch_targets(raw, batch)]
         for target in targets:
             say(f"target: {target['target']}: {target['measured']} -> {'met' if target['met'] else 'MISSED'}")
-        write_result(out, "batch_targets", targets)
+        against = batch_baseline.judge(batch.get("baseline"), args.baseline)
+        say(f"target: {against['target']}: {against['measured']} -> {against['verdict']}")
+        write_result(out, "batch_targets", [*targets, against])
         if args.batch_only:
             return 0
         good, poison = request_bodies(bench, 20_000)
