@@ -26,6 +26,7 @@ from typing import Any
 import polars as pl
 import psutil
 
+from bench import online_targets
 from bench.loadgen import run_load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +129,7 @@ def baseline_spec(checkout: Path, commit: str) -> ServiceSpec:
     (`bentoml serve serving.service:RiskScorer`, one worker), its packages first on the path."""
     return ServiceSpec(
         "baseline",
-        f"{commit} (before issue 46), embedded SQLite",
+        f"{online_targets.baseline_label(commit)}, embedded SQLite",
         _bentoml_serve("serving.service:RiskScorer"),
         {"TANDEM_SERVING_WORKERS": "1", "PYTHONPATH": str(checkout)},
         cwd=checkout,

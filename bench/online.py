@@ -102,10 +102,9 @@ def online_environment(bench: BenchEnv, rows_per_day: int, days: int) -> tuple[B
     return BenchEnv(bench.root, sqlite_url, env, drop), postgres_url
 
 
-def _specs(root: Path, postgres_url: str | None, checkout: Path | str) -> dict[str, ServiceSpec | str]:
+def _specs(root: Path, postgres_url: str | None, checkout: Path | str, commit: str) -> dict[str, ServiceSpec | str]:
     """Every service of the rounds by name, or why it cannot run."""
     specs: dict[str, ServiceSpec | str] = {spec.name: spec for spec in service_specs()}
-    commit = online_targets.BASELINE_COMMIT
     specs["baseline"] = baseline_spec(checkout, commit) if isinstance(checkout, Path) else checkout
     for name in ("tandem", "baseline"):
         spec = specs[name]
@@ -118,17 +117,17 @@ def _specs(root: Path, postgres_url: str | None, checkout: Path | str) -> dict[s
     return specs
 
 
-def _label(name: str, spec: ServiceSpec | str) -> str:
+def _label(name: str, spec: ServiceSpec | str, commit: str) -> str:
     if isinstance(spec, ServiceSpec):
         return spec.label
     store = "PostgreSQL" if name.endswith("_postgres") else "embedded SQLite"
-    return f"{online_targets.BASELINE_COMMIT} (before issue 46), {store}" if "baseline" in name else name
+    return f"{online_targets.baseline_label(commit)}, {store}" if "baseline" in name else name
 
 
-def _entry(name: str, spec: ServiceSpec | str) -> dict[str, Any]:
+def _entry(name: str, spec: ServiceSpec | str, commit: str) -> dict[str, Any]:
     """A service's results before its first round: its rounds to come, or why it has none."""
     if isinstance(spec, str):
-        return {"label": _label(name, spec), "error": spec}
+        return {"label": _label(name, spec, commit), "error": spec}
     return {"label": spec.label, "rounds": []}
 
 
@@ -152,12 +151,13 @@ def bench_online(
     good: list[dict[str, Any]],
     poison: list[dict[str, Any]],
     postgres_url: str | None = None,
+    commit: str = online_targets.BASELINE_COMMIT,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every service in `rounds` rounds over `rates`, Tandem past its capacity in the last round,
     and the ceiling again over the rates that chose; returns every result (marked) and the verdicts."""
-    with baseline.checkout(online_targets.BASELINE_COMMIT, bench.root) as checkout:
-        specs = _specs(bench.root, postgres_url, checkout)
-        online: dict[str, Any] = {name: _entry(name, specs[name]) for name in ROUND_ORDER}
+    with baseline.checkout(commit, bench.root) as checkout:
+        specs = _specs(bench.root, postgres_url, checkout, commit)
+        online: dict[str, Any] = {name: _entry(name, specs[name], commit) for name in ROUND_ORDER}
         for index in range(rounds):
             say(f"-- round {index + 1} of {rounds}")
             for name in round_order(index):
@@ -170,7 +170,7 @@ def bench_online(
         if "rounds" in service:
             service["capacity_rps"] = online_targets.median_capacity(service, TARGET_P99_MS)
         write_result(out, f"online_{name}", service)
-    verdicts = online_targets.judge(online, TARGET_P99_MS, online_targets.package_size(ROOT / "serving"))
+    verdicts = online_targets.judge(online, TARGET_P99_MS, online_targets.package_size(ROOT / "serving"), commit)
     write_result(out, "online_targets", verdicts)
     for t in verdicts["targets"]:
         say(f"target {t['target']} ({t['threshold']}): {t['verdict']} ({t['measured']})")

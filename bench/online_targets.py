@@ -19,6 +19,13 @@ from typing import Any
 
 GENERATOR_LIMIT_P99_MS = 5.0
 BASELINE_COMMIT = "972a628"
+
+
+def baseline_label(commit: str) -> str:
+    """How the report names the baseline's code: the default is the code before issue 46."""
+    return f"{commit} (before issue 46)" if commit == BASELINE_COMMIT else f"{commit} (the baseline)"
+
+
 # Each store's pair: (Tandem, the baseline), and how the report names the store.
 STORES = {
     "embedded SQLite": ("tandem", "baseline"),
@@ -213,21 +220,27 @@ def _missing(online: dict[str, Any], name: str) -> str:
 
 
 # ---------------------------------------------------------------- verdicts
-def judge(online: dict[str, Any], target_ms: float, serving_size: dict[str, int] | None = None) -> dict[str, Any]:
-    """Every issue-46 target with its verdict; `online` must already be marked (`mark_online`)."""
+def judge(
+    online: dict[str, Any],
+    target_ms: float,
+    serving_size: dict[str, int] | None = None,
+    commit: str = BASELINE_COMMIT,
+) -> dict[str, Any]:
+    """Every issue-46 target with its verdict against the baseline `commit`; `online` must already
+    be marked (`mark_online`)."""
     targets: list[dict[str, Any]] = []
     for store, (ours, theirs) in STORES.items():
         tandem, baseline = online.get(ours, {}), online.get(theirs, {})
-        targets.append(_capacity_target(store, online, ours, theirs, target_ms))
-        targets += _cpu_targets(store, online, ours, theirs, target_ms)
-        targets.append(_light_load_target(store, tandem, baseline, online, ours))
+        targets.append(_capacity_target(store, online, ours, theirs, target_ms, commit))
+        targets += _cpu_targets(store, online, ours, theirs, target_ms, commit)
+        targets.append(_light_load_target(store, tandem, baseline, online, ours, commit))
         targets += _past_capacity_targets(store, tandem.get("past_capacity", {}))
         targets.append(_burst_target(store, tandem.get("past_capacity", {})))
     targets += _size_targets(serving_size)
     return {
         "target_p99_ms": target_ms,
         "generator_limit_p99_ms": GENERATOR_LIMIT_P99_MS,
-        "baseline_commit": BASELINE_COMMIT,
+        "baseline_commit": commit,
         "ceiling_p99_ms_by_rate": {str(k): v for k, v in sorted(worst_ceiling(online).items())},
         # The median capacity over the rounds; bench/shadow.py reads Tandem's from a committed run.
         "goodput_at_target_rps": {
@@ -240,11 +253,13 @@ def judge(online: dict[str, Any], target_ms: float, serving_size: dict[str, int]
     }
 
 
-def _capacity_target(store: str, online: dict[str, Any], ours: str, theirs: str, target_ms: float) -> dict[str, Any]:
+def _capacity_target(
+    store: str, online: dict[str, Any], ours: str, theirs: str, target_ms: float, commit: str
+) -> dict[str, Any]:
     """Met when Tandem's median capacity is at least the baseline's, or short of it by no more than
     the wider of the two services' spreads over the rounds (max - min), or CAPACITY_RESOLUTION."""
     name = f"capacity at p99 <= {target_ms:.0f} ms, {store}"
-    threshold = f">= {BASELINE_COMMIT}'s, within the rounds' spread"
+    threshold = f">= {commit}'s, within the rounds' spread"
     mine, base = round_capacities(online.get(ours, {}), target_ms), round_capacities(online.get(theirs, {}), target_ms)
     if not mine or not base:
         missing = _missing(online, ours if not mine else theirs)
@@ -252,21 +267,23 @@ def _capacity_target(store: str, online: dict[str, Any], ours: str, theirs: str,
     ok, theirs_median = statistics.median(mine), statistics.median(base)
     spread = max(_spread(mine), _spread(base), CAPACITY_RESOLUTION * theirs_median)
     measured = (
-        f"Tandem {_rps(ok)} (rounds {_each(mine, _rps)}) vs {BASELINE_COMMIT} {_rps(theirs_median)} "
+        f"Tandem {_rps(ok)} (rounds {_each(mine, _rps)}) vs {commit} {_rps(theirs_median)} "
         f"(rounds {_each(base, _rps)}); spread {_rps(spread)}"
     )
     verdict = MET if ok >= theirs_median - spread else MISSED
     return _target(name, threshold, measured, verdict, tandem_rps=mine, baseline_rps=base, spread_rps=spread)
 
 
-def _cpu_targets(store: str, online: dict[str, Any], ours: str, theirs: str, target_ms: float) -> list[dict[str, Any]]:
+def _cpu_targets(
+    store: str, online: dict[str, Any], ours: str, theirs: str, target_ms: float, commit: str
+) -> list[dict[str, Any]]:
     """CPU per served request at the capacity level (each round's), median over the rounds: under
     an absolute bound, and under a share of the baseline's in the same run."""
     absolute = f"CPU per served request at capacity, {store}"
-    relative = f"CPU per served request at capacity against {BASELINE_COMMIT}, {store}"
+    relative = f"CPU per served request at capacity against {commit}, {store}"
     mine, base = cpu_at_capacity(online.get(ours, {}), target_ms), cpu_at_capacity(online.get(theirs, {}), target_ms)
     shown = f"Tandem {_ms(statistics.median(mine), 2) if mine else 'n/a'} (rounds {_each(mine, lambda v: _ms(v, 2))})"
-    limit, share = f"<= {CPU_AT_CAPACITY_MS:g} ms", f"<= {CPU_SHARE_OF_BASELINE:.0%} of {BASELINE_COMMIT}'s"
+    limit, share = f"<= {CPU_AT_CAPACITY_MS:g} ms", f"<= {CPU_SHARE_OF_BASELINE:.0%} of {commit}'s"
     if not mine:
         gone = _missing(online, ours)
         return [_target(absolute, limit, gone, NOT_MEASURABLE), _target(relative, share, gone, NOT_MEASURABLE)]
@@ -276,15 +293,13 @@ def _cpu_targets(store: str, online: dict[str, Any], ours: str, theirs: str, tar
         return [first, _target(relative, share, f"{shown}; {_missing(online, theirs)}", NOT_MEASURABLE)]
     theirs_median = statistics.median(base)
     ratio = ok / theirs_median if theirs_median > 0 else math.inf
-    measured = (
-        f"{shown} vs {BASELINE_COMMIT} {_ms(theirs_median, 2)} (rounds {_each(base, lambda v: _ms(v, 2))}): {ratio:.0%}"
-    )
+    measured = f"{shown} vs {commit} {_ms(theirs_median, 2)} (rounds {_each(base, lambda v: _ms(v, 2))}): {ratio:.0%}"
     verdict = MET if ratio <= CPU_SHARE_OF_BASELINE else MISSED
     return [first, _target(relative, share, measured, verdict, tandem_ms=mine, baseline_ms=base, ratio=ratio)]
 
 
 def _light_load_target(
-    store: str, tandem: dict[str, Any], baseline: dict[str, Any], online: dict[str, Any], ours: str
+    store: str, tandem: dict[str, Any], baseline: dict[str, Any], online: dict[str, Any], ours: str, commit: str
 ) -> dict[str, Any]:
     name = f"CPU per served request at {LIGHT_LOAD_RPS} rps, {store}"
     threshold = f"<= {CPU_AT_LIGHT_LOAD_MS:g} ms"
@@ -295,7 +310,7 @@ def _light_load_target(
     ok = statistics.median(mine)
     measured = (
         f"Tandem {_ms(ok, 2)} (rounds {_each(mine, lambda v: _ms(v, 2))}); "
-        f"{BASELINE_COMMIT} {_ms(statistics.median(base), 2) if base else 'n/a'}"
+        f"{commit} {_ms(statistics.median(base), 2) if base else 'n/a'}"
     )
     return _target(name, threshold, measured, MET if ok <= CPU_AT_LIGHT_LOAD_MS else MISSED, tandem_ms=mine)
 

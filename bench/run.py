@@ -394,8 +394,8 @@ def main() -> int:
         "--baseline",
         default=online_targets.BASELINE_COMMIT,
         metavar="REV",
-        help="the commit whose batch path is scored beside this checkout's, from its own worktree "
-        f"(default {online_targets.BASELINE_COMMIT}); the online comparison stays on the default",
+        help="the commit whose batch path and online service are measured beside this checkout's, "
+        f"each from its own worktree (default {online_targets.BASELINE_COMMIT})",
     )
     args = parser.parse_args()
     if args.shadow_only:
@@ -438,7 +438,7 @@ def main() -> int:
             online_env, postgres_url = online_environment(bench, plan.rows_per_day, plan.history_days)
             drops.append(online_env.drop)
             online, online_verdicts = bench_online(
-                online_env, out, plan.rates, plan.load_seconds, plan.rounds, good, poison, postgres_url
+                online_env, out, plan.rates, plan.load_seconds, plan.rounds, good, poison, postgres_url, args.baseline
             )
         with phases.run("workers scaling"):
             workers = bench_workers(

@@ -320,6 +320,16 @@ def test_every_verdict_carries_a_threshold_and_a_measured_figure() -> None:
     assert judged["goodput_at_target_rps"]["tandem"] == 1200  # what bench/shadow.py reads
 
 
+def test_the_baseline_commit_given_names_every_comparison_and_the_default_stays() -> None:
+    run = online([sweep(1200)] * 3, [sweep(800)] * 3)
+    other = judge(run, TARGET, SIZE_OK, "abc1234")
+    assert other["baseline_commit"] == "abc1234"
+    compared = [t for t in other["targets"] if "abc1234" in t["threshold"] + t["measured"] + t["target"]]
+    assert len(compared) == 6  # capacity, CPU against it, CPU at light load: each on both stores
+    assert not any("972a628" in str(t) for t in other["targets"])
+    assert judge(run, TARGET, SIZE_OK)["baseline_commit"] == "972a628"
+
+
 # ---------------------------------------------------------------- the run's shape
 def test_a_sweep_stops_after_two_misses_in_a_row() -> None:
     assert not missed_in_a_row([level(100), level(200, 80.0)], TARGET, 2)
