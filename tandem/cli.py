@@ -21,6 +21,7 @@ from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.model import ModelConfig
 from inference.settings import TandemSettings, get_settings, settings_error
+from inference.spec import DEFAULT_SPEC_PATH, Categorical, Label, LoadedSpec, load_spec, role_of
 from inference.store import latest_challenger_report, make_engine, mark_rejections_fixed, rejected_records
 from inference.training import train_from_store
 from tandem import modelstore
@@ -173,6 +174,17 @@ def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bo
     return 0
 
 
+def _print_spec(loaded: LoadedSpec) -> None:
+    spec = loaded.spec
+    _say(f"{loaded.path}: {spec.name} scored by {spec.model_name}, spec version {spec.version}, digest {loaded.digest}")
+    history = f"{spec.history_length} earlier records of {loaded.entity.name}" if loaded.entity else "none"
+    _say(f"  history for new models: {history}; record table {loaded.table}; request list {spec.plural!r}")
+    for field in (*spec.fields, *([spec.label] if spec.label else [])):
+        role = role_of(field) if not isinstance(field, Label) else "label"
+        detail = f" ({len(field.vocabulary)} values)" if isinstance(field, Categorical) else ""
+        _say(f"  {field.name:<24} {role}{detail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     challenged = challenge.add_mutually_exclusive_group(required=True)
     challenged.add_argument("tag", nargs="?")
     challenged.add_argument("--clear", action="store_true", help="empty the challenger slot")
+    spec = commands.add_parser("spec", help="check a model spec and print its fields, roles and digest")
+    spec.add_argument("path", nargs="?", default=DEFAULT_SPEC_PATH, help="package.module:attribute (the reference)")
     lineage = commands.add_parser("lineage", help="why does a transaction have its score")
     lineage.add_argument("transaction_id")
     lineage.add_argument("--json", action="store_true", help="machine-readable output")
@@ -237,6 +251,8 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
         run_demo(settings)
     elif args.command == "lineage":
         return _print_lineage(settings, args.transaction_id, as_json=args.json)
+    elif args.command == "spec":
+        _print_spec(load_spec(args.path))
     elif args.command == "rejects":
         _mark_fixed(settings, sorted(set(args.rejection_ids)))
     elif args.action == "list":

@@ -1,0 +1,50 @@
+"""The model spec: the one interface through which a team's model runs on both paths.
+
+A spec author imports from here only (docs/spec.md).
+"""
+
+from inference.spec.fields import (
+    ID_MAX_LENGTH,
+    TEXT_PATTERN,
+    Categorical,
+    EntityKey,
+    EventTime,
+    Field,
+    Label,
+    Numeric,
+    RecordId,
+    RecordRule,
+)
+from inference.spec.loading import (
+    DEFAULT_SPEC_PATH,
+    GENERIC_REASONS,
+    LoadedSpec,
+    SpecError,
+    load_spec,
+    reason_codes,
+    role_of,
+    schema_digest,
+)
+from inference.spec.model_spec import ModelSpec
+
+__all__ = [
+    "DEFAULT_SPEC_PATH",
+    "GENERIC_REASONS",
+    "ID_MAX_LENGTH",
+    "TEXT_PATTERN",
+    "Categorical",
+    "EntityKey",
+    "EventTime",
+    "Field",
+    "Label",
+    "LoadedSpec",
+    "ModelSpec",
+    "Numeric",
+    "RecordId",
+    "RecordRule",
+    "SpecError",
+    "load_spec",
+    "reason_codes",
+    "role_of",
+    "schema_digest",
+]

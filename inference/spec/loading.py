@@ -1,0 +1,241 @@
+"""Load a spec by its import path, check it once, and refuse a bad one in one line."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import json
+import re
+from dataclasses import dataclass
+
+import polars as pl
+
+from inference.spec.fields import Categorical, EntityKey, EventTime, Field, Label, Numeric, RecordId
+from inference.spec.model_spec import ModelSpec
+
+DEFAULT_SPEC_PATH = "tandem_specs.transactions:SPEC"
+# Columns the core adds beside a spec's fields (the record table, results, lineage).
+RESERVED_COLUMNS = frozenset(
+    {"event_ts", "partition_date", "reject_reason", "input_hash", "ingested_at", "record_id", "score"}
+)
+RESERVED_PREFIXES = ("previous_", "received_")
+# Names become SQL columns, polars columns and JSON keys unquoted: lower-case identifiers only.
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,40}")
+# The longest history a model may read (the history digest has one weight per lag).
+MAX_HISTORY_LENGTH = 256
+
+
+class SpecError(ValueError):
+    """A spec that cannot be loaded or is not valid: one line, naming the path it was loaded by."""
+
+
+@dataclass(frozen=True)
+class LoadedSpec:
+    """A checked spec, with its role fields found once."""
+
+    path: str
+    spec: ModelSpec
+    digest: str
+
+    @property
+    def id(self) -> RecordId:
+        return next(f for f in self.spec.fields if isinstance(f, RecordId))
+
+    @property
+    def entity(self) -> EntityKey | None:
+        return next((f for f in self.spec.fields if isinstance(f, EntityKey)), None)
+
+    @property
+    def event_time(self) -> EventTime:
+        return next(f for f in self.spec.fields if isinstance(f, EventTime))
+
+    @property
+    def numerics(self) -> tuple[Numeric, ...]:
+        return tuple(f for f in self.spec.fields if isinstance(f, Numeric))
+
+    @property
+    def categoricals(self) -> tuple[Categorical, ...]:
+        return tuple(f for f in self.spec.fields if isinstance(f, Categorical))
+
+    @property
+    def label(self) -> Label | None:
+        return self.spec.label
+
+    @property
+    def table(self) -> str:
+        return self.spec.table or self.spec.name
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.spec.fields)
+
+
+def role_of(field: Field) -> str:
+    """The role's name as docs and `tandem spec` print it."""
+    return {
+        RecordId: "record id",
+        EntityKey: "entity key",
+        EventTime: "event time",
+        Numeric: "numeric",
+        Categorical: "categorical",
+    }[type(field)]
+
+
+def _vocabulary(field: Field) -> list[str] | None:
+    return list(field.vocabulary) if isinstance(field, Categorical) else None
+
+
+def schema_digest(spec: ModelSpec) -> str:
+    """16 hex digits of what decides what a model's input means: the version, each field's role,
+    name and vocabulary in order, and the label. Bounds, patterns and rules decide which records
+    are scored, not what a score means, so they are left out; K is each model version's own."""
+    canonical = {
+        "version": spec.version,
+        "fields": [
+            [role_of(f), f.name, list(f.vocabulary) if isinstance(f, Categorical) else None] for f in spec.fields
+        ],
+        "label": spec.label.name if spec.label else None,
+        "entity": any(isinstance(f, EntityKey) for f in spec.fields),
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def load_spec(path: str = DEFAULT_SPEC_PATH) -> LoadedSpec:
+    """Import `package.module:attribute`, check the spec it names, and cache the result."""
+    try:
+        spec = _import(path)
+        problems = spec_problems(spec)
+    except SpecError as error:
+        raise SpecError(f"spec {path!r}: {error}") from None
+    if problems:
+        raise SpecError(f"spec {path!r}: " + "; ".join(problems))
+    return LoadedSpec(path=path, spec=spec, digest=schema_digest(spec))
+
+
+def _import(path: str) -> ModelSpec:
+    module_name, colon, attribute = path.partition(":")
+    if not colon or not module_name or not attribute:
+        raise SpecError("expected package.module:attribute")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        hint = "is its package installed or on PYTHONPATH?"
+        raise SpecError(f"cannot import {module_name!r} ({error}; {hint})") from None
+    except Exception as error:  # noqa: BLE001 - any failure of a team's module on import is its spec's problem
+        raise SpecError(f"cannot import {module_name!r} ({type(error).__name__}: {error})") from None
+    if not hasattr(module, attribute):
+        raise SpecError(f"module {module_name!r} has no attribute {attribute!r}")
+    spec = getattr(module, attribute)
+    if not isinstance(spec, ModelSpec):
+        raise SpecError(f"{attribute} is a {type(spec).__name__}, not an inference.spec.ModelSpec")
+    return spec
+
+
+def spec_problems(spec: ModelSpec) -> list[str]:
+    """Every reason the spec cannot run, in declaration order (empty: it can)."""
+    named = [("name", spec.name), ("model_name", spec.model_name), ("plural", spec.plural), ("table", spec.table)]
+    problems = [
+        _not_a_name(what, name) for what, name in named if name is not None and not NAME_PATTERN.fullmatch(name)
+    ]
+    fields: list[Field | Label] = [*spec.fields, *([spec.label] if spec.label else [])]
+    seen: set[str] = set()
+    for field in fields:
+        if not isinstance(field, (RecordId, EntityKey, EventTime, Numeric, Categorical, Label)):
+            problems.append(f"{field!r} is not a field of inference.spec")
+            continue
+        if not NAME_PATTERN.fullmatch(field.name):
+            problems.append(_not_a_name("field", field.name))
+        if field.name in RESERVED_COLUMNS or field.name.startswith(RESERVED_PREFIXES):
+            problems.append(f"field {field.name!r} is a reserved column")
+        if field.name in seen:
+            problems.append(f"two fields named {field.name!r}")
+        seen.add(field.name)
+        if isinstance(field, Categorical):
+            problems.extend(_vocabulary_problems(field))
+    for role, count in _role_counts(spec.fields).items():
+        if count != 1:
+            problems.append(f"needs exactly one {role.__name__}, has {count}")
+    entities = sum(isinstance(f, EntityKey) for f in spec.fields)
+    if entities > 1:
+        problems.append(f"at most one EntityKey, has {entities}")
+    if not 0 <= spec.history_length <= MAX_HISTORY_LENGTH:
+        problems.append(f"history_length {spec.history_length} outside 0..{MAX_HISTORY_LENGTH}")
+    elif spec.history_length and not entities:
+        problems.append(f"history_length {spec.history_length} needs an EntityKey")
+    problems.extend(_code_problems(spec))
+    return problems
+
+
+def _not_a_name(what: str, name: str) -> str:
+    return f"{what} {name!r} is not a lower-case name (letters, digits and _, at most 41)"
+
+
+def _role_counts(fields: tuple[Field, ...]) -> dict[type, int]:
+    return {role: sum(isinstance(f, role) for f in fields) for role in (RecordId, EventTime)}
+
+
+def _vocabulary_problems(field: Categorical) -> list[str]:
+    problems = []
+    if not field.vocabulary:
+        problems.append(f"categorical {field.name!r} has an empty vocabulary")
+    if len(set(field.vocabulary)) != len(field.vocabulary):
+        problems.append(f"vocabulary of {field.name!r} repeats a value")
+    try:
+        # Checked by polars, the engine validation checks records with.
+        matches = pl.Series(field.vocabulary, dtype=pl.String).str.contains(field.pattern).to_list()
+    except pl.exceptions.ComputeError as error:
+        return [*problems, f"pattern of {field.name!r} is no regular expression ({str(error).splitlines()[0]})"]
+    problems += [
+        f"vocabulary value {value!r} of {field.name!r} does not match its pattern"
+        for value, matched in zip(field.vocabulary, matches, strict=True)
+        if not matched
+    ]
+    return problems
+
+
+def reason_codes(spec: ModelSpec) -> list[str]:
+    """Every reason code the spec's fields and rules give, in field order, then the rules'."""
+    codes = []
+    for field in spec.fields:
+        if isinstance(field, Numeric):
+            codes += [field.unparsable_code, field.not_finite_code]
+            codes += [field.below_code] if field.minimum is not None else []
+            codes += [field.above_code] if field.maximum is not None else []
+        elif isinstance(field, Categorical):
+            codes.append(field.malformed_code)
+    return codes + [rule.code for rule in spec.rules]
+
+
+GENERIC_REASONS = (
+    "nul_character",
+    "missing_field",
+    "duplicate_id",
+    "timestamp_missing",
+    "timestamp_unparsable",
+    "model_error",
+    "nonfinite_score",
+)
+
+
+def _code_problems(spec: ModelSpec) -> list[str]:
+    problems = []
+    codes = reason_codes(spec)
+    seen: set[str] = set(GENERIC_REASONS)
+    for code in codes:
+        if not NAME_PATTERN.fullmatch(code):
+            problems.append(_not_a_name("reason code", code))
+        if code in seen:
+            problems.append(f"reason code {code!r} twice")
+        seen.add(code)
+    names = {f.name for f in spec.fields}
+    problems += [f"rule {r.code!r} names no field {r.field!r}" for r in spec.rules if r.field not in names]
+    if spec.reason_order is not None:
+        known = set(GENERIC_REASONS) | set(codes)
+        problems += [f"reason_order names no reason {code!r}" for code in spec.reason_order if code not in known]
+        missing = sorted(known - set(spec.reason_order) - {"model_error", "nonfinite_score"})
+        if missing:
+            problems.append(f"reason_order leaves out {', '.join(missing)}")
+    return problems

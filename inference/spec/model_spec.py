@@ -1,0 +1,48 @@
+"""`ModelSpec`: what a team declares to run its model on both paths (docs/spec.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from inference.spec.fields import Field, Label, RecordRule
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model's records and the model that scores them.
+
+    `fields` are in column order (also the input hash's order): exactly one `RecordId`, at most
+    one `EntityKey` (required when `history_length` > 0), exactly one `EventTime`, and any
+    `Numeric` and `Categorical` fields.
+    """
+
+    # The records asset and the name a database belongs to ("transactions").
+    name: str
+    # The BentoML model name and the training asset ("risk_model").
+    model_name: str
+    # Bumped when the meaning of the model's inputs changes; part of the schema digest.
+    version: str
+    fields: tuple[Field, ...]
+    # K for newly trained models: earlier records of the entity each record reads (0: none).
+    history_length: int
+    # config -> module: the model to load weights into or to train.
+    model: Callable[[Mapping[str, Any]], nn.Module]
+    # K -> the default config for a new model, holding "history_length".
+    model_config: Callable[[int], dict[str, Any]]
+    # A valid record as a request sends it: for the API documents, warm-up and curl.
+    example: Callable[[], dict[str, Any]]
+    label: Label | None = None
+    # The record table (default: `name`).
+    table: str | None = None
+    # The request's list field and the record's schema name in the API documents.
+    plural: str = "records"
+    record_name: str = "Record"
+    rules: tuple[RecordRule, ...] = ()
+    # Validation's order of reason codes (the first broken rule names a record's reason).
+    reason_order: tuple[str, ...] | None = None
+    title: str = "Tandem scorer"
+    description: str = ""

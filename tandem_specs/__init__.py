@@ -1,0 +1,1 @@
+"""Model specs that ship with Tandem: the reference payment-risk model (the default)."""

@@ -1,0 +1,80 @@
+"""The reference spec: payment transactions scored for fraud risk, with each account's history.
+
+`TANDEM_MODEL_SPEC=tandem_specs.transactions:SPEC` (the default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+from torch import nn
+
+from inference.model import ModelConfig, RiskModel
+from inference.records import (
+    CATEGORY_MAX_LENGTH,
+    CATEGORY_PATTERN,
+    COUNTRIES,
+    COUNTRY_PATTERN,
+    CURRENCIES,
+    CURRENCY_PATTERN,
+    MAX_PLAUSIBLE_AMOUNT,
+    MERCHANT_CATEGORIES,
+    REASON_ORDER,
+)
+from inference.spec import Categorical, EntityKey, EventTime, Label, ModelSpec, Numeric, RecordId
+
+
+def _model(config: Mapping[str, Any]) -> nn.Module:
+    return RiskModel(ModelConfig(**config))
+
+
+def _model_config(history_length: int) -> dict[str, Any]:
+    return asdict(ModelConfig(history_length=history_length))
+
+
+def _example() -> dict[str, Any]:
+    return {
+        "transaction_id": "demo-1",
+        "account_id": "acct-000042",
+        "amount": 42.5,
+        "currency": "USD",
+        "merchant_category": "grocery",
+        "country": "US",
+        "event_time": "2026-11-08T09:30:00Z",
+    }
+
+
+SPEC = ModelSpec(
+    name="transactions",
+    model_name="risk_model",
+    version="1",
+    fields=(
+        RecordId("transaction_id"),
+        EntityKey("account_id"),
+        Numeric("amount", minimum=0.0, maximum=MAX_PLAUSIBLE_AMOUNT, below="amount_negative", above="amount_absurd"),
+        Categorical(
+            "currency", vocabulary=CURRENCIES, pattern=CURRENCY_PATTERN, max_length=3, malformed="bad_currency"
+        ),
+        Categorical(
+            "merchant_category",
+            vocabulary=MERCHANT_CATEGORIES,
+            pattern=CATEGORY_PATTERN,
+            max_length=CATEGORY_MAX_LENGTH,
+            malformed="malformed_category",
+        ),
+        Categorical("country", vocabulary=COUNTRIES, pattern=COUNTRY_PATTERN, max_length=2),
+        EventTime("event_time"),
+    ),
+    history_length=16,
+    model=_model,
+    model_config=_model_config,
+    example=_example,
+    label=Label("label_fraud"),
+    plural="transactions",
+    record_name="Transaction",
+    reason_order=tuple(code.value for code in REASON_ORDER),
+    title="Tandem risk scorer",
+    description="Scores payment transactions for fraud risk, reading each account's recent history.",
+)

@@ -1,0 +1,49 @@
+"""`tandem spec`: checks a spec and describes it, or refuses it in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.spec import load_spec
+from tandem.cli import main
+
+
+def test_it_describes_the_reference_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["spec"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        f"tandem_specs.transactions:SPEC: transactions scored by risk_model, spec version 1, "
+        f"digest {load_spec().digest}"
+    )
+    assert lines[1].startswith("  history for new models: 16 earlier records of account_id;")
+    roles = {line.split()[0]: " ".join(line.split()[1:]) for line in lines[2:]}
+    assert roles == {
+        "transaction_id": "record id",
+        "account_id": "entity key",
+        "amount": "numeric",
+        "currency": "categorical (8 values)",
+        "merchant_category": "categorical (24 values)",
+        "country": "categorical (26 values)",
+        "event_time": "event time",
+        "label_fraud": "label",
+    }
+
+
+def test_it_describes_another_spec_by_its_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["spec", "tests.specs.tiny:SPEC"]) == 0
+    out = capsys.readouterr().out
+    assert "readings scored by reading_model" in out and "2 earlier records of sensor_id" in out
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        ("tests.specs.tiny", "spec 'tests.specs.tiny': expected package.module:attribute"),
+        ("tests.specs.tiny:COLOURS", "spec 'tests.specs.tiny:COLOURS': COLOURS is a tuple, not an inference.spec"),
+    ],
+)
+def test_a_path_that_is_no_spec_is_one_line(capsys: pytest.CaptureFixture[str], path: str, said: str) -> None:
+    assert main(["spec", path]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"tandem: {said}") and captured.err.count("\n") == 1
