@@ -49,6 +49,7 @@ from inference.model import IncompatibleModelError, ModelConfig, RiskModel, Trai
 from inference.parity import PARITY_TOLERANCE, ParityReport, check_parity
 from inference.records import input_hash_expr
 from inference.sources import SourceError
+from inference.spec import load_spec
 from inference.store import PartitionCounts, batch_scores, partition_counts, stored_partition_dates
 from inference.store import predictions as predictions_table
 from inference.store import transactions as transactions_table
@@ -250,6 +251,7 @@ def _train_and_register(
     first, holdout = days[0], days[-1]
     model, report = train_from_store(
         database.engine,
+        load_spec(),
         first_day=first,
         holdout_day=holdout,
         config=ModelConfig(history_length=history_length),
@@ -261,7 +263,7 @@ def _train_and_register(
     current = model_store.production_tag()
     try:
         current_auc = (
-            evaluate_auc(database.engine, modelstore.load(current), first_day=first, holdout_day=holdout)
+            evaluate_auc(database.engine, load_spec(), modelstore.load(current), first_day=first, holdout_day=holdout)
             if current
             else None
         )

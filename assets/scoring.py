@@ -32,6 +32,7 @@ from inference.batch import (
 )
 from inference.contract import TorchPredictor
 from inference.model import RiskModel
+from inference.spec import load_spec
 from tandem.version import code_version
 
 # Concurrency pool shared by every asset that holds database connections (limit: dagster.yaml).
@@ -131,7 +132,9 @@ def score_day(
     """The run's partition scored by `loaded` (model, version); returns the report and the predictor."""
     model, version = loaded
     # Scored with the K the model was trained with (predictor.history_length), not a setting.
-    predictor = TorchPredictor(model=model, model_version=version, forward_batch_size=config.forward_batch_size)
+    predictor = TorchPredictor(
+        model=model, model_version=version, spec=load_spec(), forward_batch_size=config.forward_batch_size
+    )
     producer = BatchProducer(
         run_id=context.run.run_id, partition_key=context.partition_key, code_version=code_version()
     )

@@ -13,6 +13,7 @@ import torch
 
 from inference.batch import FORWARD_BATCH_SIZE, MODEL_WORKERS, BatchProducer, score_partition
 from inference.contract import TorchPredictor
+from inference.spec import load_spec
 from inference.store import make_engine
 from tandem import modelstore
 
@@ -41,6 +42,7 @@ def main() -> None:
     predictor = TorchPredictor(
         model=model,
         model_version=version,
+        spec=load_spec(),
         forward_batch_size=args.forward_batch,
     )
     engine = make_engine(args.database_url)

@@ -212,11 +212,14 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
     def rate(size: int) -> float:
         batch = FeatureBatch(
             [str(i) for i in range(size)],
-            rng.integers(0, 5, (size, 5)).astype(np.int64),
-            rng.random((size, 8), dtype=np.float32),
-            rng.integers(0, 5, (size, 16, 2)).astype(np.int64),
-            rng.random((size, 16, 4), dtype=np.float32),
-            np.ones((size, 16), dtype=bool),
+            (
+                rng.integers(0, 5, (size, 5)).astype(np.int64),
+                rng.random((size, 8), dtype=np.float32),
+                rng.integers(0, 5, (size, 16, 2)).astype(np.int64),
+                rng.random((size, 16, 4), dtype=np.float32),
+                np.ones((size, 16), dtype=bool),
+            ),
+            [None] * size,
         )
         score_batch(model, batch)
         done, started = 0, time.perf_counter()

@@ -8,15 +8,16 @@ history fetched from the store. What differs between the paths is only how they 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import polars as pl
 
-from inference.features import FeatureBatch, build_features, unseen_fields
+from inference.features import FeatureBatch, build_features
 from inference.model import RiskModel, score_batch
 from inference.records import RejectReason, hash_inputs, validate
+from inference.spec import LoadedSpec, load_spec
 
 # One row per input row, in input order.
 RESULT_SCHEMA: dict[str, pl.DataType] = {
@@ -113,6 +114,8 @@ class TorchPredictor:
     model_version: str
     forward_batch_size: int = 4096
     forward: ForwardFn | None = None
+    # The default is the reference until a setting picks the spec; the product passes its own.
+    spec: LoadedSpec = field(default_factory=load_spec)
 
     @property
     def history_length(self) -> int:
@@ -154,6 +157,7 @@ class TorchPredictor:
             # Selecting rows is a polars query of its own: skipped when every row is valid.
             valid = checked if valid_positions.size == checked.height else checked[valid_positions]
             features = build_features(
+                self.spec,
                 valid,
                 history.history_for(valid, self.history_length),
                 self.history_length,
@@ -162,7 +166,7 @@ class TorchPredictor:
             if features.history_digests is None:
                 raise ValueError("history rows carry no input_hash; the score's inputs could not be recorded")
             for position, digest, fields in zip(
-                valid_positions.tolist(), features.history_digests, unseen_fields(features), strict=True
+                valid_positions.tolist(), features.history_digests, features.unseen, strict=True
             ):
                 history_hashes[position] = digest
                 unseen[position] = fields

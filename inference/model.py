@@ -16,15 +16,24 @@ import polars as pl
 import torch
 from torch import nn
 
-from inference.features import (
-    CURRENT_CATEGORICAL_CARDINALITY,
-    CURRENT_NUMERIC,
-    HISTORY_CATEGORICAL_CARDINALITY,
-    HISTORY_NUMERIC_WIDTH,
-    FeatureBatch,
-)
+from inference.features import FeatureBatch
+from inference.spec import load_spec
 
 WEIGHTS_FILE = "weights.pt"
+# The widths of the reference spec's numeric inputs (tandem_specs/transactions/features.py).
+CURRENT_NUMERIC_WIDTH = 8
+HISTORY_NUMERIC_WIDTH = 4
+
+
+def embedding_sizes() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the current record's, the history items') embedding rows, from the reference spec's
+    vocabularies: each vocabulary plus its unknown bucket (history items: plus the empty slot);
+    the current record also embeds its hour and weekday."""
+    size = {field.name: len(field.vocabulary) + 1 for field in load_spec().categoricals}
+    current = (size["currency"], size["merchant_category"], size["country"], 24, 7)
+    return current, (size["merchant_category"] + 1, size["country"] + 1)
+
+
 CONFIG_FILE = "config.json"
 
 
@@ -42,19 +51,18 @@ class RiskModel(nn.Module):
         super().__init__()
         self.config = config
         e = config.embedding_dim
-        self.current_embeddings = nn.ModuleList(nn.Embedding(size, e) for size in CURRENT_CATEGORICAL_CARDINALITY)
-        self.current_numeric = nn.Sequential(nn.Linear(len(CURRENT_NUMERIC), 4 * e), nn.ReLU())
-        self.history_embeddings = nn.ModuleList(
-            nn.Embedding(size, e, padding_idx=0) for size in HISTORY_CATEGORICAL_CARDINALITY
-        )
-        item_width = e * len(HISTORY_CATEGORICAL_CARDINALITY) + HISTORY_NUMERIC_WIDTH
+        current_sizes, history_sizes = embedding_sizes()
+        self.current_embeddings = nn.ModuleList(nn.Embedding(size, e) for size in current_sizes)
+        self.current_numeric = nn.Sequential(nn.Linear(CURRENT_NUMERIC_WIDTH, 4 * e), nn.ReLU())
+        self.history_embeddings = nn.ModuleList(nn.Embedding(size, e, padding_idx=0) for size in history_sizes)
+        item_width = e * len(history_sizes) + HISTORY_NUMERIC_WIDTH
         self.history_encoder = nn.Sequential(
             nn.Linear(item_width, config.history_dim),
             nn.ReLU(),
             nn.Linear(config.history_dim, config.history_dim),
             nn.ReLU(),
         )
-        head_width = e * len(CURRENT_CATEGORICAL_CARDINALITY) + 4 * e + 2 * config.history_dim
+        head_width = e * len(current_sizes) + 4 * e + 2 * config.history_dim
         self.head = nn.Sequential(
             nn.Linear(head_width, config.hidden_dim),
             nn.ReLU(),

@@ -8,8 +8,9 @@ from datetime import date, timedelta
 import numpy as np
 from sqlalchemy.engine import Engine
 
-from inference.features import UNKNOWN_CATEGORY, UNKNOWN_COUNTRY, UNSEEN_FIELD_COLUMNS, FeatureBatch, build_features
-from inference.model import ModelConfig, RiskModel, TrainingReport, auc, score_batch, train_model
+from inference.features import FeatureBatch, build_features
+from inference.model import ModelConfig, RiskModel, TrainingReport, auc, embedding_sizes, score_batch, train_model
+from inference.spec import LoadedSpec
 from inference.store import valid_rows_between
 
 # Share of the training rows' categorical values (currency, category, country; the record's and
@@ -26,18 +27,24 @@ def mask_to_unknown(features: FeatureBatch, *, share: float, seed: int) -> Featu
 
     History padding (mask False) stays padding; history indices are shifted by one (0 = padding).
     """
+    current_categorical, current_numeric, history_categorical, history_numeric, history_mask = features.arrays
+    current_sizes, history_sizes = embedding_sizes()
     rng = np.random.default_rng([seed, 0x0B5E])
-    current = features.current_categorical.copy()
-    for _, column, unknown in UNSEEN_FIELD_COLUMNS:
-        current[rng.random(len(features)) < share, column] = unknown
-    history_unknown = np.array([UNKNOWN_CATEGORY + 1, UNKNOWN_COUNTRY + 1], dtype=np.int64)
-    hit = (rng.random(features.history_categorical.shape) < share) & features.history_mask[:, :, None]
-    history = np.where(hit, history_unknown, features.history_categorical)
-    return dataclasses.replace(features, current_categorical=current, history_categorical=history)
+    current = current_categorical.copy()
+    # The vocabulary columns in the order `unseen_fields` names them (country, currency,
+    # merchant_category), so the seeded draws fall as they always have.
+    for column in (2, 0, 1):
+        current[rng.random(len(features)) < share, column] = current_sizes[column] - 1
+    history_unknown = np.array([size - 1 for size in history_sizes], dtype=np.int64)
+    hit = (rng.random(history_categorical.shape) < share) & history_mask[:, :, None]
+    history = np.where(hit, history_unknown, history_categorical)
+    arrays = (current, current_numeric, history, history_numeric, history_mask)
+    return dataclasses.replace(features, arrays=arrays)
 
 
 def train_from_store(
     engine: Engine,
+    spec: LoadedSpec,
     *,
     first_day: date,
     holdout_day: date,
@@ -56,7 +63,7 @@ def train_from_store(
     if rows.is_empty():
         raise ValueError(f"no valid transactions between {first_day} and {holdout_day}")
     rows = rows.sort(["account_id", "event_ts", "transaction_id"])
-    features = build_features(rows, rows, config.history_length)
+    features = build_features(spec, rows, rows, config.history_length)
     labels = rows["label_fraud"].fill_null(0).to_numpy().astype(np.float32)
     is_holdout = (rows["partition_date"] == holdout_day).to_numpy()
 
@@ -87,12 +94,12 @@ def split_days(days: list[date]) -> tuple[date, date]:
     return ordered[0], ordered[-1]
 
 
-def evaluate_auc(engine: Engine, model: RiskModel, *, first_day: date, holdout_day: date) -> float:
+def evaluate_auc(engine: Engine, spec: LoadedSpec, model: RiskModel, *, first_day: date, holdout_day: date) -> float:
     """AUC of `model` on `holdout_day`, with history from the days before it (to compare versions)."""
     with engine.connect() as conn:
         rows = valid_rows_between(conn, first_day, holdout_day + timedelta(days=1))
     rows = rows.sort(["account_id", "event_ts", "transaction_id"])
     holdout = rows.filter(rows["partition_date"] == holdout_day)
-    features = build_features(holdout, rows, model.config.history_length)
+    features = build_features(spec, holdout, rows, model.config.history_length)
     scores = np.concatenate([score_batch(model, features.slice(s, s + 8192)) for s in range(0, len(features), 8192)])
     return auc(scores, holdout["label_fraud"].fill_null(0).to_numpy())

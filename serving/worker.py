@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import TorchPredictor
 from inference.model import load_model
+from inference.spec import load_spec
 from inference.store import make_engine, warm_history_statements
 from serving.breaker import CircuitBreaker
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
@@ -52,6 +53,7 @@ def initialize(config: WorkerConfig) -> None:
     predictor = TorchPredictor(
         model=load_model(Path(config.model_dir)),
         model_version=config.model_version,
+        spec=load_spec(),
         forward_batch_size=config.forward_batch_size,
     )
     # No ping per checkout: a batch's reads retry once on a dropped connection (`read_reconnecting`).

@@ -53,7 +53,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     _say("[2/4] training the risk model (the last day is held out)")
     config = ModelConfig(history_length=settings.history_length)
     model, training = train_from_store(
-        engine, first_day=days[0], holdout_day=days[-1], config=config, seed=settings.demo_seed
+        engine, load_spec(), first_day=days[0], holdout_day=days[-1], config=config, seed=settings.demo_seed
     )
     tag = modelstore.register(model, training, name=settings.model_name, code_version=code_version())
     modelstore.promote(tag)
@@ -63,7 +63,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     )
 
     _say(f"[3/4] scoring {days[-1]} through inference/ (batch path)")
-    predictor = TorchPredictor(model=model, model_version=tag, forward_batch_size=FORWARD_BATCH_SIZE)
+    predictor = TorchPredictor(model=model, model_version=tag, spec=load_spec(), forward_batch_size=FORWARD_BATCH_SIZE)
 
     def progress(chunk: ChunkProgress) -> None:
         _say(f"      chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")

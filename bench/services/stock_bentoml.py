@@ -16,6 +16,7 @@ from inference.features import build_features
 from inference.model import load_model, score_batch
 from inference.records import EVENT_TS_DTYPE, Transaction, hash_inputs, raw_frame, validate
 from inference.settings import TandemSettings
+from inference.spec import load_spec
 from inference.store import ResultPath, StoreHistory, make_engine, upsert_predictions, utc_now
 from tandem import modelstore
 from tandem.version import code_version
@@ -40,7 +41,7 @@ class StockScorer:
         checked = validate(raw_frame(records)).drop("reject_reason")
         checked = checked.with_columns(hash_inputs(checked))  # with it, the features digest the history read
         k = self.model.config.history_length  # the K it was trained with
-        features = build_features(checked, self.history.history_for(checked, k), k)
+        features = build_features(load_spec(), checked, self.history.history_for(checked, k), k)
         scores = score_batch(self.model, features)
         request_id = uuid.uuid4().hex
         rows = pl.DataFrame(

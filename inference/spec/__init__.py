@@ -26,6 +26,7 @@ from inference.spec.loading import (
     schema_digest,
 )
 from inference.spec.model_spec import ModelSpec
+from inference.spec.timeline import Timeline
 
 __all__ = [
     "DEFAULT_SPEC_PATH",
@@ -43,6 +44,7 @@ __all__ = [
     "RecordId",
     "RecordRule",
     "SpecError",
+    "Timeline",
     "load_spec",
     "reason_codes",
     "role_of",

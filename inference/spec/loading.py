@@ -30,7 +30,9 @@ class SpecError(ValueError):
     """A spec that cannot be loaded or is not valid: one line, naming the path it was loaded by."""
 
 
-@dataclass(frozen=True)
+# eq=False: hashed and compared by identity (load_spec returns one per path), so caching a
+# function of it costs a pointer, not a walk over the whole spec, on every online batch.
+@dataclass(frozen=True, eq=False)
 class LoadedSpec:
     """A checked spec, with its role fields found once."""
 

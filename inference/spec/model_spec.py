@@ -6,9 +6,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import polars as pl
 from torch import nn
 
 from inference.spec.fields import Field, Label, RecordRule
+from inference.spec.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,13 @@ class ModelSpec:
     fields: tuple[Field, ...]
     # K for newly trained models: earlier records of the entity each record reads (0: none).
     history_length: int
-    # config -> module: the model to load weights into or to train.
+    # Extra timeline columns, as polars expressions over the fields and `event_ts`, computed in the
+    # one query that builds the timeline (per-row work belongs here, not in `features`).
+    encode: Callable[[], Mapping[str, pl.Expr]]
+    # The timeline's targets -> the model's inputs: arrays with N rows, in forward's argument order.
+    features: Callable[[Timeline], tuple[np.ndarray, ...]]
+    # config -> module: the model to load weights into or to train; forward(*arrays) returns one
+    # logit per item.
     model: Callable[[Mapping[str, Any]], nn.Module]
     # K -> the default config for a new model, holding "history_length".
     model_config: Callable[[int], dict[str, Any]]

@@ -24,6 +24,7 @@ from inference.records import (
     REASON_ORDER,
 )
 from inference.spec import Categorical, EntityKey, EventTime, Label, ModelSpec, Numeric, RecordId
+from tandem_specs.transactions.features import encode, features
 
 
 def _model(config: Mapping[str, Any]) -> nn.Module:
@@ -68,6 +69,8 @@ SPEC = ModelSpec(
         EventTime("event_time"),
     ),
     history_length=16,
+    encode=encode,
+    features=features,
     model=_model,
     model_config=_model_config,
     example=_example,

@@ -392,7 +392,7 @@ def test_a_record_one_model_refused_is_no_longer_rejected_once_another_scores_it
 
     def overflows_on_large_amounts(features: FeatureBatch) -> np.ndarray:
         scores = score_batch(untrained_model(), features)
-        scores[features.current_numeric[:, 0] > np.log1p(5000.0)] = np.nan  # amount_log
+        scores[features.arrays[1][:, 0] > np.log1p(5000.0)] = np.nan  # amount_log
         return scores
 
     v1 = TorchPredictor(

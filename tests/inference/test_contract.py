@@ -16,6 +16,7 @@ from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
 from inference.features import FeatureBatch, build_features
 from inference.model import RiskModel, score_batch
 from inference.records import RejectReason, hash_inputs, split_valid, validate
+from inference.spec import load_spec
 from tests.inference.support import DAY, TINY_MODEL
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -35,8 +36,8 @@ def day(rows: int, poison_rate: float, seed: int = 8) -> pl.DataFrame:
 
 def fake_scores(features: FeatureBatch) -> np.ndarray:
     """A per-item function of the features, so a score never depends on the rest of the batch."""
-    amount_log = features.current_numeric[:, 0].astype(np.float64)
-    return amount_log / (1.0 + amount_log) * 0.5 + features.history_mask.mean(axis=1) * 0.25
+    amount_log = features.arrays[1][:, 0].astype(np.float64)
+    return amount_log / (1.0 + amount_log) * 0.5 + features.arrays[4].mean(axis=1) * 0.25
 
 
 class FakeForward:
@@ -51,11 +52,11 @@ class FakeForward:
     def __call__(self, features: FeatureBatch) -> np.ndarray:
         self.calls += 1
         self.batch_sizes.append(len(features))
-        present = self.raising.intersection(features.transaction_ids)
+        present = self.raising.intersection(features.record_ids)
         if present:
             raise RuntimeError(f"cannot score {sorted(present)}")
         scores = fake_scores(features)
-        for position, transaction_id in enumerate(features.transaction_ids):
+        for position, transaction_id in enumerate(features.record_ids):
             if transaction_id in self.bad_values:
                 scores[position] = self.bad_values[transaction_id]
         return scores
@@ -72,8 +73,8 @@ def predictor(forward: FakeForward | None = None, forward_batch_size: int = 4096
 
 def expected_fake_scores(frame: pl.DataFrame) -> dict[str, float]:
     valid, _ = split_valid(frame)
-    features = build_features(valid, valid, K)
-    return dict(zip(features.transaction_ids, fake_scores(features).tolist(), strict=True))
+    features = build_features(load_spec(), valid, valid, K)
+    return dict(zip(features.record_ids, fake_scores(features).tolist(), strict=True))
 
 
 def test_one_row_per_input_row_in_input_order_with_poison_rejected() -> None:
@@ -103,7 +104,7 @@ def test_default_forward_is_the_model() -> None:
     frame = day(300, poison_rate=0.0)
     results = predictor().predict(frame, FrameHistory(frame))
     valid, _ = split_valid(frame)
-    expected = score_batch(tiny_model(), build_features(valid, valid, K))
+    expected = score_batch(tiny_model(), build_features(load_spec(), valid, valid, K))
     assert np.array_equal(results["score"].to_numpy(), expected)
 
 

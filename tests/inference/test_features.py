@@ -20,17 +20,9 @@ from sqlalchemy.engine import Engine
 from inference.batch import ingest_day
 from inference.contract import FrameHistory
 from inference.demo import UNSEEN_VALUES, DemoConfig, day_range, generate_day, generate_days
-from inference.features import (
-    CURRENT_CATEGORICAL,
-    CURRENT_CATEGORICAL_CARDINALITY,
-    CURRENT_NUMERIC,
-    HISTORY_CATEGORICAL_CARDINALITY,
-    HISTORY_NUMERIC_WIDTH,
-    FeatureBatch,
-    build_features,
-    unseen_fields,
-)
+from inference.features import FeatureBatch, build_features
 from inference.migrate import upgrade
+from inference.model import embedding_sizes
 from inference.records import (
     COUNTRIES,
     CURRENCIES,
@@ -39,8 +31,12 @@ from inference.records import (
     hash_inputs,
     split_valid,
 )
+from inference.spec import load_spec
 from inference.store import StoreHistory, make_engine, warm_history_statements
+from tandem_specs.transactions.features import CURRENT_CATEGORICAL, CURRENT_NUMERIC, HISTORY_NUMERIC_WIDTH
 from tests.inference.support import DAY, frame_of, postgres_database, record
+
+CURRENT_CATEGORICAL_CARDINALITY, HISTORY_CATEGORICAL_CARDINALITY = embedding_sizes()
 
 SEEDS = (21, 22)
 DAYS = day_range(DAY, 3)
@@ -62,15 +58,15 @@ def partition_valid(seed: int) -> pl.DataFrame:
 @functools.cache
 def partition_features(seed: int, k: int) -> FeatureBatch:
     valid = partition_valid(seed)
-    return build_features(valid, valid, k)
+    return build_features(load_spec(), valid, valid, k)
 
 
 def assert_same_features(left: FeatureBatch, right: FeatureBatch) -> None:
-    assert left.transaction_ids == right.transaction_ids
+    assert left.record_ids == right.record_ids
     assert left.history_digests is not None
     assert left.history_digests == right.history_digests
-    for name in ARRAYS:
-        a, b = getattr(left, name), getattr(right, name)
+    assert left.unseen == right.unseen
+    for name, a, b in zip(ARRAYS, left.arrays, right.arrays, strict=True):
         assert a.dtype == b.dtype, name
         assert np.array_equal(a, b), name
 
@@ -100,32 +96,32 @@ def test_feature_batch_shapes_and_dtypes() -> None:
     features = partition_features(SEEDS[0], k)
     n = partition_valid(SEEDS[0]).height
     assert len(features) == n
-    assert features.current_categorical.shape == (n, len(CURRENT_CATEGORICAL))
-    assert features.current_numeric.shape == (n, len(CURRENT_NUMERIC))
-    assert features.history_categorical.shape == (n, k, 2)
-    assert features.history_numeric.shape == (n, k, HISTORY_NUMERIC_WIDTH)
-    assert features.history_mask.shape == (n, k)
-    assert features.current_categorical.dtype == np.int64
-    assert features.current_numeric.dtype == np.float32
-    assert features.history_mask.dtype == np.bool_
-    assert np.isfinite(features.current_numeric).all()
-    assert np.isfinite(features.history_numeric).all()
+    assert features.arrays[0].shape == (n, len(CURRENT_CATEGORICAL))
+    assert features.arrays[1].shape == (n, len(CURRENT_NUMERIC))
+    assert features.arrays[2].shape == (n, k, 2)
+    assert features.arrays[3].shape == (n, k, HISTORY_NUMERIC_WIDTH)
+    assert features.arrays[4].shape == (n, k)
+    assert features.arrays[0].dtype == np.int64
+    assert features.arrays[1].dtype == np.float32
+    assert features.arrays[4].dtype == np.bool_
+    assert np.isfinite(features.arrays[1]).all()
+    assert np.isfinite(features.arrays[3]).all()
     # Deep histories: the fixture has ~14 rows per account per day.
-    assert features.history_mask.all(axis=1).mean() > 0.8
+    assert features.arrays[4].all(axis=1).mean() > 0.8
 
 
 def test_targets_order_and_history_rows_after_targets_do_not_matter() -> None:
     valid = partition_valid(SEEDS[0])
     k = 6
     shuffled = valid.sample(fraction=1.0, shuffle=True, seed=3)
-    reordered = build_features(shuffled, valid, k)
+    reordered = build_features(load_spec(), shuffled, valid, k)
     positions = {tx: i for i, tx in enumerate(valid["transaction_id"])}
     assert_same_features(
         reordered, partition_features(SEEDS[0], k).take(np.array([positions[t] for t in shuffled["transaction_id"]]))
     )
     # Rows later than a target, and rows of other accounts, never change its features.
     first_day = valid.filter(pl.col("transaction_id").str.starts_with(f"tx-{DAYS[0]:%Y%m%d}"))
-    only_first_day = build_features(first_day, first_day, k)
+    only_first_day = build_features(load_spec(), first_day, first_day, k)
     assert_same_features(only_first_day, partition_features(SEEDS[0], k).slice(0, first_day.height))
 
 
@@ -142,7 +138,9 @@ def test_a_record_alone_with_store_history_matches_the_partition(
     assert fetched.height <= k
     assert (fetched["account_id"] == single["account_id"][0]).all()
 
-    assert_same_features(build_features(single, fetched, k), partition_features(seed, k).slice(row, row + 1))
+    assert_same_features(
+        build_features(load_spec(), single, fetched, k), partition_features(seed, k).slice(row, row + 1)
+    )
 
 
 def test_frame_history_and_store_history_agree_for_a_whole_day(stores: dict[int, Engine]) -> None:
@@ -153,8 +151,8 @@ def test_frame_history_and_store_history_agree_for_a_whole_day(stores: dict[int,
     # Over 500 targets: more than SQLite allows as terms of one compound SELECT.
     assert last_day.height > 500
 
-    in_memory = build_features(last_day, FrameHistory(everything).history_for(last_day, k), k)
-    from_store = build_features(last_day, StoreHistory(stores[seed]).history_for(last_day, k), k)
+    in_memory = build_features(load_spec(), last_day, FrameHistory(everything).history_for(last_day, k), k)
+    from_store = build_features(load_spec(), last_day, StoreHistory(stores[seed]).history_for(last_day, k), k)
     assert_same_features(in_memory, from_store)
     assert_same_features(in_memory, partition_features(seed, k).slice(valid.height - last_day.height, valid.height))
 
@@ -171,16 +169,16 @@ def test_a_changed_history_record_changes_the_digest_of_exactly_the_records_that
     ).drop("input_hash")
     corrected = corrected.with_columns(hash_inputs(corrected))
 
-    before, after = build_features(valid, valid, k), build_features(corrected, corrected, k)
+    before, after = build_features(load_spec(), valid, valid, k), build_features(load_spec(), corrected, corrected, k)
     assert before.history_digests is not None and after.history_digests is not None
     differing = {
         tid
-        for tid, old, new in zip(before.transaction_ids, before.history_digests, after.history_digests, strict=True)
+        for tid, old, new in zip(before.record_ids, before.history_digests, after.history_digests, strict=True)
         if old != new
     }
     assert differing == set(own["transaction_id"][2 : 2 + k])
     # Features without hashes (training) carry no digest.
-    assert build_features(valid.drop("input_hash"), valid.drop("input_hash"), k).history_digests is None
+    assert build_features(load_spec(), valid.drop("input_hash"), valid.drop("input_hash"), k).history_digests is None
 
 
 def test_unseen_values_are_encoded_as_the_unknown_bucket_of_their_field() -> None:
@@ -200,11 +198,11 @@ def test_unseen_values_are_encoded_as_the_unknown_bucket_of_their_field() -> Non
     valid, rejected = split_valid(frame_of(*records))
     assert rejected.is_empty()
     k = 4
-    features = build_features(valid, valid, k)
+    features = build_features(load_spec(), valid, valid, k)
     currency, category, country = (
-        CURRENT_CATEGORICAL.index(c) for c in ("currency_idx", "category_idx", "country_idx")
+        CURRENT_CATEGORICAL.index(c) for c in ("currency_idx", "merchant_category_idx", "country_idx")
     )
-    encoded = features.current_categorical
+    encoded = features.arrays[0]
     assert encoded[:, category].tolist() == [
         len(MERCHANT_CATEGORIES),
         *[MERCHANT_CATEGORIES.index("grocery")] * 2,
@@ -221,7 +219,7 @@ def test_unseen_values_are_encoded_as_the_unknown_bucket_of_their_field() -> Non
     assert encoded[:, currency].tolist() == [CURRENCIES.index("EUR")] * 2 + [len(CURRENCIES)] * 2 + [
         CURRENCIES.index("EUR")
     ]
-    assert unseen_fields(features) == [
+    assert features.unseen == [
         "merchant_category",
         "country",
         "currency",
@@ -229,17 +227,17 @@ def test_unseen_values_are_encoded_as_the_unknown_bucket_of_their_field() -> Non
         None,
     ]
     # An unseen currency has no rate: its amount is taken as is (and flagged above).
-    amount_log = features.current_numeric[:, CURRENT_NUMERIC.index("amount_log")]
+    amount_log = features.arrays[1][:, CURRENT_NUMERIC.index("amount_log")]
     assert amount_log[2] == np.float32(np.log1p(13_000.0))
     assert amount_log[4] == np.float32(np.log1p(42.5 * USD_PER_UNIT["EUR"]))
     # The last record's history holds the unseen values as the unknown bucket, shifted by one.
-    assert features.history_categorical[4, :, 0].tolist() == [
+    assert features.arrays[2][4, :, 0].tolist() == [
         len(MERCHANT_CATEGORIES) + 1,
         MERCHANT_CATEGORIES.index("grocery") + 1,
         MERCHANT_CATEGORIES.index("grocery") + 1,
         len(MERCHANT_CATEGORIES) + 1,
     ]
-    assert features.history_categorical[4, :, 1].tolist() == [
+    assert features.arrays[2][4, :, 1].tolist() == [
         len(COUNTRIES) + 1,
         COUNTRIES.index("DE") + 1,
         len(COUNTRIES) + 1,
@@ -247,7 +245,7 @@ def test_unseen_values_are_encoded_as_the_unknown_bucket_of_their_field() -> Non
     ]
     # Every index has an embedding row.
     assert (encoded < np.array(CURRENT_CATEGORICAL_CARDINALITY)).all()
-    assert (features.history_categorical < np.array(HISTORY_CATEGORICAL_CARDINALITY)).all()
+    assert (features.arrays[2] < np.array(HISTORY_CATEGORICAL_CARDINALITY)).all()
 
 
 def test_a_record_with_unseen_values_alone_matches_the_partition(stores: dict[int, Engine]) -> None:
@@ -257,8 +255,8 @@ def test_a_record_with_unseen_values_alone_matches_the_partition(stores: dict[in
     for seed in SEEDS:
         valid = partition_valid(seed)
         features = partition_features(seed, k)
-        flagged = np.array([fields is not None for fields in unseen_fields(features)])
-        in_history = (features.history_categorical[:, :, 0] == len(MERCHANT_CATEGORIES) + 1).any(axis=1)
+        flagged = np.array([fields is not None for fields in features.unseen])
+        in_history = (features.arrays[2][:, :, 0] == len(MERCHANT_CATEGORIES) + 1).any(axis=1)
         assert {value for _, value in UNSEEN_VALUES} <= set(
             valid.filter(pl.Series(flagged))
             .select(pl.concat_list("merchant_category", "country", "currency"))
@@ -270,7 +268,7 @@ def test_a_record_with_unseen_values_alone_matches_the_partition(stores: dict[in
         for row in rows.tolist():
             single = valid.slice(row, 1)
             fetched = StoreHistory(stores[seed]).history_for(single, k)
-            assert_same_features(build_features(single, fetched, k), features.slice(row, row + 1))
+            assert_same_features(build_features(load_spec(), single, fetched, k), features.slice(row, row + 1))
 
 
 def test_records_sent_together_online_each_read_the_store_alone(stores: dict[int, Engine]) -> None:
@@ -287,20 +285,22 @@ def test_records_sent_together_online_each_read_the_store_alone(stores: dict[int
     )
     store = StoreHistory(stores[seed])
 
-    isolated = build_features(batch, store.history_for(batch, k), k, targets_read_each_other=False)
+    isolated = build_features(load_spec(), batch, store.history_for(batch, k), k, targets_read_each_other=False)
     for position in range(batch.height):
         alone = batch.slice(position, 1)
-        assert_same_features(isolated.take(np.array([position])), build_features(alone, store.history_for(alone, k), k))
+        assert_same_features(
+            isolated.take(np.array([position])), build_features(load_spec(), alone, store.history_for(alone, k), k)
+        )
     # The same batch with the targets as each other's history: the account's later records read
     # its earlier ones, which is what the online path must not do.
-    together = build_features(batch, store.history_for(batch, k), k)
+    together = build_features(load_spec(), batch, store.history_for(batch, k), k)
     assert together.history_digests != isolated.history_digests
 
     last_day = partition_valid(seed).filter(pl.col("transaction_id").str.starts_with(f"tx-{DAYS[-1]:%Y%m%d}")).head(64)
     stored_history = store.history_for(last_day, k)
     assert_same_features(
-        build_features(last_day, stored_history, k, targets_read_each_other=False),
-        build_features(last_day, stored_history, k),
+        build_features(load_spec(), last_day, stored_history, k, targets_read_each_other=False),
+        build_features(load_spec(), last_day, stored_history, k),
     )
 
 

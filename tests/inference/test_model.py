@@ -24,6 +24,7 @@ from inference.model import (
     train_model,
 )
 from inference.records import split_valid
+from inference.spec import load_spec
 from tests.inference.support import DAY, TINY_MODEL
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 def labelled_features(history_length: int) -> tuple[FeatureBatch, np.ndarray]:
     valid, _ = split_valid(generate_day(DAY, DemoConfig(seed=4, rows_per_day=400, poison_rate=0.0)))
     labels = valid["label_fraud"].to_numpy().astype(np.float32)
-    return build_features(valid, valid, history_length), labels
+    return build_features(load_spec(), valid, valid, history_length), labels
 
 
 def model_outputs(model: RiskModel, features: FeatureBatch) -> torch.Tensor:

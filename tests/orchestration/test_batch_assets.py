@@ -17,6 +17,7 @@ from inference.features import build_features
 from inference.migrate import upgrade
 from inference.model import ModelConfig, score_batch
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, split_valid
+from inference.spec import load_spec
 from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows, transactions
 from tandem import modelstore
 from tests.orchestration.support import (
@@ -233,8 +234,8 @@ def test_a_model_trained_with_k_8_is_scored_with_8_whatever_the_setting_says(
     model = modelstore.load(tag)
 
     def scores_with(k: int) -> dict[str, float]:
-        features = build_features(valid, valid, k)
-        return dict(zip(features.transaction_ids, score_batch(model, features).tolist(), strict=True))
+        features = build_features(load_spec(), valid, valid, k)
+        return dict(zip(features.record_ids, score_batch(model, features).tolist(), strict=True))
 
     with_8, with_16 = scores_with(8), scores_with(16)
     assert stored.keys() == with_8.keys()

@@ -91,17 +91,17 @@ def float_summary(values: np.ndarray) -> dict[str, Any]:
 
 
 def feature_summary(features: FeatureBatch) -> dict[str, Any]:
-    history = features.history_numeric.astype(np.float64)
+    history = features.arrays[3].astype(np.float64)
     return {
         "exact": {
             "rows": len(features),
-            "transaction_ids": digest(features.transaction_ids),
-            "current_categorical": digest(features.current_categorical.tolist()),
-            "history_categorical": digest(features.history_categorical.tolist()),
-            "history_mask": digest(features.history_mask.tolist()),
-            "history_mask_per_lag": features.history_mask.sum(axis=0).tolist(),
+            "transaction_ids": digest(features.record_ids),
+            "current_categorical": digest(features.arrays[0].tolist()),
+            "history_categorical": digest(features.arrays[2].tolist()),
+            "history_mask": digest(features.arrays[4].tolist()),
+            "history_mask_per_lag": features.arrays[4].sum(axis=0).tolist(),
         },
-        "current_numeric": float_summary(features.current_numeric),
+        "current_numeric": float_summary(features.arrays[1]),
         # Per lag and channel over all rows, then the last row's lags in full (the first rows of
         # the day have no history yet).
         "history_numeric": {

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import polars as pl
 import torch
 from torch import nn
 
-from inference.spec import Categorical, EntityKey, EventTime, ModelSpec, Numeric, RecordId, RecordRule
+from inference.spec import Categorical, EntityKey, EventTime, ModelSpec, Numeric, RecordId, RecordRule, Timeline
 
 COLOURS = ("red", "green", "blue")
 
@@ -26,6 +27,22 @@ class TinyModel(nn.Module):
         return self.head(torch.cat([self.colour(colour_idx), reading[:, None]], dim=1)).squeeze(1)
 
 
+def encode() -> dict[str, pl.Expr]:
+    return {"level_scaled": pl.col("level") * 0.01}
+
+
+def features(timeline: Timeline) -> tuple[np.ndarray, ...]:
+    """(colour index [N], the level beside the mean of the sensor's last K levels [N])."""
+    level = timeline.column("level_scaled")
+    earlier = np.where(timeline.valid, level[timeline.source], 0.0).sum(axis=1) / np.maximum(
+        timeline.valid.sum(axis=1), 1
+    )
+    return (
+        timeline.column("colour_idx")[timeline.rows].astype(np.int64),
+        (level[timeline.rows] - earlier).astype(np.float32),
+    )
+
+
 SPEC = ModelSpec(
     name="readings",
     model_name="reading_model",
@@ -38,6 +55,8 @@ SPEC = ModelSpec(
         EventTime("taken_at"),
     ),
     history_length=2,
+    encode=encode,
+    features=features,
     model=TinyModel,
     model_config=lambda k: {"history_length": k},
     example=lambda: {

@@ -156,6 +156,8 @@ def test_a_spec_without_history_needs_no_entity(module: types.ModuleType) -> Non
         version="1",
         fields=(RecordId("patient_id"), Numeric("age", minimum=0, maximum=120), EventTime("visit_time")),
         history_length=0,
+        encode=dict,
+        features=tiny.features,
         model=tiny.TinyModel,
         model_config=lambda k: {"history_length": k},
         example=lambda: {"patient_id": "p-1", "age": 40, "visit_time": "2026-11-01T08:00:00Z"},
