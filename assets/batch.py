@@ -267,9 +267,9 @@ def _train_and_register(
             if current
             else None
         )
-    except IncompatibleModelError as error:
-        # Production was trained for another vocabulary: this code can neither score with it
-        # nor compare against it, so the new version replaces it (else nothing ever could).
+    except (IncompatibleModelError, modelstore.SpecMismatch) as error:
+        # Production was trained for another vocabulary or spec: this code can neither score with
+        # it nor compare against it, so the new version replaces it (else nothing ever could).
         context.log.warning(f"production model not comparable, replacing it: {error}")
         current_auc = None
     return _Trained(tag, report, current, current_auc, holdout)

@@ -63,7 +63,8 @@ class DatabaseResource(ConfigurableResource):
 
 
 class ModelStoreResource(ConfigurableResource):
-    """The BentoML model store; the production model is loaded at most once per run."""
+    """The BentoML model store; the production model is loaded at most once per run. A version is
+    loaded, or its config read, only if it was trained with the spec Tandem runs (SpecMismatch)."""
 
     model_name: str = "risk_model"
 

@@ -8,8 +8,10 @@ the property both serving paths are designed around.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import polars as pl
@@ -35,6 +37,7 @@ def embedding_sizes() -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 CONFIG_FILE = "config.json"
+_Module = TypeVar("_Module", bound=nn.Module)
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,15 @@ def read_config(directory: Path) -> ModelConfig:
 
 
 def load_model(directory: Path) -> RiskModel:
-    model = RiskModel(read_config(directory))
+    return _load_weights(RiskModel(read_config(directory)), directory)
+
+
+def load_module(directory: Path, build: Callable[[Mapping[str, Any]], nn.Module]) -> nn.Module:
+    """A saved model built by `build` (a spec's `model` hook) from its config.json, weights loaded."""
+    return _load_weights(build(json.loads((directory / CONFIG_FILE).read_text())), directory)
+
+
+def _load_weights(model: _Module, directory: Path) -> _Module:
     stored = torch.load(directory / WEIGHTS_FILE, weights_only=True)
     _check_compatible(model, stored, directory)
     model.load_state_dict(stored)
@@ -144,7 +155,7 @@ def load_model(directory: Path) -> RiskModel:
     return model
 
 
-def _check_compatible(model: RiskModel, stored: dict[str, torch.Tensor], directory: Path) -> None:
+def _check_compatible(model: nn.Module, stored: dict[str, torch.Tensor], directory: Path) -> None:
     """Fail in one line naming the cause, before `load_state_dict`'s multi-line size-mismatch dump.
 
     An embedding with a different row count means the model was trained on another categorical

@@ -18,6 +18,7 @@ from serving.backends import ScoringBackend, warm_up_backend
 from serving.background import BackgroundTask
 from serving.runtime import OnlineScorer
 from serving.shadow import ShadowScorer
+from tandem.modelstore import SpecMismatch
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,10 @@ class ModelWatcher(_PointerFollower):
             previous, samples = await bring_up(
                 self.scorer, tag, load=self.load, load_timeout_s=self.load_timeout_s, discard=self.discard
             )
+        except SpecMismatch as error:  # refused before any process started: the line says it all
+            self.scorer.metrics.model_swaps["failed"].inc()
+            logger.error("%s; still serving %s (attempt %d)", error, serving, self._failed(tag))
+            return "failed"
         except Exception:  # whatever broke the new version, the old one keeps serving
             self.scorer.metrics.model_swaps["failed"].inc()
             logger.exception(
@@ -270,6 +275,9 @@ class ChallengerWatcher(_PointerFollower):
                 rounds=1,
                 timeout_s=self.load_timeout_s,
             )
+        except SpecMismatch as error:  # refused before any process started: the line says it all
+            logger.error("%s; not shadowing it (attempt %d)", error, self._failed(tag))
+            return "failed"
         except Exception:
             if backend is not None:
                 await asyncio.shield(asyncio.to_thread(self.discard, backend.executor))

@@ -48,8 +48,8 @@ POOL_CHECK_INTERVAL_S = 0.5  # how soon a dead scoring process is noticed and re
 
 def production_model() -> BentoModel:
     """The version to serve: a pinned tag, else the production pointer, else the only stored
-    version (a built Bento carries exactly one). Runs at import: `bentoml build` packs the
-    class-scope model.
+    version (a built Bento carries exactly one), if it was trained with the spec Tandem runs.
+    Runs at import: `bentoml build` packs the class-scope model.
     """
     if (foreign := modelstore.foreign_store()) is not None:
         raise LookupError(foreign)
@@ -63,7 +63,7 @@ def production_model() -> BentoModel:
                 "or set TANDEM_SERVING_MODEL_TAG"
             )
         tag = stored[0].tag
-    return BentoModel(tag)
+    return BentoModel(modelstore.check_spec(tag, modelstore.configured_spec()))
 
 
 def engine_options(url: str, serving: ServingSettings) -> dict[str, typing.Any]:
@@ -108,6 +108,7 @@ class RiskScorer:
         settings = TandemSettings()
         serving = ServingSettings()
         SecuritySettings()  # a bad token or body limit fails the start, not the first request
+        self.spec = modelstore.configured_spec()
         url = settings.resolved_database_url()
         options = engine_options(url, serving)
         engine = make_engine(url, **options)
@@ -196,8 +197,9 @@ class RiskScorer:
         return response  # type: ignore[return-value]
 
     def load_version(self, tag: str, nice: int = 0) -> ScoringBackend:
-        """A scoring process for another stored version, started at once (its model loads before the first call)."""
-        stored = bentoml.models.get(tag)
+        """A scoring process for another stored version, started at once (its model loads before the
+        first call); SpecMismatch, before any process starts, for a version of another spec."""
+        stored = bentoml.models.get(modelstore.check_spec(tag, self.spec))
         config = dataclasses.replace(
             self.worker_config, model_dir=str(stored.path), model_version=str(stored.tag), nice=nice
         )

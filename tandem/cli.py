@@ -7,6 +7,7 @@ import json
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import bentoml
 import sqlalchemy as sa
@@ -202,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     promote.add_argument("--force", action="store_true", help="with --from-challenger: promote past failed checks")
     model_commands.add_parser("rollback", help="production back to the version before it")
+    register = model_commands.add_parser(
+        "register", help="register a model trained elsewhere: a folder with weights.pt and config.json"
+    )
+    register.add_argument("directory", type=Path)
+    register.add_argument("--promote", action="store_true", help="and make it production")
     challenge = model_commands.add_parser("challenge", help="set (or --clear) the challenger")
     challenged = challenge.add_mutually_exclusive_group(required=True)
     challenged.add_argument("tag", nargs="?")
@@ -261,19 +267,34 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
         for version in modelstore.versions(settings.model_name):
             marker = "*" if version.tag == current else "c" if version.tag == challenger else " "
             _say(f"{marker} {version.tag}  created {version.created_at}  auc={version.metadata.get('auc')}")
-    elif args.action == "promote" and args.from_challenger:
-        _promote_challenger(settings, force=args.force)
+    else:
+        _run_models(args, settings)
+    return 0
+
+
+def _run_models(args: argparse.Namespace, settings: TandemSettings) -> None:
+    """`tandem models ...` but list; every version is checked against the spec Tandem runs."""
+    spec = modelstore.configured_spec()
+    if args.action == "promote" and args.from_challenger:
+        _promote_challenger(settings, spec, force=args.force)
     elif args.action == "promote":
-        modelstore.promote(_version_of(settings, args.tag, refused="nothing promoted"))
+        modelstore.promote(_version_of(settings, args.tag, refused="nothing promoted"), spec)
         _say(f"production -> {modelstore.production_tag(settings.model_name)}")
     elif args.action == "rollback":
-        _say(f"production -> {modelstore.rollback(settings.model_name)}")
+        _say(f"production -> {modelstore.rollback(settings.model_name, spec)}")
+    elif args.action == "register":
+        tag = modelstore.register_dir(args.directory, name=settings.model_name, code_version=code_version(), spec=spec)
+        _say(tag)
+        if args.promote:
+            modelstore.promote(tag, spec)
+            _say(f"production -> {tag}")
     elif args.action == "challenge" and args.clear:
         cleared = modelstore.clear_challenger(settings.model_name)
         _say(f"challenger cleared (was {cleared})" if cleared else "no challenger was set")
     elif args.action == "challenge":
-        _say(f"challenger -> {modelstore.challenge(_version_of(settings, args.tag, refused='no challenger set'))}")
-    return 0
+        _say(
+            f"challenger -> {modelstore.challenge(_version_of(settings, args.tag, refused='no challenger set'), spec)}"
+        )
 
 
 class PromotionRefused(Exception):
@@ -317,7 +338,7 @@ def _mark_fixed(settings: TandemSettings, rejection_ids: list[int]) -> None:
         engine.dispose()
 
 
-def _promote_challenger(settings: TandemSettings, *, force: bool) -> None:
+def _promote_challenger(settings: TandemSettings, spec: LoadedSpec, *, force: bool) -> None:
     """The gate: the newest challenger_report that compared this challenger with this champion
     passed every check of the gate; --force promotes past a failed or missing report, and says so."""
     challenger = modelstore.challenger_tag(settings.model_name)
@@ -347,7 +368,7 @@ def _promote_challenger(settings: TandemSettings, *, force: bool) -> None:
     else:
         assert report is not None
         _say(f"challenger_report {report.report_id} passed every check of the gate")
-    modelstore.promote(challenger)
+    modelstore.promote(challenger, spec)
     _say(f"production -> {modelstore.production_tag(settings.model_name)} (was {champion}); challenger slot empty")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,12 @@ import pytest
 import torch
 from dagster import AssetsDefinition, DagsterInstance, materialize
 
-from inference.model import WEIGHTS_FILE, IncompatibleModelError, ModelConfig, RiskModel
+from inference.model import CONFIG_FILE, WEIGHTS_FILE, IncompatibleModelError, ModelConfig, RiskModel
+from inference.spec import load_spec
 from tandem import modelstore
 from tests.orchestration.support import SETTINGS, batch_resources, run_partition
 from tests.shared import register_untrained_model
+from tests.specs.tiny import TinyModel
 
 # A name of its own: these promotions must not touch the production model of the other tests.
 MODEL = "risk_model_promotion_test"
@@ -146,3 +149,28 @@ def test_a_production_model_of_the_old_vocabulary_is_replaced_not_compared(
     assert math.isnan(trained["production_auc_same_holdout"])
     assert trained["promoted"] is True
     assert modelstore.production_tag(name) == trained["version_tag"] != old_tag
+
+
+def test_a_production_model_of_another_spec_is_replaced_not_compared(
+    assets: list[AssetsDefinition], instance: DagsterInstance, sqlite_url: str, tmp_path: Path
+) -> None:
+    """Production trained with another spec (the store outlived a spec change): it cannot be
+    scored under this one, so the asset promotes the new version instead of comparing with it."""
+    name = f"{MODEL}_other_spec"
+    resources = batch_resources(sqlite_url, rows_per_day=1500, model_name=name)
+    for key in DAYS:
+        run_partition(assets, resources, instance, partition_key=key, selection=["transactions"])
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    torch.save(TinyModel({"history_length": 2}).state_dict(), folder / WEIGHTS_FILE)
+    (folder / CONFIG_FILE).write_text(json.dumps({"history_length": 2}))
+    tiny = load_spec("tests.specs.tiny:SPEC")
+    foreign = modelstore.register_dir(folder, name=name, code_version="test", spec=tiny)
+    modelstore.promote(foreign, tiny)
+    with pytest.raises(modelstore.SpecMismatch):
+        modelstore.load(foreign)
+
+    trained = _train(assets, resources, instance, **QUICK)
+    assert math.isnan(trained["production_auc_same_holdout"])
+    assert trained["promoted"] is True
+    assert modelstore.production_tag(name) == trained["version_tag"] != foreign
