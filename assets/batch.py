@@ -45,7 +45,7 @@ from assets.scoring import (
     transactions_with_history,
 )
 from inference.batch import ChunkProgress, PartitionReport, ingest_day
-from inference.model import IncompatibleModelError, ModelConfig, RiskModel, TrainingReport
+from inference.model import IncompatibleModelError, LoadedModel, TrainingReport
 from inference.parity import PARITY_TOLERANCE, ParityReport, check_parity
 from inference.records import input_hash_expr
 from inference.sources import SourceError
@@ -254,7 +254,7 @@ def _train_and_register(
         load_spec(),
         first_day=first,
         holdout_day=holdout,
-        config=ModelConfig(history_length=history_length),
+        config=load_spec().spec.model_config(history_length),
         seed=config.seed,
         epochs=config.epochs,
         max_train_rows=config.max_train_rows,
@@ -373,7 +373,7 @@ def _score_and_count(
     config: PredictionsConfig,
     database: DatabaseResource,
     day: date,
-    loaded: tuple[RiskModel, str],
+    loaded: tuple[LoadedModel, str],
 ) -> _Scored:
     version = loaded[1]
 

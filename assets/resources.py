@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 
 from inference.demo import DemoConfig
 from inference.migrate import upgrade
-from inference.model import RiskModel
+from inference.model import LoadedModel
 from inference.settings import DemoPoisonRate, DemoRowsPerDay, TandemSettings
 from inference.sources import FileSource, SourceError, SourceFormat, SourceRead, SqlSource, write_demo_day
 from inference.store import make_engine
@@ -68,9 +68,9 @@ class ModelStoreResource(ConfigurableResource):
 
     model_name: str = "risk_model"
 
-    _loaded: tuple[RiskModel, str] | None = PrivateAttr(default=None)
+    _loaded: tuple[LoadedModel, str] | None = PrivateAttr(default=None)
 
-    def production(self) -> tuple[RiskModel, str]:
+    def production(self) -> tuple[LoadedModel, str]:
         if self._loaded is None:
             self._loaded = modelstore.load_production(self.model_name)
         return self._loaded
@@ -81,7 +81,7 @@ class ModelStoreResource(ConfigurableResource):
     def challenger_tag(self) -> str | None:
         return modelstore.challenger_tag(self.model_name)
 
-    def challenger(self) -> tuple[RiskModel, str]:
+    def challenger(self) -> tuple[LoadedModel, str]:
         """The challenger, loaded; LookupError while the slot is empty."""
         tag = self.challenger_tag()
         if tag is None:
@@ -90,7 +90,7 @@ class ModelStoreResource(ConfigurableResource):
 
     def history_length(self, tag: str) -> int:
         """The K version `tag` was trained with, read from its stored config (no weights loaded)."""
-        return modelstore.model_config(tag).history_length
+        return int(modelstore.model_config(tag)["history_length"])
 
 
 SourceKind = Literal["demo", "files", "sql"]

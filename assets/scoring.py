@@ -31,7 +31,7 @@ from inference.batch import (
     score_partition,
 )
 from inference.contract import TorchPredictor
-from inference.model import RiskModel
+from inference.model import LoadedModel
 from inference.spec import load_spec
 from tandem.version import code_version
 
@@ -123,7 +123,7 @@ def score_day(
     context: AssetExecutionContext,
     day: date,
     database: DatabaseResource,
-    loaded: tuple[RiskModel, str],
+    loaded: tuple[LoadedModel, str],
     config: BatchScoringConfig,
     *,
     as_challenger: bool = False,

@@ -19,13 +19,13 @@ def register_untrained(seed: int) -> str:
     """An untrained version in the store, as bench.run.prepare_environment registers the champion."""
     import torch
 
-    from inference.model import ModelConfig, RiskModel, TrainingReport
+    from inference.model import default_model, untrained_report
+    from inference.spec import load_spec
     from tandem import modelstore
 
     torch.manual_seed(seed)
-    model = RiskModel(ModelConfig()).eval()
-    report = TrainingReport(float("nan"), 0, 0, 0, model.parameter_count, model.flops_per_item())
-    return modelstore.register(model, report, name=MODEL_NAME, code_version="bench")
+    model = default_model(load_spec())
+    return modelstore.register(model, untrained_report(model), name=MODEL_NAME, code_version="bench")
 
 
 # ---------------------------------------------------------------- /metrics

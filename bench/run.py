@@ -175,7 +175,8 @@ def prepare_environment(rows_per_day: int, days: int) -> BenchEnv:
     from inference.batch import ingest_day
     from inference.demo import DemoConfig, day_range, generate_day
     from inference.migrate import upgrade
-    from inference.model import ModelConfig, TrainingReport
+    from inference.model import default_model, untrained_report
+    from inference.spec import load_spec
     from inference.store import make_engine
     from tandem import modelstore
 
@@ -187,12 +188,9 @@ def prepare_environment(rows_per_day: int, days: int) -> BenchEnv:
     engine.dispose()
     import torch
 
-    from inference.model import RiskModel
-
     torch.manual_seed(0)
-    model = RiskModel(ModelConfig())
-    report = TrainingReport(float("nan"), 0, 0, 0, model.parameter_count, model.flops_per_item())
-    modelstore.promote(modelstore.register(model, report, name="risk_model", code_version="bench"))
+    model = default_model(load_spec())
+    modelstore.promote(modelstore.register(model, untrained_report(model), name="risk_model", code_version="bench"))
     return BenchEnv(root, database_url, dict(os.environ), drop)
 
 
@@ -201,10 +199,12 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
     import torch
 
     from inference.features import FeatureBatch
-    from inference.model import ModelConfig, RiskModel, score_batch
+    from inference.model import default_model, score_batch
+    from inference.spec import load_spec
 
     torch.manual_seed(0)
-    model = RiskModel(ModelConfig()).eval()
+    model = default_model(load_spec())
+    model.module.eval()
     rng = np.random.default_rng(0)
     threads = torch.get_num_threads()
     results: dict[str, Any] = {"threads": threads, "items_per_second": {}, "items_per_second_1_thread": {}}
@@ -238,7 +238,7 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     results["parameter_count"] = model.parameter_count
-    results["flops_per_item"] = model.flops_per_item()
+    results["flops_per_item"] = model.module.flops_per_item()  # type: ignore[operator]
     say(f"raw forward items/s, {threads} threads: { ({k: round(v) for k, v in results['items_per_second'].items()}) }")
     say(f"raw forward items/s, 1 thread: { ({k: round(v) for k, v in results['items_per_second_1_thread'].items()}) }")
     return results

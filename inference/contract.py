@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 
 from inference.features import FeatureBatch, build_features
-from inference.model import RiskModel, score_batch
+from inference.model import LoadedModel, score_batch
 from inference.records import RejectReason, hash_inputs, validate
 from inference.spec import LoadedSpec, load_spec
 
@@ -104,13 +104,13 @@ class StagedPredictor(Predictor, Protocol):
 
 @dataclass
 class TorchPredictor:
-    """The one Predictor implementation, over a RiskModel.
+    """The one Predictor implementation, over a spec's model.
 
     `forward_batch_size` bounds the tensor size of one forward call; the batch path uses large
     values (throughput), the service scores whatever its adaptive batch holds.
     """
 
-    model: RiskModel
+    model: LoadedModel
     model_version: str
     forward_batch_size: int = 4096
     forward: ForwardFn | None = None
@@ -121,7 +121,7 @@ class TorchPredictor:
     def history_length(self) -> int:
         """K, the history rows per target: the model's own, the one it was trained with. Scoring
         with another K changes every score silently, so no caller can choose it."""
-        return self.model.config.history_length
+        return self.model.history_length
 
     def _forward(self, features: FeatureBatch) -> np.ndarray:
         if self.forward is not None:

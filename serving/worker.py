@@ -50,10 +50,11 @@ def initialize(config: WorkerConfig) -> None:
         os.nice(config.nice)
     torch.set_num_threads(config.torch_threads)
     # Each version is scored with the history length it was trained with, whatever the settings say.
+    spec = load_spec()
     predictor = TorchPredictor(
-        model=load_model(Path(config.model_dir)),
+        model=load_model(Path(config.model_dir), spec),
         model_version=config.model_version,
-        spec=load_spec(),
+        spec=spec,
         forward_batch_size=config.forward_batch_size,
     )
     # No ping per checkout: a batch's reads retry once on a dropped connection (`read_reconnecting`).

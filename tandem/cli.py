@@ -20,7 +20,6 @@ from inference.contract import TorchPredictor
 from inference.demo import DemoConfig, day_range, generate_day
 from inference.lineage import explain
 from inference.migrate import upgrade
-from inference.model import ModelConfig
 from inference.settings import TandemSettings, get_settings, settings_error
 from inference.spec import DEFAULT_SPEC_PATH, Categorical, Label, LoadedSpec, load_spec, role_of
 from inference.store import latest_challenger_report, make_engine, mark_rejections_fixed, rejected_records
@@ -52,15 +51,16 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
         )
 
     _say("[2/4] training the risk model (the last day is held out)")
-    config = ModelConfig(history_length=settings.history_length)
+    config = load_spec().spec.model_config(settings.history_length)
     model, training = train_from_store(
         engine, load_spec(), first_day=days[0], holdout_day=days[-1], config=config, seed=settings.demo_seed
     )
     tag = modelstore.register(model, training, name=settings.model_name, code_version=code_version())
     modelstore.promote(tag)
+    flops = f", {training.flops_per_item / 1e6:.1f} MFLOP/item" if training.flops_per_item is not None else ""
     _say(
         f"      {tag}: AUC {training.auc:.4f} on {training.holdout_rows} held-out rows, "
-        f"{training.parameter_count:,} parameters, {training.flops_per_item / 1e6:.1f} MFLOP/item"
+        f"{training.parameter_count:,} parameters{flops}"
     )
 
     _say(f"[3/4] scoring {days[-1]} through inference/ (batch path)")

@@ -27,10 +27,9 @@ from inference.homes import resolve_homes
 from inference.model import (
     CONFIG_FILE,
     WEIGHTS_FILE,
-    ModelConfig,
-    RiskModel,
+    LoadedModel,
     TrainingReport,
-    load_module,
+    load_model,
     read_config,
     save_model,
 )
@@ -102,7 +101,7 @@ class ModelVersion:
 
 
 def register(
-    model: RiskModel, report: TrainingReport, *, name: str, code_version: str, spec: LoadedSpec | None = None
+    model: LoadedModel, report: TrainingReport, *, name: str, code_version: str, spec: LoadedSpec | None = None
 ) -> str:
     """Save a model trained with `spec` (default: the configured one) as a new version (state_dict
     + config); returns its tag."""
@@ -112,12 +111,13 @@ def register(
         metadata={
             "auc": report.auc,
             "parameter_count": report.parameter_count,
-            "flops_per_item": report.flops_per_item,
             "train_rows": report.train_rows,
             "holdout_rows": report.holdout_rows,
             "epochs": report.epochs,
             "code_version": code_version,
-            **spec_metadata(spec or configured_spec(), model.config.history_length),
+            **spec_metadata(spec or configured_spec(), model.history_length),
+            # BentoML's metadata holds no null: a module without `flops_per_item()` records none.
+            **({"flops_per_item": report.flops_per_item} if report.flops_per_item is not None else {}),
         },
     ) as stored:
         save_model(model, Path(stored.path))
@@ -203,18 +203,13 @@ def _some(keys: list[str], shown: int = 5) -> str:
     return ", ".join(keys[:shown]) + more
 
 
-def load(tag: str, spec: LoadedSpec | None = None) -> RiskModel:
+def load(tag: str, spec: LoadedSpec | None = None) -> LoadedModel:
     """A version, built by `spec`'s model hook (default: the configured spec) and its weights loaded."""
     expected = spec or configured_spec()
-    resolved = check_spec(tag, expected)
-    module = load_module(Path(bentoml.models.get(resolved).path), expected.spec.model)
-    # The scoring core reads RiskModel's inputs until it reads them through the spec.
-    if not isinstance(module, RiskModel):
-        raise ValueError(f"{resolved} loads as a {type(module).__name__}: this Tandem scores RiskModel versions only")
-    return module
+    return load_model(Path(bentoml.models.get(check_spec(tag, expected)).path), expected)
 
 
-def model_config(tag: str, spec: LoadedSpec | None = None) -> ModelConfig:
+def model_config(tag: str, spec: LoadedSpec | None = None) -> dict[str, Any]:
     """A stored version's config, without loading its weights: cheap enough for a sensor tick."""
     return read_config(Path(bentoml.models.get(check_spec(tag, spec)).path))
 
@@ -307,7 +302,7 @@ def rollback(name: str, spec: LoadedSpec | None = None) -> str:
     return str(restored)
 
 
-def load_production(name: str, spec: LoadedSpec | None = None) -> tuple[RiskModel, str]:
+def load_production(name: str, spec: LoadedSpec | None = None) -> tuple[LoadedModel, str]:
     tag = production_tag(name)
     if tag is None:
         raise LookupError(missing_production(name))

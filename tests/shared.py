@@ -8,6 +8,7 @@ Plain functions without pytest, so child processes started by tests can import t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import subprocess
 import time
@@ -27,9 +28,11 @@ from sqlalchemy.engine import make_url
 
 from inference.batch import ingest_day
 from inference.migrate import upgrade
-from inference.model import ModelConfig, RiskModel, TrainingReport
+from inference.model import LoadedModel, build_model, untrained_report
+from inference.spec import load_spec
 from inference.store import make_engine
 from tandem import modelstore
+from tandem_specs.transactions.model import ModelConfig
 
 T = TypeVar("T")
 # How long a test waits for something that normally takes milliseconds (a row written, a queue
@@ -147,16 +150,16 @@ def migrate_and_ingest(url: str, frame: pl.DataFrame, day: date) -> None:
         engine.dispose()
 
 
-def register_model(model: RiskModel, name: str, *, code_version: str = "test", promote: bool = True) -> str:
+def reference_model(config: ModelConfig | None = None) -> LoadedModel:
+    """The reference spec's model (RiskModel) at `config`, in eval mode, weights as torch's seed left them."""
+    model = build_model(load_spec(), dataclasses.asdict(config or ModelConfig()))
+    model.module.eval()
+    return model
+
+
+def register_model(model: LoadedModel, name: str, *, code_version: str = "test", promote: bool = True) -> str:
     """`model` in the BentoML store with a placeholder training report (promoted by default)."""
-    report = TrainingReport(
-        auc=0.5,
-        train_rows=0,
-        holdout_rows=0,
-        epochs=0,
-        parameter_count=model.parameter_count,
-        flops_per_item=model.flops_per_item(),
-    )
+    report = dataclasses.replace(untrained_report(model), auc=0.5)
     tag = modelstore.register(model, report, name=name, code_version=code_version)
     if promote:
         modelstore.promote(tag)
@@ -169,7 +172,7 @@ def register_untrained_model(
     """A deterministic, untrained model version in the BentoML store (promoted by default):
     what it scores is not the point of the tests that use it, that it is stored and served is."""
     torch.manual_seed(seed)
-    return register_model(RiskModel(config or ModelConfig()).eval(), name, code_version=code_version, promote=promote)
+    return register_model(reference_model(config), name, code_version=code_version, promote=promote)
 
 
 def free_port() -> int:

@@ -30,7 +30,7 @@ class StockScorer:
     model_ref = bentoml.models.BentoModel(_TAG)
 
     def __init__(self) -> None:
-        self.model = load_model(Path(self.model_ref.path))
+        self.model = load_model(Path(self.model_ref.path), load_spec())
         self.version = str(self.model_ref.tag)
         self.engine = make_engine(_SETTINGS.resolved_database_url())
         self.history = StoreHistory(self.engine)
@@ -40,7 +40,7 @@ class StockScorer:
         records = [Transaction(**t).to_raw() for t in transactions]  # raises on poison: whole batch fails
         checked = validate(raw_frame(records)).drop("reject_reason")
         checked = checked.with_columns(hash_inputs(checked))  # with it, the features digest the history read
-        k = self.model.config.history_length  # the K it was trained with
+        k = self.model.history_length  # the K it was trained with
         features = build_features(load_spec(), checked, self.history.history_for(checked, k), k)
         scores = score_batch(self.model, features)
         request_id = uuid.uuid4().hex

@@ -45,6 +45,10 @@ class ModelSpec:
     # A valid record as a request sends it: for the API documents, warm-up and curl.
     example: Callable[[], dict[str, Any]]
     label: Label | None = None
+    # (training arrays, seed) -> the arrays the model is fitted on: e.g. a seeded share of
+    # categorical values masked into the unknown bucket, so that bucket is learnt. Seeded alike,
+    # a retrain is reproducible.
+    augment_training: Callable[[tuple[np.ndarray, ...], int], tuple[np.ndarray, ...]] | None = None
     # The record table (default: `name`).
     table: str | None = None
     # The request's list field and the record's schema name in the API documents.

@@ -11,7 +11,6 @@ from typing import Any
 
 from torch import nn
 
-from inference.model import ModelConfig, RiskModel
 from inference.records import (
     CATEGORY_MAX_LENGTH,
     CATEGORY_PATTERN,
@@ -25,6 +24,7 @@ from inference.records import (
 )
 from inference.spec import Categorical, EntityKey, EventTime, Label, ModelSpec, Numeric, RecordId
 from tandem_specs.transactions.features import encode, features
+from tandem_specs.transactions.model import ModelConfig, RiskModel, mask_to_unknown
 
 
 def _model(config: Mapping[str, Any]) -> nn.Module:
@@ -75,6 +75,7 @@ SPEC = ModelSpec(
     model_config=_model_config,
     example=_example,
     label=Label("label_fraud"),
+    augment_training=mask_to_unknown,
     plural="transactions",
     record_name="Transaction",
     reason_order=tuple(code.value for code in REASON_ORDER),

@@ -19,10 +19,11 @@ from sqlalchemy.engine import Engine
 from inference.batch import BatchProducer, IngestReport, PartitionReport, ingest_day, score_partition
 from inference.contract import Predictor, TorchPredictor
 from inference.demo import DemoConfig, generate_day
-from inference.model import ModelConfig, RiskModel
+from inference.model import LoadedModel
 from inference.records import raw_frame
 from inference.store import metadata, read_predictions, rejected_records, upsert_predictions
-from tests.shared import fresh_postgres_database
+from tandem_specs.transactions.model import ModelConfig
+from tests.shared import fresh_postgres_database, reference_model
 
 DAY = date(2026, 11, 1)
 # Small enough to train in well under a second, wide enough to exercise every layer.
@@ -102,10 +103,10 @@ def rejections(engine: Engine) -> pl.DataFrame:
 
 # ------------------------------------------------------------------ the batch path
 @functools.cache
-def untrained_model() -> RiskModel:
+def untrained_model() -> LoadedModel:
     """The reference model with seeded, untrained weights: deterministic scores, no training run."""
     torch.manual_seed(0)
-    return RiskModel(ModelConfig()).eval()
+    return reference_model()
 
 
 def untrained_predictor(model_version: str = "risk:untrained", forward_batch_size: int = 4096) -> TorchPredictor:

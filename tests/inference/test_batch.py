@@ -19,7 +19,7 @@ from inference.contract import FrameHistory, TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, day_range, generate_day
 from inference.features import FeatureBatch
 from inference.migrate import upgrade
-from inference.model import ModelConfig, score_batch
+from inference.model import score_batch
 from inference.parity import PARITY_TOLERANCE
 from inference.records import (
     COUNTRIES,
@@ -44,6 +44,7 @@ from inference.store import (
     upsert_transactions,
     utc_now,
 )
+from tandem_specs.transactions.model import ModelConfig
 from tests.inference.support import (
     DAY,
     ingest_days,

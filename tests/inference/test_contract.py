@@ -14,10 +14,11 @@ import torch
 from inference.contract import RESULT_SCHEMA, FrameHistory, TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
 from inference.features import FeatureBatch, build_features
-from inference.model import RiskModel, score_batch
+from inference.model import LoadedModel, score_batch
 from inference.records import RejectReason, hash_inputs, split_valid, validate
 from inference.spec import load_spec
 from tests.inference.support import DAY, TINY_MODEL
+from tests.shared import reference_model
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -25,9 +26,9 @@ K = TINY_MODEL.history_length
 
 
 @functools.cache
-def tiny_model() -> RiskModel:
+def tiny_model() -> LoadedModel:
     torch.manual_seed(0)
-    return RiskModel(TINY_MODEL).eval()
+    return reference_model(TINY_MODEL)
 
 
 def day(rows: int, poison_rate: float, seed: int = 8) -> pl.DataFrame:

@@ -22,7 +22,6 @@ from inference.contract import FrameHistory
 from inference.demo import UNSEEN_VALUES, DemoConfig, day_range, generate_day, generate_days
 from inference.features import FeatureBatch, build_features
 from inference.migrate import upgrade
-from inference.model import embedding_sizes
 from inference.records import (
     COUNTRIES,
     CURRENCIES,
@@ -34,9 +33,10 @@ from inference.records import (
 from inference.spec import load_spec
 from inference.store import StoreHistory, make_engine, warm_history_statements
 from tandem_specs.transactions.features import CURRENT_CATEGORICAL, CURRENT_NUMERIC, HISTORY_NUMERIC_WIDTH
+from tandem_specs.transactions.model import EMBEDDING_SIZES
 from tests.inference.support import DAY, frame_of, postgres_database, record
 
-CURRENT_CATEGORICAL_CARDINALITY, HISTORY_CATEGORICAL_CARDINALITY = embedding_sizes()
+CURRENT_CATEGORICAL_CARDINALITY, HISTORY_CATEGORICAL_CARDINALITY = EMBEDDING_SIZES
 
 SEEDS = (21, 22)
 DAYS = day_range(DAY, 3)

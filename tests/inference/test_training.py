@@ -1,4 +1,4 @@
-"""Training masks a seeded share of categorical values into the unknown bucket, so it is learnt."""
+"""The reference's training hook masks a seeded share of categorical values into the unknown bucket, so it is learnt."""
 
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ import pytest
 
 from inference.demo import DemoConfig, generate_day
 from inference.features import FeatureBatch, build_features
-from inference.model import embedding_sizes
 from inference.records import split_valid
 from inference.spec import load_spec
-from inference.training import UNKNOWN_MASK_SHARE, mask_to_unknown
 from tandem_specs.transactions.features import CURRENT_CATEGORICAL
+from tandem_specs.transactions.model import EMBEDDING_SIZES, UNKNOWN_MASK_SHARE, mask_to_unknown
 from tests.inference.support import DAY
 
 K = 8
-CURRENT_SIZES, HISTORY_SIZES = embedding_sizes()
+CURRENT_SIZES, HISTORY_SIZES = EMBEDDING_SIZES
 # (field, its column in the current categoricals, its unknown bucket)
 UNSEEN_FIELD_COLUMNS = tuple(
     (name, CURRENT_CATEGORICAL.index(f"{name}_idx"), CURRENT_SIZES[CURRENT_CATEGORICAL.index(f"{name}_idx")] - 1)
@@ -33,37 +32,37 @@ def features() -> FeatureBatch:
 
 def test_a_small_seeded_share_of_categoricals_becomes_the_unknown_bucket() -> None:
     original = features()
-    masked = mask_to_unknown(original, share=UNKNOWN_MASK_SHARE, seed=7)
+    masked = mask_to_unknown(original.arrays, 7, share=UNKNOWN_MASK_SHARE)
     for name, column, unknown in UNSEEN_FIELD_COLUMNS:
         assert not (original.arrays[0][:, column] == unknown).any(), name
-        share = (masked.arrays[0][:, column] == unknown).mean()
+        share = (masked[0][:, column] == unknown).mean()
         assert 0.5 * UNKNOWN_MASK_SHARE < share < 1.5 * UNKNOWN_MASK_SHARE, name
     # Hour and weekday are not vocabulary fields: untouched.
     for name in ("hour", "weekday"):
         column = CURRENT_CATEGORICAL.index(name)
-        assert np.array_equal(masked.arrays[0][:, column], original.arrays[0][:, column])
+        assert np.array_equal(masked[0][:, column], original.arrays[0][:, column])
 
     history_unknown = np.array([size - 1 for size in HISTORY_SIZES])
-    hit = masked.arrays[2] == history_unknown
+    hit = masked[2] == history_unknown
     mask = original.arrays[4][:, :, None]
     assert 0.5 * UNKNOWN_MASK_SHARE < hit[np.broadcast_to(mask, hit.shape)].mean() < 1.5 * UNKNOWN_MASK_SHARE
     # Padding stays padding; nothing but the chosen values changes.
     assert not (hit & ~mask).any()
-    changed = masked.arrays[2] != original.arrays[2]
+    changed = masked[2] != original.arrays[2]
     assert np.array_equal(changed, hit)
-    assert np.array_equal(masked.arrays[1], original.arrays[1])
-    assert np.array_equal(masked.arrays[4], original.arrays[4])
+    assert np.array_equal(masked[1], original.arrays[1])
+    assert np.array_equal(masked[4], original.arrays[4])
 
 
 def test_masking_is_deterministic_and_leaves_the_input_alone() -> None:
     original = features()
     before = original.arrays[0].copy(), original.arrays[2].copy()
-    first = mask_to_unknown(original, share=UNKNOWN_MASK_SHARE, seed=7)
-    again = mask_to_unknown(original, share=UNKNOWN_MASK_SHARE, seed=7)
-    other = mask_to_unknown(original, share=UNKNOWN_MASK_SHARE, seed=8)
-    assert np.array_equal(first.arrays[0], again.arrays[0])
-    assert np.array_equal(first.arrays[2], again.arrays[2])
-    assert not np.array_equal(first.arrays[0], other.arrays[0])
+    first = mask_to_unknown(original.arrays, 7, share=UNKNOWN_MASK_SHARE)
+    again = mask_to_unknown(original.arrays, 7, share=UNKNOWN_MASK_SHARE)
+    other = mask_to_unknown(original.arrays, 8, share=UNKNOWN_MASK_SHARE)
+    assert np.array_equal(first[0], again[0])
+    assert np.array_equal(first[2], again[2])
+    assert not np.array_equal(first[0], other[0])
     assert np.array_equal(original.arrays[0], before[0])
     assert np.array_equal(original.arrays[2], before[1])
 
@@ -71,6 +70,6 @@ def test_masking_is_deterministic_and_leaves_the_input_alone() -> None:
 @pytest.mark.parametrize("share", [0.0])
 def test_share_zero_changes_nothing(share: float) -> None:
     original = features()
-    masked = mask_to_unknown(original, share=share, seed=7)
-    assert np.array_equal(masked.arrays[0], original.arrays[0])
-    assert np.array_equal(masked.arrays[2], original.arrays[2])
+    masked = mask_to_unknown(original.arrays, 7, share=share)
+    assert np.array_equal(masked[0], original.arrays[0])
+    assert np.array_equal(masked[2], original.arrays[2])

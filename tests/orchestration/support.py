@@ -13,11 +13,11 @@ import sqlalchemy as sa
 from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult, materialize
 
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
-from inference.model import ModelConfig
 from inference.settings import TandemSettings
 from inference.store import make_engine, predictions, rejected_records
 from orchestration.definitions import build_definitions
 from orchestration.settings import OrchestrationSettings
+from tandem_specs.transactions.model import ModelConfig
 from tests.shared import register_untrained_model
 
 # A model name of our own, so that no other test package promoting a "risk_model" in the same

@@ -15,11 +15,12 @@ from assets.resources import ModelStoreResource
 from inference.demo import EXPECTED_REASON, PoisonKind, generate_day
 from inference.features import build_features
 from inference.migrate import upgrade
-from inference.model import ModelConfig, score_batch
+from inference.model import score_batch
 from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, split_valid
 from inference.spec import load_spec
 from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows, transactions
 from tandem import modelstore
+from tandem_specs.transactions.model import ModelConfig
 from tests.orchestration.support import (
     PARTITION,
     REJECTION_BOOKKEEPING,

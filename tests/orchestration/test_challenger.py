@@ -22,7 +22,7 @@ from dagster import (
 
 from assets.model import NO_CHALLENGER
 from inference.challenger import AUC_NOT_WORSE, BLOCKING_CHECKS, ENOUGH_EVIDENCE, PRECISION_NOT_WORSE
-from inference.model import ModelConfig, TrainingReport
+from inference.model import TrainingReport
 from inference.store import (
     challenger_predictions,
     challenger_reports,
@@ -34,6 +34,7 @@ from inference.store import (
 )
 from orchestration.definitions import build_definitions
 from tandem import modelstore
+from tandem_specs.transactions.model import ModelConfig
 from tests.orchestration.support import SETTINGS, batch_resources, predictions_config, run_partition
 from tests.shared import register_untrained_model
 
@@ -143,7 +144,7 @@ def empty_challenger_slot(world: World) -> Iterator[None]:
 def copy_of(tag: str) -> str:
     """The same weights under a new tag (as if registered again)."""
     model = modelstore.load(tag)
-    report = TrainingReport(0.5, 0, 0, 0, model.parameter_count, model.flops_per_item())
+    report = TrainingReport(0.5, 0, 0, 0, model.parameter_count, None)
     return modelstore.register(model, report, name=MODEL, code_version="test")
 
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 from dagster import AssetsDefinition, DagsterInstance, materialize
 
-from inference.model import CONFIG_FILE, WEIGHTS_FILE, IncompatibleModelError, ModelConfig, RiskModel
+from inference.model import CONFIG_FILE, WEIGHTS_FILE, IncompatibleModelError
 from inference.spec import load_spec
 from tandem import modelstore
+from tandem_specs.transactions.model import ModelConfig
 from tests.orchestration.support import SETTINGS, batch_resources, run_partition
-from tests.shared import register_untrained_model
+from tests.shared import reference_model, register_untrained_model
 from tests.specs.tiny import TinyModel
 
 # A name of its own: these promotions must not touch the production model of the other tests.
@@ -73,7 +74,8 @@ def test_risk_model_is_trained_registered_and_promoted_only_per_the_rule(
 
     assert first["version_tag"].startswith(f"{MODEL}:")
     assert 0.0 <= first["auc"] <= 1.0
-    assert first["parameter_count"] == RiskModel(ModelConfig(history_length=SETTINGS.history_length)).parameter_count
+    default = reference_model(ModelConfig(history_length=SETTINGS.history_length))
+    assert first["parameter_count"] == default.parameter_count
     assert 0 < first["train_rows"] <= QUICK["max_train_rows"]
     assert first["holdout_day"] == DAYS[-1]
     assert math.isnan(first["production_auc_same_holdout"])  # nothing in production to compare with

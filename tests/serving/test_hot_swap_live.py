@@ -24,12 +24,12 @@ import torch
 from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
 from inference.lineage import TransactionLineage, explain
-from inference.model import ModelConfig, RiskModel
+from inference.model import LoadedModel
 from inference.records import RAW_COLUMNS
 from inference.store import make_engine
 from tandem import modelstore
 from tests.serving.support import DemoServer, StartDemoServer
-from tests.shared import register_model, until
+from tests.shared import reference_model, register_model, until
 
 MODEL_NAME = "risk_model"
 HISTORY_DAY = date(2026, 12, 1)
@@ -50,7 +50,7 @@ DAGSTER_UI = "http://127.0.0.1:3000"
 class SwapServer(DemoServer):
     v1: str
     v2: str
-    models: dict[str, RiskModel]
+    models: dict[str, LoadedModel]
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,9 @@ class Answer:
         return None if self.result is None else str(self.result["model_version"])
 
 
-def _seeded_model(seed: int) -> RiskModel:
+def _seeded_model(seed: int) -> LoadedModel:
     torch.manual_seed(seed)
-    return RiskModel(ModelConfig()).eval()
+    return reference_model()
 
 
 @pytest.fixture(scope="module")

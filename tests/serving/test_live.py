@@ -27,11 +27,11 @@ from bentoml.exceptions import BentoMLException
 
 from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
-from inference.model import ModelConfig, RiskModel
+from inference.model import LoadedModel
 from inference.records import COUNTRIES, RAW_COLUMNS
 from inference.store import make_engine, read_predictions
 from tests.serving.support import DemoServer, StartDemoServer
-from tests.shared import register_model, until
+from tests.shared import reference_model, register_model, until
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
@@ -43,17 +43,17 @@ TARGET_MS = 200
 
 @dataclass
 class Server(DemoServer):
-    model: RiskModel
+    model: LoadedModel
     model_version: str
 
 
-def _poisoned_model() -> RiskModel:
+def _poisoned_model() -> LoadedModel:
     torch.manual_seed(0)
-    model = RiskModel(ModelConfig())
+    model = reference_model()
     with torch.no_grad():
-        country_embedding: torch.nn.Embedding = model.current_embeddings[2]  # type: ignore[assignment]
+        country_embedding: torch.nn.Embedding = model.module.current_embeddings[2]  # type: ignore[index,assignment]
         country_embedding.weight[COUNTRIES.index(POISON_COUNTRY)] = float("nan")
-    return model.eval()
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from sqlalchemy.engine import Engine
 
-from inference.model import CONFIG_FILE, WEIGHTS_FILE, RiskModel, TrainingReport
+from inference.model import CONFIG_FILE, WEIGHTS_FILE, TrainingReport
 from inference.spec import load_spec
 from serving.backends import ScoringBackend
 from serving.lifecycle import ChallengerWatcher, ModelWatcher
@@ -28,6 +28,7 @@ from serving.scoring import BatchResult, ItemSpec
 from tandem import modelstore
 from tests.inference.support import TINY_MODEL
 from tests.serving.support import FakeClock, scored_batch, started_scorer
+from tests.shared import reference_model
 from tests.specs.tiny import TinyModel
 
 
@@ -37,8 +38,8 @@ class Store:
     def __init__(self, tmp_path: Path) -> None:
         self.name = f"risk_watch_{uuid.uuid4().hex[:10]}"
         torch.manual_seed(0)
-        model = RiskModel(TINY_MODEL).eval()
-        report = TrainingReport(0.5, 10, 5, 1, model.parameter_count, model.flops_per_item())
+        model = reference_model(TINY_MODEL)
+        report = TrainingReport(0.5, 10, 5, 1, model.parameter_count, None)
         self.reference = modelstore.register(model, report, name=self.name, code_version="test")
         folder = tmp_path / "tiny"
         folder.mkdir()

@@ -29,13 +29,20 @@ import sqlalchemy as sa
 import torch
 
 from inference.contract import FrameHistory, TorchPredictor
-from inference.model import ModelConfig, RiskModel
+from inference.model import LoadedModel
 from inference.records import RAW_COLUMNS
 from inference.store import make_engine
 from inference.store.schema import predictions
 from tandem import modelstore
 from tests.serving.support import LiveServer, demo_day, serve
-from tests.shared import fresh_postgres_database, migrate_and_ingest, register_model, service_env, until
+from tests.shared import (
+    fresh_postgres_database,
+    migrate_and_ingest,
+    reference_model,
+    register_model,
+    service_env,
+    until,
+)
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
@@ -69,7 +76,7 @@ class Pair:
     database_url: str
     history: pl.DataFrame
     requests: pl.DataFrame  # the next day's records, not stored
-    models: dict[str, RiskModel]
+    models: dict[str, LoadedModel]
     v1: str
     v2: str
     taken: int = 0  # request rows handed out so far: every scenario scores transactions of its own
@@ -81,9 +88,9 @@ class Pair:
         return rows
 
 
-def _seeded_model(seed: int) -> RiskModel:
+def _seeded_model(seed: int) -> LoadedModel:
     torch.manual_seed(seed)
-    return RiskModel(ModelConfig()).eval()
+    return reference_model()
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,11 @@ import torch
 from inference.contract import FrameHistory, TorchPredictor
 from inference.demo import DemoConfig, generate_day
 from inference.features import FeatureBatch
-from inference.model import ModelConfig, RiskModel
 from inference.records import RAW_COLUMNS, hash_inputs, raw_frame, validate
 from serving.openapi import service_document
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
+from tests.shared import reference_model
 
 GOLDEN = Path(__file__).parent / "golden" / "reference.json"
 REGENERATE = os.environ.get("TANDEM_REGENERATE_GOLDEN") == "1"
@@ -77,7 +77,7 @@ def digest(values: list[Any]) -> str:
 
 def reference_predictor() -> TorchPredictor:
     torch.manual_seed(MODEL_SEED)
-    return TorchPredictor(RiskModel(ModelConfig()).eval(), model_version="golden")
+    return TorchPredictor(reference_model(), model_version="golden")
 
 
 def float_summary(values: np.ndarray) -> dict[str, Any]:

@@ -21,12 +21,13 @@ from sqlalchemy.engine import make_url
 
 from inference.challenger import AUC_NOT_WORSE, ENOUGH_EVIDENCE
 from inference.migrate import upgrade
-from inference.model import RiskModel, TrainingReport
+from inference.model import TrainingReport
 from inference.settings import TandemSettings
 from inference.store import make_engine, record_challenger_report
 from tandem import modelstore
 from tandem.cli import main
 from tests.inference.support import TINY_MODEL
+from tests.shared import reference_model
 
 RecordReport = Callable[..., int]
 
@@ -41,8 +42,8 @@ class Store:
 
 def register(name: str, seed: int) -> str:
     torch.manual_seed(seed)
-    model = RiskModel(TINY_MODEL).eval()
-    report = TrainingReport(0.5 + seed / 100, 10, 5, 1, model.parameter_count, model.flops_per_item())
+    model = reference_model(TINY_MODEL)
+    report = TrainingReport(0.5 + seed / 100, 10, 5, 1, model.parameter_count, None)
     return modelstore.register(model, report, name=name, code_version="test")
 
 

@@ -19,11 +19,12 @@ import bentoml
 import pytest
 import torch
 
-from inference.model import CONFIG_FILE, WEIGHTS_FILE, RiskModel, TrainingReport, save_model
+from inference.model import CONFIG_FILE, WEIGHTS_FILE, LoadedModel, TrainingReport, save_model
 from inference.spec import DEFAULT_SPEC_PATH, EntityKey, LoadedSpec, load_spec, schema_digest
 from tandem import modelstore
 from tandem.cli import main
 from tests.inference.support import TINY_MODEL
+from tests.shared import reference_model
 from tests.specs.tiny import TinyModel
 
 TINY_PATH = "tests.specs.tiny:SPEC"
@@ -33,14 +34,14 @@ def tiny() -> LoadedSpec:
     return load_spec(TINY_PATH)
 
 
-def reference_model(seed: int = 0) -> RiskModel:
+def seeded_reference(seed: int = 0) -> LoadedModel:
     torch.manual_seed(seed)
-    return RiskModel(TINY_MODEL).eval()
+    return reference_model(TINY_MODEL)
 
 
 def register_reference(name: str, seed: int = 0) -> str:
-    model = reference_model(seed)
-    report = TrainingReport(0.5, 10, 5, 1, model.parameter_count, model.flops_per_item())
+    model = seeded_reference(seed)
+    report = TrainingReport(0.5, 10, 5, 1, model.parameter_count, None)
     return modelstore.register(model, report, name=name, code_version="test")
 
 
@@ -60,7 +61,7 @@ def register_tiny(name: str, tmp_path: Path) -> str:
 
 def register_legacy(name: str) -> str:
     """A version as register wrote it before versions recorded their spec."""
-    model = reference_model()
+    model = seeded_reference()
     with bentoml.models.create(
         name, labels=modelstore.MODEL_LABELS, metadata={"auc": 0.5, "code_version": "old"}
     ) as stored:
@@ -152,8 +153,8 @@ def test_a_legacy_version_is_read_as_the_reference(name: str) -> None:
     assert modelstore.trained_with(legacy) == modelstore.TrainedWith(DEFAULT_SPEC_PATH, modelstore.LEGACY_SPEC_DIGEST)
     modelstore.promote(legacy)
     model, tag = modelstore.load_production(name)
-    assert tag == legacy and model.config == TINY_MODEL
-    assert modelstore.model_config(legacy) == TINY_MODEL
+    assert tag == legacy and model.config == dataclasses.asdict(TINY_MODEL)
+    assert modelstore.model_config(legacy) == dataclasses.asdict(TINY_MODEL)
     challenger = register_legacy(name)
     assert modelstore.challenge(challenger) == challenger
 
@@ -165,7 +166,7 @@ def test_a_legacy_version_is_refused_under_another_spec(name: str) -> None:
 
 
 def test_register_dir_round_trip_through_the_cli(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = reference_model(seed=3)
+    model = seeded_reference(seed=3)
     save_model(model, tmp_path / "elsewhere")
     assert main(["models", "register", str(tmp_path / "elsewhere"), "--promote"]) == 0
     tag, promoted = capsys.readouterr().out.splitlines()
@@ -176,7 +177,7 @@ def test_register_dir_round_trip_through_the_cli(name: str, tmp_path: Path, caps
     assert "auc" not in metadata
     loaded = modelstore.load(tag)
     assert loaded.config == model.config
-    assert all(torch.equal(value, loaded.state_dict()[key]) for key, value in model.state_dict().items())
+    assert all(torch.equal(value, loaded.module.state_dict()[key]) for key, value in model.module.state_dict().items())
     assert main(["models", "list"]) == 0
     assert f"* {tag}" in capsys.readouterr().out
 
@@ -184,7 +185,7 @@ def test_register_dir_round_trip_through_the_cli(name: str, tmp_path: Path, caps
 def test_register_dir_without_promote_leaves_production(name: str, tmp_path: Path) -> None:
     champion = register_reference(name)
     modelstore.promote(champion)
-    save_model(reference_model(seed=4), tmp_path / "elsewhere")
+    save_model(seeded_reference(seed=4), tmp_path / "elsewhere")
     assert main(["models", "register", str(tmp_path / "elsewhere")]) == 0
     assert modelstore.production_tag(name) == champion
     assert len(modelstore.versions(name)) == 2
@@ -247,7 +248,7 @@ def test_register_dir_refuses_a_bad_folder_in_one_line(
     how: str, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     directory = tmp_path / "elsewhere"
-    save_model(reference_model(), directory)
+    save_model(seeded_reference(), directory)
     spoil, refusal = REFUSALS[how]
     spoil(directory)
     expected = refusal.format(d=directory)
