@@ -278,8 +278,8 @@ def forward_sweep(model: RiskModel, day: FeatureBatch, plan: PrecisionPlan) -> d
         size: [pool.slice(start, start + size) for start in range(0, len(pool) - size + 1, size)]
         for size, pool in pools.items()
     }
-    # A first round, not kept: the quick run's first readings (cold caches, oneDNN's kernels built
-    # per shape) spread 5x at batch 1.
+    # A first round, not kept: cold caches and oneDNN building a kernel per shape would otherwise
+    # be charged to the first round's readings.
     for size in FORWARD_SIZES:
         for precision in PRECISIONS:
             _timed(_cycling(forwards[precision], parts[size]), plan.seconds / 4)
@@ -520,6 +520,7 @@ def bench_precision(
     from inference.agreement import DECISION_THRESHOLD
     from inference.batch import FORWARD_BATCH_SIZE, MODEL_WORKERS
 
+    load_before = os.getloadavg()[0]
     machine = hardware()
     say(f"precision: {machine}")
     model, training = train_model(database_url, history_days)
@@ -567,6 +568,8 @@ def bench_precision(
     return {
         "quick": plan.quick,
         "hardware": machine,
+        # The machine's 1-minute load average as the phase starts and ends: its cores are shared.
+        "loadavg_1m": {"start": load_before, "end": os.getloadavg()[0]},
         "torch_threads": threads,
         "threads_note": f"torch.get_num_threads() {threads_before} // MODEL_WORKERS {MODEL_WORKERS}, "
         "as score_partition sets each model worker",

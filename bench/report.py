@@ -736,6 +736,7 @@ def precision_section(precision: dict[str, Any]) -> list[str]:
         "brackets. Differences: |bf16 - fp32| of the same items at that batch size (batch 1 and 8 on a "
         "prefix of the day). Raw: `results/precision.json`.",
         "",
+        *_precision_load(precision),
         "| batch | fp32 items/s | bf16 items/s | bf16 / fp32 | fp32 CPU ms/item | bf16 CPU ms/item "
         "| max abs difference | p99 abs difference | decisions flipped |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -752,6 +753,17 @@ def precision_section(precision: dict[str, Any]) -> list[str]:
     verdict = precision["verdict"]
     lines += [f"**{verdict['target']}: {verdict['verdict']}.** {verdict['measured']}.", ""]
     return lines
+
+
+def _precision_load(precision: dict[str, Any]) -> list[str]:
+    load = precision.get("loadavg_1m")
+    if not load:
+        return []
+    return [
+        f"The machine's 1-minute load average at the phase's start / end: {load['start']:.1f} / {load['end']:.1f} "
+        f"({precision['hardware']['cpu_count']} CPUs; other work on the machine counts in it).",
+        "",
+    ]
 
 
 def _precision_stage(precision: dict[str, Any]) -> list[str]:

@@ -4,6 +4,8 @@ flips, the CPU flags, and the report's section."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -159,6 +161,7 @@ def test_the_report_section_shows_every_size_the_estimate_and_the_verdict() -> N
             "mkldnn_enabled": True,
             "onednn_bf16": {"isa": "AVX-512 bf16", "matmul_kernel": "brg_matmul:avx512_core_bf16", "uses_amx": False},
         },
+        "loadavg_1m": {"start": 1.52, "end": 3.0},
         "torch_threads": 1,
         "threads_note": "2 // 2",
         "model": {"train_rows": 3960, "auc": 0.96},
@@ -170,6 +173,7 @@ def test_the_report_section_shows_every_size_the_estimate_and_the_verdict() -> N
     }
     text = "\n".join(precision_section(result))
     assert "AMX bf16 no, AVX-512 BF16 yes" in text
+    assert "load average at the phase's start / end: 1.5 / 3.0 (2 CPUs" in text
     for size in FORWARD_SIZES:
         assert f"\n| {size} | " in text
     assert "0 of 2 (0.000%)" in text
@@ -206,3 +210,10 @@ def test_bf16_scores_close_to_fp32_but_not_equal() -> None:
     assert fp32.dtype == bf16.dtype == np.float64
     difference = np.abs(fp32 - bf16)
     assert 0 < difference.max() < 1e-2
+
+
+def test_the_committed_run_renders_and_its_verdict_follows_from_its_measurements() -> None:
+    committed = json.loads((Path(__file__).resolve().parents[2] / "bench/results/precision.json").read_text())
+    judged = verdicts(committed["forward"], committed["model_stage"], committed["end_to_end"], 128)
+    assert judged["verdict"] == committed["verdict"]
+    assert f"of fp32: {committed['verdict']['verdict']}.**" in "\n".join(precision_section(committed))
