@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from bench.precision import PRECISIONS, forward_in
 from inference.batch import FORWARD_BATCH_SIZE, MODEL_WORKERS, BatchProducer, score_partition
 from inference.contract import TorchPredictor
 from inference.spec import load_spec
@@ -36,6 +37,9 @@ def main() -> None:
     parser.add_argument("--model-workers", type=int, default=MODEL_WORKERS)
     parser.add_argument("--sequential", action="store_true", help="one chunk after another (the reference)")
     parser.add_argument("--model-name", default="risk_model")
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="fp32", help="the forward pass's (bench/precision.py)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     model, version = modelstore.load_production(args.model_name)
@@ -44,6 +48,8 @@ def main() -> None:
         model_version=version,
         spec=load_spec(),
         forward_batch_size=args.forward_batch,
+        # fp32 is the predictor's own forward, exactly as production scores.
+        forward=None if args.precision == "fp32" else forward_in(args.precision, model),
     )
     engine = make_engine(args.database_url)
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -73,6 +79,7 @@ def main() -> None:
                 "peak_rss_mb": _peak_rss_mb(),
                 "mode": "sequential" if args.sequential else "pipelined",
                 "forward_batch": args.forward_batch,
+                "precision": args.precision,
                 "model_workers": 1 if args.sequential else args.model_workers,
                 "torch_threads": torch.get_num_threads(),
                 "stage_busy_s": report.stage_seconds,

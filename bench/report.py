@@ -67,10 +67,12 @@ def write_report(
     phases: list[tuple[str, float, float]],
     shadow: dict[str, Any] | None = None,
     targets: dict[str, Any] | None = None,
+    precision: dict[str, Any] | None = None,
 ) -> None:
     """`phases`: (name, estimated seconds, measured seconds) of the phases run so far; `shadow`:
     the shadow-scoring scenario's result (bench/shadow.py), when it ran; `targets`: the online
-    verdicts (`online_targets.judge`), judged here when not given."""
+    verdicts (`online_targets.judge`), judged here when not given; `precision`: the fp32 / bf16
+    comparison (bench/precision.py), when it ran."""
     _plot_latency(out, online, target_ms)
     _plot_batch(out, raw, batch)
     _plot_workers(out, workers, target_ms)
@@ -108,6 +110,7 @@ def write_report(
         "",
         "![batch throughput](batch_throughput.png)",
         "",
+        *(precision_section(precision) if precision is not None else []),
         *online_section(online, target_ms),
     ]
     lines += _workers_section(workers, target_ms)
@@ -124,6 +127,9 @@ def write_report(
     if shadow is not None:
         lines += ["", *shadow_section(shadow)]
     lines += ["", "## Other targets", "", "| target | measured | verdict |", "| --- | --- | --- |"]
+    if precision is not None:
+        t = precision["verdict"]
+        lines.append(f"| {t['target']} | {t['measured']} | {_precision_verdict(t['verdict'])} |")
     if shadow is not None:
         t = shadow["verdict"]
         lines.append(f"| {t['target']} | {t['measured']} | {_online_verdict(t['verdict'])} |")
@@ -678,3 +684,136 @@ def batch_targets(raw: dict[str, Any], batch: dict[str, Any]) -> list[tuple[str,
             cpu <= BATCH_CPU_MS_PER_RECORD_MAX,
         ),
     ]
+
+
+# ---------------------------------------------------------------- precision (bench/precision.py)
+def _precision_verdict(verdict: str) -> str:
+    return {"pays": "pays", "does not pay": "**does not pay**"}.get(verdict, f"_{verdict}_")
+
+
+def _yes(value: Any) -> str:
+    return "yes" if value else "no"
+
+
+def _spread_cell(entry: dict[str, Any], digits: int = 0) -> str:
+    """A median with the rounds' range, or '-' where nothing was measured."""
+    if entry.get("median") is None:
+        return "-"
+    if len(entry.get("runs", [])) < 2:
+        return f"{entry['median']:,.{digits}f}"
+    return f"{entry['median']:,.{digits}f} ({entry['min']:,.{digits}f}-{entry['max']:,.{digits}f})"
+
+
+def _difference_cells(d: dict[str, Any]) -> str:
+    if not d.get("items"):
+        return "- | - | - |"
+    return f"{d['max_abs']:.2e} | {d['p99_abs']:.2e} | {d['flips']} of {d['items']:,} ({d['flip_share']:.3%}) |"
+
+
+def precision_section(precision: dict[str, Any]) -> list[str]:
+    """fp32 against bf16 (issue 49): the machine, the forward pass at each size with the score
+    differences on a real day, the model stage, the end-to-end runs and the verdict."""
+    hw = precision["hardware"]
+    flags, onednn = hw["cpuinfo_flags"], hw["onednn_bf16"]
+    fp32, bf16 = precision["forward"]["fp32"], precision["forward"]["bf16"]
+    model, day = precision["model"], precision["scored_day"]
+    lines = [
+        "## fp32 and bf16 (issue 49)",
+        "",
+        f"{hw['cpu_model']}, {hw['cpu_count']} CPUs: AMX bf16 {_yes(flags['amx_bf16'])}, AVX-512 BF16 "
+        f"{_yes(flags['avx512_bf16'])} (/proc/cpuinfo; `torch.cpu.get_capabilities()` agrees: amx_bf16 "
+        f"{_yes(hw['torch_capabilities']['amx_bf16'])}, avx512_bf16 {_yes(hw['torch_capabilities']['avx512_bf16'])}). "
+        f"torch {hw['torch_version']}, oneDNN {hw['onednn_version']} (available {_yes(hw['mkldnn_available'])}, "
+        f"enabled {_yes(hw['mkldnn_enabled'])}); a bf16 Linear runs `{onednn['matmul_kernel']}` on "
+        f'"{onednn["isa"]}" (oneDNN verbose), AMX {_yes(onednn["uses_amx"])}.',
+        "",
+        f'bf16 is `torch.autocast("cpu", dtype=torch.bfloat16)` around the forward pass, the sigmoid on the '
+        f"logits in fp32. {precision['torch_threads']} torch thread(s), as each batch-path model worker "
+        f"({precision['threads_note']}). Model: the reference, trained on {model['train_rows']:,} rows of the "
+        f"bench's history (holdout AUC {model['auc']:.3f}). Scored day {day['date']}: {day['items']:,} items, "
+        f"threshold {precision['decision_threshold']:g} (`inference.agreement.DECISION_THRESHOLD`). Items/s: "
+        f"median of {precision['rounds']} ABAB rounds of {precision['seconds_per_reading']:g} s, range in "
+        "brackets. Differences: |bf16 - fp32| of the same items at that batch size (batch 1 and 8 on a "
+        "prefix of the day). Raw: `results/precision.json`.",
+        "",
+        *_precision_load(precision),
+        "| batch | fp32 items/s | bf16 items/s | bf16 / fp32 | fp32 CPU ms/item | bf16 CPU ms/item "
+        "| max abs difference | p99 abs difference | decisions flipped |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for size in fp32:
+        a, b = fp32[size]["items_per_second"], bf16[size]["items_per_second"]
+        ratio = b["median"] / a["median"] if a.get("median") and b.get("median") else float("nan")
+        lines.append(
+            f"| {size} | {_spread_cell(a)} | {_spread_cell(b)} | {ratio:.2f}x "
+            f"| {_spread_cell(fp32[size]['cpu_ms_per_item'], 3)} | {_spread_cell(bf16[size]['cpu_ms_per_item'], 3)} "
+            f"| {_difference_cells(precision['differences'][size])}"
+        )
+    lines += ["", *_precision_stage(precision), *_precision_end_to_end(precision)]
+    verdict = precision["verdict"]
+    lines += [f"**{verdict['target']}: {verdict['verdict']}.** {verdict['measured']}.", ""]
+    return lines
+
+
+def _precision_load(precision: dict[str, Any]) -> list[str]:
+    load = precision.get("loadavg_1m")
+    if not load:
+        return []
+    return [
+        f"The machine's 1-minute load average at the phase's start / end: {load['start']:.1f} / {load['end']:.1f} "
+        f"({precision['hardware']['cpu_count']} CPUs; other work on the machine counts in it).",
+        "",
+    ]
+
+
+def _precision_stage(precision: dict[str, Any]) -> list[str]:
+    stage, estimate = precision["model_stage"], precision["estimate"]
+    a, b = stage["fp32"]["items_per_second"], stage["bf16"]["items_per_second"]
+    line = (
+        f"Model stage (`TorchPredictor.complete` on {stage['chunk_rows']:,}-row chunks, forward batch "
+        f"{stage['forward_batch']}): fp32 {_spread_cell(a)}, bf16 {_spread_cell(b)} items/s"
+    )
+    if estimate.get("model_stage_ratio"):
+        line += f", {estimate['model_stage_ratio']:.2f}x"
+    lines = [line + ".", ""]
+    for key, label in (("from_forward", "forward pass"), ("from_model_stage", "model stage")):
+        if estimate.get(key):
+            lines += [
+                f"**An estimate**, not a measurement, from the {label}'s ratio at forward batch "
+                f"{stage['forward_batch']}: with the forward pass {estimate['forward_share']:.0%} of the batch path's "
+                f"CPU per record (findings.md) and nothing else changed, bf16 would take the batch path's CPU per "
+                f"record to {estimate[key]['cpu_per_record_ratio']:.2f}x and, if it stays CPU-bound, its rows/s to "
+                f"{estimate[key]['rows_per_second_ratio']:.2f}x of fp32's.",
+                "",
+            ]
+    return lines
+
+
+def _precision_end_to_end(precision: dict[str, Any]) -> list[str]:
+    e2e = precision.get("end_to_end")
+    if not e2e:
+        return ["The batch path end to end did not run.", ""]
+    lines = [
+        f"The batch path end to end (`bench.batch_worker --precision`, {e2e['partition_rows']:,}-row partition, "
+        "each run in its own process, ABAB; median, runs in brackets):",
+        "",
+        "| variant | rows/s | CPU ms/record | peak RSS MB |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name in e2e["variants"]:
+        lines.append(
+            f"| {name} | {_spread_cell(e2e['rows_per_second'][name])} "
+            f"| {_spread_cell(e2e['cpu_ms_per_record'][name], 3)} | {_spread_cell(e2e['peak_rss_mb'][name])} |"
+        )
+    d = e2e["stored_scores"]
+    if d.get("items"):
+        lines += [
+            "",
+            f"Stored scores of the partition, first bf16 run against the first fp32 run: {d['items']:,} "
+            f"transactions, max abs difference {d['max_abs']:.2e}, p99 {d['p99_abs']:.2e}, {d['flips']} "
+            f"decisions flipped ({d['flip_share']:.3%}).",
+        ]
+    judged = precision.get("verdict_by_variant", {})
+    if judged:
+        lines += ["", *[f"- {name}: {v['measured']} -> {v['verdict']}." for name, v in judged.items()]]
+    return [*lines, ""]

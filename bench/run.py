@@ -46,6 +46,7 @@ from bench.online import (
     bench_workers,
     online_environment,
 )
+from bench.precision import PrecisionPlan, bench_precision
 
 # ---------------------------------------------------------------- plan and phases
 # Rough rates for the duration estimates only, from earlier runs on this 2-core machine; nothing
@@ -106,6 +107,7 @@ class Plan:
             # The baseline's worktree, then the largest partition 3 times more: ABBA after Tandem's run.
             + 10
             + 3 * (PROCESS_START_S + max(self.partitions) / SCORE_ROWS_PER_S),
+            "precision": PrecisionPlan.for_mode(self.quick).estimate_s(self.rows_per_day * self.history_days),
         }
         if batch_only:
             return phases
@@ -258,18 +260,7 @@ def bench_batch_path(
     runs, sequential, sweep = {}, {}, {}
 
     def score(day: date, *options: str) -> dict[str, Any]:
-        """One partition in its own worker process, written as new rows (the previous run's are
-        deleted first, outside the measurement), so every run pays for the same inserts."""
-        _clear_partition(engine, day)
-        output = subprocess.run(
-            batch_baseline.worker_command(bench.database_url, day.isoformat(), *options),
-            cwd=ROOT,
-            env=bench.env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        return dict(json.loads(output.strip().splitlines()[-1]))
+        return score_in_worker(bench, engine, day, *options)
 
     for offset, rows in enumerate(partition_rows):
         day = START_DAY + timedelta(days=30 + offset)
@@ -299,6 +290,38 @@ def bench_batch_path(
         "upsert": upsert,
         "database": engine.dialect.name,
     }
+
+
+def score_in_worker(bench: BenchEnv, engine: Any, day: date, *options: str) -> dict[str, Any]:
+    """One partition in its own worker process, written as new rows (the previous run's are
+    deleted first, outside the measurement), so every run pays for the same inserts."""
+    _clear_partition(engine, day)
+    output = subprocess.run(
+        batch_baseline.worker_command(bench.database_url, day.isoformat(), *options),
+        cwd=ROOT,
+        env=bench.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(json.loads(output.strip().splitlines()[-1]))
+
+
+def run_precision(bench: BenchEnv, quick: bool, rows_per_day: int, history_days: int) -> dict[str, Any]:
+    """The precision phase (bench/precision.py), its end-to-end runs through the batch worker."""
+    from inference.store import make_engine
+
+    engine = make_engine(bench.database_url)
+    try:
+        return bench_precision(
+            bench.database_url,
+            PrecisionPlan.for_mode(quick),
+            history_days,
+            rows_per_day * history_days,
+            lambda day, *options: score_in_worker(bench, engine, day, *options),
+        )
+    finally:
+        engine.dispose()
 
 
 def _against_baseline(
@@ -380,12 +403,40 @@ def _bench_upsert(engine: Any, rows: int = 100_000) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- main
+def precision_only(plan: Plan, out: Path) -> int:
+    """`--precision-only`: the environment and the precision phase; its section of the report as a
+    page of its own (precision.md), so the committed report.md stays one full run's."""
+    from bench.report import precision_section
+
+    estimates = plan.estimates(True)
+    phases = Phases({name: estimates[name] for name in ("environment", "precision")})
+    say(f"output: {out}; estimated ~{minutes(sum(phases.estimates.values()))} in all")
+    with phases.run("environment"):
+        bench = prepare_environment(plan.rows_per_day, plan.history_days)
+    try:
+        with phases.run("precision"):
+            precision = run_precision(bench, plan.quick, plan.rows_per_day, plan.history_days)
+            write_result(out, "precision", precision)
+        lines = ["# Tandem benchmark: fp32 and bf16 (`bench.run --precision-only`)", "", *precision_section(precision)]
+        (out / "precision.md").write_text("\n".join(lines))
+        say(f"report: {out / 'precision.md'}")
+    finally:
+        bench.drop()
+        shutil.rmtree(bench.root, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few minutes: smaller partitions, shorter load")
     parser.add_argument("--batch-only", action="store_true", help="raw forward and the batch path, no services")
     parser.add_argument(
         "--shadow-only", action="store_true", help="only the shadow-scoring scenario (bench/shadow.py), no report"
+    )
+    parser.add_argument(
+        "--precision-only",
+        action="store_true",
+        help="only the fp32 / bf16 comparison (bench/precision.py): results/precision.json and precision.md",
     )
     parser.add_argument(
         "--out",
@@ -407,6 +458,8 @@ def main() -> int:
         return shadow.run_standalone(quick=args.quick, out=args.out)
     plan = Plan.for_mode(args.quick)
     out: Path = args.out or (Path(tempfile.mkdtemp(prefix="tandem-bench-quick-")) if plan.quick else ROOT / "bench")
+    if args.precision_only:
+        return precision_only(plan, out)
     phases = Phases(plan.estimates(args.batch_only))
     say(f"output: {out}; estimated ~{minutes(sum(phases.estimates.values()))} in all")
     started = time.perf_counter()
@@ -434,6 +487,9 @@ def main() -> int:
         against = batch_baseline.judge(batch.get("baseline"), args.baseline)
         say(f"target: {against['target']}: {against['measured']} -> {against['verdict']}")
         write_result(out, "batch_targets", [*targets, against])
+        with phases.run("precision"):
+            precision = run_precision(bench, plan.quick, plan.rows_per_day, plan.history_days)
+            write_result(out, "precision", precision)
         if args.batch_only:
             return 0
         good, poison = request_bodies(bench, 20_000)
@@ -483,6 +539,7 @@ def main() -> int:
                 phases=phases.table(),
                 shadow=shadow_result,
                 targets=online_verdicts,
+                precision=precision,
             )
         say(f"report: {out / 'report.md'}")
     finally:
