@@ -40,7 +40,7 @@ from bench.harness import START_DAY, say
 if TYPE_CHECKING:
     from inference.contract import ForwardFn, PreparedBatch, TorchPredictor
     from inference.features import FeatureBatch
-    from inference.model import RiskModel
+    from inference.model import LoadedModel
 
 FORWARD_SIZES = (1, 8, 32, 128, 256, 1024)
 PRECISIONS = ("fp32", "bf16")
@@ -220,7 +220,7 @@ def onednn_bf16_kernels() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- forward passes
-def forward_in(precision: str, model: RiskModel) -> ForwardFn:
+def forward_in(precision: str, model: LoadedModel) -> ForwardFn:
     """A `TorchPredictor.forward` that scores in `precision`: fp32 is `score_batch` itself."""
     import torch
 
@@ -234,7 +234,7 @@ def forward_in(precision: str, model: RiskModel) -> ForwardFn:
     def bf16(features: FeatureBatch) -> np.ndarray:
         with torch.inference_mode():
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(*features.tensors())
+                logits = model.module(*features.tensors())
             return torch.sigmoid(logits.float()).double().numpy()
 
     return bf16
@@ -267,7 +267,7 @@ def _cycling(forward: ForwardFn, parts: list[FeatureBatch]) -> Callable[[], int]
     return one
 
 
-def forward_sweep(model: RiskModel, day: FeatureBatch, plan: PrecisionPlan) -> dict[str, Any]:
+def forward_sweep(model: LoadedModel, day: FeatureBatch, plan: PrecisionPlan) -> dict[str, Any]:
     """Items/s of each precision at each size, ABAB over `plan.rounds` rounds, on the day's items."""
     forwards = {precision: forward_in(precision, model) for precision in PRECISIONS}
     readings: dict[str, dict[str, list[dict[str, float]]]] = {
@@ -300,7 +300,7 @@ def _summary(readings: Mapping[str, list[dict[str, float]]]) -> dict[str, Any]:
     }
 
 
-def day_differences(model: RiskModel, day: FeatureBatch, threshold: float) -> dict[str, Any]:
+def day_differences(model: LoadedModel, day: FeatureBatch, threshold: float) -> dict[str, Any]:
     """bf16 against fp32 on the day's items at each size: small sizes on a prefix (2,000 items per
     item of batch), so batch 1 does not score the whole day twice."""
     forwards = {precision: forward_in(precision, model) for precision in PRECISIONS}
@@ -317,7 +317,7 @@ def day_differences(model: RiskModel, day: FeatureBatch, threshold: float) -> di
     return result
 
 
-def model_stage(model: RiskModel, day: FeatureBatch, plan: PrecisionPlan, forward_batch: int) -> dict[str, Any]:
+def model_stage(model: LoadedModel, day: FeatureBatch, plan: PrecisionPlan, forward_batch: int) -> dict[str, Any]:
     """`TorchPredictor.complete` on CHUNK_ROWS-row chunks at the batch path's forward batch: the
     model stage's work per chunk (forward passes, isolation, the result frame), ABAB."""
     import polars as pl
@@ -354,21 +354,23 @@ def _complete(predictor: TorchPredictor, prepared: PreparedBatch) -> int:
 
 
 # ---------------------------------------------------------------- the environment's pieces
-def train_model(database_url: str, history_days: int) -> tuple[RiskModel, dict[str, Any]]:
+def train_model(database_url: str, history_days: int) -> tuple[LoadedModel, dict[str, Any]]:
     """The reference model trained on the bench's history (the last day held out), registered and
     promoted as MODEL_NAME for the end-to-end workers."""
-    from inference.model import ModelConfig
+    from inference.spec import load_spec
     from inference.store import make_engine
     from inference.training import train_from_store
     from tandem import modelstore
 
     engine = make_engine(database_url)
     try:
+        spec = load_spec()
         model, report = train_from_store(
             engine,
+            spec,
             first_day=START_DAY,
             holdout_day=START_DAY + timedelta(days=history_days - 1),
-            config=ModelConfig(),
+            config=spec.spec.model_config(spec.spec.history_length),
             seed=0,
         )
     finally:
@@ -383,6 +385,7 @@ def scored_day(database_url: str, day: date, rows: int, history_length: int) -> 
     from inference.batch import ingest_day
     from inference.demo import DemoConfig, generate_day
     from inference.features import build_features
+    from inference.spec import load_spec
     from inference.store import make_engine, valid_rows_between
 
     engine = make_engine(database_url)
@@ -393,7 +396,7 @@ def scored_day(database_url: str, day: date, rows: int, history_length: int) -> 
     finally:
         engine.dispose()
     rows_frame = rows_frame.sort(["account_id", "event_ts", "transaction_id"])
-    features = build_features(rows_frame, rows_frame, history_length)
+    features = build_features(load_spec(), rows_frame, rows_frame, history_length)
     return features.take(np.flatnonzero((rows_frame["partition_date"] == day).to_numpy()))
 
 
@@ -526,7 +529,7 @@ def bench_precision(
     model, training = train_model(database_url, history_days)
     say(f"precision: trained on {training}")
     day = START_DAY + timedelta(days=history_days)
-    features = scored_day(database_url, day, plan.scored_rows, model.config.history_length)
+    features = scored_day(database_url, day, plan.scored_rows, model.history_length)
     threads_before = torch.get_num_threads()
     # As score_partition sets it for each of its MODEL_WORKERS model workers.
     threads = max(1, threads_before // MODEL_WORKERS)

@@ -192,19 +192,22 @@ def test_bf16_scores_close_to_fp32_but_not_equal() -> None:
     import torch
 
     from inference.features import FeatureBatch
-    from inference.model import ModelConfig, RiskModel
+    from tests.shared import reference_model
 
     torch.manual_seed(0)
-    model = RiskModel(ModelConfig()).eval()
+    model = reference_model()
     rng = np.random.default_rng(0)
     size = 4
     batch = FeatureBatch(
         [str(i) for i in range(size)],
-        rng.integers(0, 5, (size, 5)).astype(np.int64),
-        rng.random((size, 8), dtype=np.float32),
-        rng.integers(0, 5, (size, 16, 2)).astype(np.int64),
-        rng.random((size, 16, 4), dtype=np.float32),
-        np.ones((size, 16), dtype=bool),
+        (
+            rng.integers(0, 5, (size, 5)).astype(np.int64),
+            rng.random((size, 8), dtype=np.float32),
+            rng.integers(0, 5, (size, 16, 2)).astype(np.int64),
+            rng.random((size, 16, 4), dtype=np.float32),
+            np.ones((size, 16), dtype=bool),
+        ),
+        [None] * size,
     )
     fp32, bf16 = forward_in("fp32", model)(batch), forward_in("bf16", model)(batch)
     assert fp32.dtype == bf16.dtype == np.float64
