@@ -16,14 +16,28 @@ import numpy as np
 import polars as pl
 import torch
 
-from inference.records import (
-    COUNTRIES,
-    CURRENCIES,
-    MERCHANT_CATEGORIES,
-    USD_PER_UNIT,
-    VOCABULARY_FIELDS,
-    run_query,
-)
+from inference.records import run_query
+from inference.spec import load_spec
+
+# The reference's features, over the reference spec's vocabularies (0012 step 4 moves them into the
+# spec's own package, with USD_PER_UNIT).
+_REFERENCE = load_spec()
+CURRENCIES = _REFERENCE.categorical("currency").vocabulary
+MERCHANT_CATEGORIES = _REFERENCE.categorical("merchant_category").vocabulary
+COUNTRIES = _REFERENCE.categorical("country").vocabulary
+# The fields with a training vocabulary, sorted: the order `unseen_fields` names them in.
+VOCABULARY_FIELDS: tuple[str, ...] = tuple(sorted(field.name for field in _REFERENCE.categoricals))
+# Converting to one unit makes amounts comparable across an account's history.
+USD_PER_UNIT: dict[str, float] = {
+    "USD": 1.0,
+    "EUR": 1.08,
+    "GBP": 1.27,
+    "JPY": 0.0067,
+    "CHF": 1.13,
+    "CAD": 0.73,
+    "AUD": 0.66,
+    "SEK": 0.095,
+}
 
 FEATURE_COLUMNS = ("transaction_id", "account_id", "amount", "currency", "merchant_category", "country", "event_ts")
 CURRENT_CATEGORICAL = ("currency_idx", "category_idx", "country_idx", "hour", "weekday")

@@ -12,7 +12,7 @@ from typing import Final, Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from inference.records import VOCABULARY_FIELDS
+from inference.features import VOCABULARY_FIELDS
 from serving.settings import ServingSettings
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)

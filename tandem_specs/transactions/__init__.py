@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from inference.model import ModelConfig, RiskModel
-from inference.records import (
+from inference.spec import Categorical, EntityKey, EventTime, Label, ModelSpec, Numeric, RecordId
+from tandem_specs.transactions.records import (
     CATEGORY_MAX_LENGTH,
     CATEGORY_PATTERN,
     COUNTRIES,
@@ -23,14 +23,20 @@ from inference.records import (
     MERCHANT_CATEGORIES,
     REASON_ORDER,
 )
-from inference.spec import Categorical, EntityKey, EventTime, Label, ModelSpec, Numeric, RecordId
+
+# inference.model is imported where it is called, not here: until it moves into this package
+# (0012 step 4) the core's feature pipeline loads this spec for its vocabularies while importing.
 
 
 def _model(config: Mapping[str, Any]) -> nn.Module:
+    from inference.model import ModelConfig, RiskModel
+
     return RiskModel(ModelConfig(**config))
 
 
 def _model_config(history_length: int) -> dict[str, Any]:
+    from inference.model import ModelConfig
+
     return asdict(ModelConfig(history_length=history_length))
 
 
@@ -55,7 +61,12 @@ SPEC = ModelSpec(
         EntityKey("account_id"),
         Numeric("amount", minimum=0.0, maximum=MAX_PLAUSIBLE_AMOUNT, below="amount_negative", above="amount_absurd"),
         Categorical(
-            "currency", vocabulary=CURRENCIES, pattern=CURRENCY_PATTERN, max_length=3, malformed="bad_currency"
+            "currency",
+            vocabulary=CURRENCIES,
+            pattern=CURRENCY_PATTERN,
+            min_length=3,
+            max_length=3,
+            malformed="bad_currency",
         ),
         Categorical(
             "merchant_category",
@@ -64,7 +75,7 @@ SPEC = ModelSpec(
             max_length=CATEGORY_MAX_LENGTH,
             malformed="malformed_category",
         ),
-        Categorical("country", vocabulary=COUNTRIES, pattern=COUNTRY_PATTERN, max_length=2),
+        Categorical("country", vocabulary=COUNTRIES, pattern=COUNTRY_PATTERN, min_length=2, max_length=2),
         EventTime("event_time"),
     ),
     history_length=16,
@@ -74,7 +85,7 @@ SPEC = ModelSpec(
     label=Label("label_fraud"),
     plural="transactions",
     record_name="Transaction",
-    reason_order=tuple(code.value for code in REASON_ORDER),
+    reason_order=REASON_ORDER,
     title="Tandem risk scorer",
     description="Scores payment transactions for fraud risk, reading each account's recent history.",
 )

@@ -19,13 +19,16 @@ from inference.features import (
 from inference.records import split_valid
 from inference.training import UNKNOWN_MASK_SHARE, mask_to_unknown
 from tests.inference.support import DAY
+from tests.reference import REFERENCE
 
 K = 8
 
 
 @functools.cache
 def features() -> FeatureBatch:
-    valid, _ = split_valid(generate_day(DAY, DemoConfig(seed=4, rows_per_day=6_000, poison_rate=0.0, unseen_rate=0.0)))
+    valid, _ = split_valid(
+        REFERENCE, generate_day(DAY, DemoConfig(seed=4, rows_per_day=6_000, poison_rate=0.0, unseen_rate=0.0))
+    )
     return build_features(valid, valid, K)
 
 

@@ -21,7 +21,6 @@ from sqlalchemy.engine import Engine
 
 from inference.contract import TorchPredictor
 from inference.model import ModelConfig, RiskModel
-from inference.records import Transaction
 from inference.store import read_predictions
 from serving.admission import Decision
 from serving.app import answer
@@ -34,6 +33,7 @@ from serving.outbox import Outbox, PartlyWritten
 from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
+from tests.reference import Transaction
 from tests.serving.support import scored_batch, started_scorer, transaction
 from tests.shared import until_async
 

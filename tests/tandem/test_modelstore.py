@@ -23,6 +23,7 @@ from inference.model import RiskModel, TrainingReport, score_batch
 from inference.records import split_valid
 from tandem import modelstore
 from tests.inference.support import DAY, TINY_MODEL
+from tests.reference import REFERENCE
 
 
 def fresh_name() -> str:
@@ -47,7 +48,7 @@ def register_new(name: str, seed: int, auc: float = 0.5) -> tuple[RiskModel, str
 
 
 def test_register_then_load_gives_bit_identical_outputs() -> None:
-    valid, _ = split_valid(generate_day(DAY, DemoConfig(seed=9, rows_per_day=200, poison_rate=0.0)))
+    valid, _ = split_valid(REFERENCE, generate_day(DAY, DemoConfig(seed=9, rows_per_day=200, poison_rate=0.0)))
     features = build_features(valid, valid, TINY_MODEL.history_length)
     name = fresh_name()
     model, tag = register_new(name, seed=1, auc=0.75)
