@@ -53,6 +53,7 @@ from inference.spec import load_spec
 from inference.store import PartitionCounts, batch_scores, partition_counts, stored_partition_dates
 from inference.store import predictions as predictions_table
 from inference.store import transactions as transactions_table
+from inference.store.schema import REFERENCE_SPEC
 from inference.training import evaluate_auc, train_from_store
 from tandem import modelstore
 from tandem.version import code_version
@@ -123,7 +124,7 @@ def content_version(frame: pl.DataFrame) -> DataVersion:
     """A day's data version: the digest of its records as received, in any order. Re-ingesting the
     same records keeps it (nothing downstream turns stale); a corrected record changes it."""
     digest = hashlib.sha256()
-    canonical = frame.select(input_hash_expr().alias("record")).sort("record")
+    canonical = frame.select(input_hash_expr(REFERENCE_SPEC).alias("record")).sort("record")
     for chunk in canonical.iter_slices(65_536):
         digest.update("\n".join(chunk["record"].fill_null("").to_list()).encode())
     return DataVersion(digest.hexdigest()[:16])

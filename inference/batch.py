@@ -23,15 +23,9 @@ from sqlalchemy.engine import Connection, Engine
 
 from inference.contract import FrameHistory, Predictor, StagedPredictor
 from inference.pipeline import END, Aborted, Channel, End, Pipeline
-from inference.records import (
-    RAW_COLUMNS,
-    RECEIVED_PREFIX,
-    STRIPPED_COLUMNS,
-    RejectReason,
-    strip_text_fields,
-    validate,
-)
+from inference.records import RECEIVED_PREFIX, raw_columns, strip_text_fields, stripped_columns, validate
 from inference.sources.common import MALFORMED_ROW, PROBLEM
+from inference.spec import GenericReason
 from inference.store import (
     HISTORY_SCHEMA,
     BatchProducer,
@@ -54,16 +48,20 @@ from inference.store import (
     upsert_transactions,
     utc_now,
 )
+from inference.store.schema import REFERENCE_SPEC
+
+# The record table's spec (the reference's until the store follows the spec, 0012 step 5).
+RAW_COLUMNS = raw_columns(REFERENCE_SPEC)
 
 # Rows that cannot be stored as a source record at all (no key, the key already taken in this
 # batch, text PostgreSQL cannot hold, an amount text the number column cannot hold) are
 # quarantined at ingest, with the fields as received; everything else is stored as received
 # and judged at scoring.
 INGEST_REJECTIONS = {
-    RejectReason.NUL_CHARACTER.value,
-    RejectReason.MISSING_FIELD.value,
-    RejectReason.DUPLICATE_ID.value,
-    RejectReason.AMOUNT_UNPARSABLE.value,
+    GenericReason.NUL_CHARACTER.value,
+    GenericReason.MISSING_FIELD.value,
+    GenericReason.DUPLICATE_ID.value,
+    *(numeric.unparsable_code for numeric in REFERENCE_SPEC.numerics),
 }
 
 
@@ -82,10 +80,10 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date, *, run_id: str | 
     # (a source that strips them itself hands them over as received already).
     received = frame.with_columns(
         pl.col(name).alias(f"{RECEIVED_PREFIX}{name}")
-        for name in STRIPPED_COLUMNS
+        for name in stripped_columns(REFERENCE_SPEC)
         if f"{RECEIVED_PREFIX}{name}" not in frame.columns
     )
-    checked = validate(strip_text_fields(received))
+    checked = validate(REFERENCE_SPEC, strip_text_fields(REFERENCE_SPEC, received))
     if PROBLEM in checked.columns:
         # A row its source could not read as written (see `sources.PROBLEM`) is quarantined as that,
         # with the why, whatever its values would say: they are not what the user wrote.
@@ -120,7 +118,7 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date, *, run_id: str | 
                 [
                     rejected,
                     storable.filter(taken).with_columns(
-                        reject_reason=pl.lit(RejectReason.DUPLICATE_ID.value),
+                        reject_reason=pl.lit(GenericReason.DUPLICATE_ID.value),
                         reject_detail=pl.lit("already stored under partition ") + stored_on,
                     ),
                 ],
@@ -296,12 +294,12 @@ class _PartitionScoring:
         # The chunk is validated once, for both its roles (the rows scored and part of their own
         # history), and keeps the input_hash stored with it: validating twice and hashing again
         # were 40% of this stage (bench/findings.md).
-        checked = validate(chunk.select(RAW_COLUMNS)).with_columns(chunk["input_hash"])
+        checked = validate(REFERENCE_SPEC, chunk.select(RAW_COLUMNS)).with_columns(chunk["input_hash"])
         earlier = pl.concat([before, self.carry])
         history = FrameHistory(
             pl.concat(
                 [
-                    validate(earlier.select(RAW_COLUMNS)).with_columns(earlier["input_hash"]),
+                    validate(REFERENCE_SPEC, earlier.select(RAW_COLUMNS)).with_columns(earlier["input_hash"]),
                     checked,
                 ]
             )

@@ -16,8 +16,8 @@ import polars as pl
 
 from inference.features import FeatureBatch, build_features
 from inference.model import LoadedModel, score_batch
-from inference.records import RejectReason, hash_inputs, validate
-from inference.spec import LoadedSpec, load_spec
+from inference.records import hash_inputs, reason_fields, validate
+from inference.spec import GenericReason, LoadedSpec, load_spec
 
 # One row per input row, in input order.
 RESULT_SCHEMA: dict[str, pl.DataType] = {
@@ -53,11 +53,13 @@ class FrameHistory:
 
     targets_are_history = True
 
-    def __init__(self, frame: pl.DataFrame) -> None:
-        checked = frame if "reject_reason" in frame.columns else validate(frame)
+    def __init__(self, frame: pl.DataFrame, spec: LoadedSpec | None = None) -> None:
+        # `spec` None: the reference's, until scoring takes the configured spec (0012 step 4).
+        spec = spec or load_spec()
+        checked = frame if "reject_reason" in frame.columns else validate(spec, frame)
         valid = checked.filter(pl.col("reject_reason").is_null())
         # Stored rows carry their hash already; a frame from elsewhere gets the same one computed.
-        self.valid_rows = valid if "input_hash" in valid.columns else valid.with_columns(hash_inputs(valid))
+        self.valid_rows = valid if "input_hash" in valid.columns else valid.with_columns(hash_inputs(spec, valid))
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         return self.valid_rows
@@ -139,9 +141,9 @@ class TorchPredictor:
         """
         # A caller that validated and hashed the frame already (the service does, to look up
         # stored answers first) passes validate()'s output with input_hash: not done twice.
-        checked = frame if "reject_reason" in frame.columns else validate(frame)
+        checked = frame if "reject_reason" in frame.columns else validate(self.spec, frame)
         if "input_hash" not in checked.columns:
-            checked = checked.with_columns(hash_inputs(checked))
+            checked = checked.with_columns(hash_inputs(self.spec, checked))
         history_hashes: list[str | None] = [None] * checked.height
         unseen: list[str | None] = [None] * checked.height
         reasons: list[str | None] = checked["reject_reason"].to_list()
@@ -150,7 +152,7 @@ class TorchPredictor:
         # Only rejected rows need a sentence, so only they are materialised as Python rows.
         for position in np.flatnonzero(rejected).tolist():
             row = checked.row(position, named=True)
-            details[position] = describe_rejection(row["reject_reason"], row)
+            details[position] = describe_rejection(self.spec, row["reject_reason"], row)
         valid_positions = np.flatnonzero(~rejected)
         features = None
         if valid_positions.size:
@@ -218,7 +220,7 @@ class TorchPredictor:
             schema=RESULT_SCHEMA,
         )
 
-    def score_isolated(self, features: FeatureBatch) -> tuple[np.ndarray, dict[int, tuple[RejectReason, str]]]:
+    def score_isolated(self, features: FeatureBatch) -> tuple[np.ndarray, dict[int, tuple[GenericReason, str]]]:
         """Scores for a batch where one bad item fails only itself.
 
         A failed forward is bisected until the failing items are alone, so k poison items cost
@@ -226,7 +228,7 @@ class TorchPredictor:
         fails only its own item.
         """
         scores = np.full(len(features), np.nan)
-        failures: dict[int, tuple[RejectReason, str]] = {}
+        failures: dict[int, tuple[GenericReason, str]] = {}
         pending = [(0, len(features))]
         while pending:
             start, stop = pending.pop()
@@ -234,32 +236,18 @@ class TorchPredictor:
                 scores[start:stop] = self._forward(features.slice(start, stop))
             except Exception as error:  # noqa: BLE001 - any model failure is isolated, then reported
                 if stop - start == 1:
-                    failures[start] = (RejectReason.MODEL_ERROR, f"{type(error).__name__}: {error}"[:500])
+                    failures[start] = (GenericReason.MODEL_ERROR, f"{type(error).__name__}: {error}"[:500])
                 else:
                     middle = (start + stop) // 2
                     pending += [(start, middle), (middle, stop)]
         for position in np.flatnonzero(~np.isfinite(scores) | (scores < 0) | (scores > 1)):
             if int(position) not in failures:
-                failures[int(position)] = (RejectReason.NONFINITE_SCORE, f"model returned {scores[position]!r}")
+                failures[int(position)] = (GenericReason.NONFINITE_SCORE, f"model returned {scores[position]!r}")
         scores[list(failures)] = np.nan
         return scores, failures
 
 
-def describe_rejection(reason: str, row: dict[str, object]) -> str:
-    """A human sentence for a validation reason, naming the offending value."""
-    field = {
-        RejectReason.MISSING_FIELD: "transaction_id/account_id",
-        RejectReason.DUPLICATE_ID: "transaction_id",
-        RejectReason.BAD_CURRENCY: "currency",
-        RejectReason.AMOUNT_UNPARSABLE: "amount",
-        RejectReason.AMOUNT_NOT_FINITE: "amount",
-        RejectReason.AMOUNT_NEGATIVE: "amount",
-        RejectReason.AMOUNT_ABSURD: "amount",
-        RejectReason.MALFORMED_CATEGORY: "merchant_category",
-        RejectReason.MALFORMED_COUNTRY: "country",
-        RejectReason.TIMESTAMP_MISSING: "event_time",
-        RejectReason.TIMESTAMP_UNPARSABLE: "event_time",
-    }.get(RejectReason(reason), "record")
-    if field == "transaction_id/account_id":
-        return f"{reason}: transaction_id={row.get('transaction_id')!r} account_id={row.get('account_id')!r}"
-    return f"{reason}: {field}={row.get(field)!r}"
+def describe_rejection(ls: LoadedSpec, reason: str, row: dict[str, object]) -> str:
+    """A human sentence for a validation reason, naming the offending values."""
+    fields = reason_fields(ls).get(reason, ("record",))
+    return f"{reason}: " + " ".join(f"{name}={row.get(name)!r}" for name in fields)

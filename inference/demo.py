@@ -13,13 +13,17 @@ from datetime import UTC, date, datetime, timedelta
 import numpy as np
 import polars as pl
 
-from inference.records import (
-    COUNTRIES,
-    CURRENCIES,
-    MERCHANT_CATEGORIES,
-    RAW_COLUMNS,
-    RejectReason,
-)
+from inference.records import raw_columns
+from inference.spec import GenericReason, load_spec
+
+# The reference's generator, over the reference spec's declarations (0012 step 6 moves it into the
+# spec's own package).
+_REFERENCE = load_spec()
+COUNTRIES = _REFERENCE.categorical("country").vocabulary
+CURRENCIES = _REFERENCE.categorical("currency").vocabulary
+MERCHANT_CATEGORIES = _REFERENCE.categorical("merchant_category").vocabulary
+RAW_COLUMNS = raw_columns(_REFERENCE)
+_AMOUNT = _REFERENCE.numeric("amount")
 
 RISKY_CATEGORIES = ("electronics", "jewelry", "gift_cards", "crypto_exchange", "money_transfer", "gambling")
 HOME_CURRENCY = {
@@ -54,16 +58,16 @@ class PoisonKind(enum.StrEnum):
     DUPLICATE_ID = "duplicate_id"
 
 
-EXPECTED_REASON: dict[PoisonKind, RejectReason] = {
-    PoisonKind.BAD_CURRENCY: RejectReason.BAD_CURRENCY,
-    PoisonKind.NAN_AMOUNT: RejectReason.AMOUNT_NOT_FINITE,
-    PoisonKind.NEGATIVE_AMOUNT: RejectReason.AMOUNT_NEGATIVE,
-    PoisonKind.ABSURD_AMOUNT: RejectReason.AMOUNT_ABSURD,
-    PoisonKind.MALFORMED_CATEGORY: RejectReason.MALFORMED_CATEGORY,
-    PoisonKind.MALFORMED_COUNTRY: RejectReason.MALFORMED_COUNTRY,
-    PoisonKind.MISSING_TIMESTAMP: RejectReason.TIMESTAMP_MISSING,
-    PoisonKind.UNPARSABLE_TIMESTAMP: RejectReason.TIMESTAMP_UNPARSABLE,
-    PoisonKind.DUPLICATE_ID: RejectReason.DUPLICATE_ID,
+EXPECTED_REASON: dict[PoisonKind, str] = {
+    PoisonKind.BAD_CURRENCY: _REFERENCE.categorical("currency").malformed_code,
+    PoisonKind.NAN_AMOUNT: _AMOUNT.not_finite_code,
+    PoisonKind.NEGATIVE_AMOUNT: _AMOUNT.below_code,
+    PoisonKind.ABSURD_AMOUNT: _AMOUNT.above_code,
+    PoisonKind.MALFORMED_CATEGORY: _REFERENCE.categorical("merchant_category").malformed_code,
+    PoisonKind.MALFORMED_COUNTRY: _REFERENCE.categorical("country").malformed_code,
+    PoisonKind.MISSING_TIMESTAMP: GenericReason.TIMESTAMP_MISSING.value,
+    PoisonKind.UNPARSABLE_TIMESTAMP: GenericReason.TIMESTAMP_UNPARSABLE.value,
+    PoisonKind.DUPLICATE_ID: GenericReason.DUPLICATE_ID.value,
 }
 
 

@@ -43,7 +43,7 @@ class RejectionLineage:
     """A time a path refused the transaction (`rejected_records`): where, when and why."""
 
     rejection_id: int
-    reason: str  # an inference.records.RejectReason, or a source's or the store's reason
+    reason: str  # a validation reason code of the spec, or a source's or the store's reason
     detail: str | None
     path: str  # batch | online
     stage: str  # an inference.store.RejectStage: ingest | score | write

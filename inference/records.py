@@ -1,186 +1,75 @@
-"""The transaction record: one schema for frames, one model for a single record, one validator.
+"""A spec's records: their frame schema, their one validator and their input hash.
 
-Validation never raises for the whole frame: every row gets either no reason (valid) or exactly one
-reason code, the first rule it breaks in `REASON_ORDER`, so a quarantine row says why precisely.
+Everything here reads the record's fields from a `LoadedSpec` (inference.spec): which columns a
+frame holds, which text is stripped, which rules a record is checked by. Validation never raises
+for the whole frame: every row gets either no reason (valid) or exactly one reason code, the first
+rule it breaks in the spec's `validation_order`, so a quarantine row says why precisely.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import hashlib
 import math
+import operator
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# The training vocabularies: the values the model has an embedding row of its own for. A value
-# outside them that is well-formed (see the patterns below) is scored through the feature
-# pipeline's "unknown" bucket and flagged (`unseen_fields`), never refused: a merchant category
-# that appears tomorrow is a drift to watch, not poison.
-CURRENCIES: tuple[str, ...] = ("USD", "EUR", "GBP", "JPY", "CHF", "CAD", "AUD", "SEK")
-# Converting to one unit makes amounts comparable across an account's history.
-USD_PER_UNIT: dict[str, float] = {
-    "USD": 1.0,
-    "EUR": 1.08,
-    "GBP": 1.27,
-    "JPY": 0.0067,
-    "CHF": 1.13,
-    "CAD": 0.73,
-    "AUD": 0.66,
-    "SEK": 0.095,
-}
-MERCHANT_CATEGORIES: tuple[str, ...] = (
-    "grocery",
-    "restaurant",
-    "fuel",
-    "pharmacy",
-    "clothing",
-    "travel",
-    "hotel",
-    "airline",
-    "entertainment",
-    "utilities",
-    "telecom",
-    "insurance",
-    "education",
-    "health",
-    "home_improvement",
-    "sporting_goods",
-    "electronics",
-    "jewelry",
-    "gift_cards",
-    "crypto_exchange",
-    "money_transfer",
-    "gambling",
-    "subscription",
-    "marketplace",
+from inference.spec import (
+    EVENT_TIME_PATTERN,
+    Categorical,
+    EntityKey,
+    GenericReason,
+    LoadedSpec,
+    RecordId,
+    validation_order,
 )
-COUNTRIES: tuple[str, ...] = (
-    "US",
-    "CA",
-    "MX",
-    "GB",
-    "IE",
-    "FR",
-    "DE",
-    "NL",
-    "BE",
-    "ES",
-    "IT",
-    "PT",
-    "CH",
-    "AT",
-    "SE",
-    "NO",
-    "DK",
-    "FI",
-    "PL",
-    "JP",
-    "AU",
-    "NZ",
-    "SG",
-    "BR",
-    "NG",
-    "RU",
-)
-# The fields with a training vocabulary, sorted: the order `unseen_fields` names them in.
-VOCABULARY_FIELDS: tuple[str, ...] = ("country", "currency", "merchant_category")
-# What a well-formed value looks like, checked alike by `validate()` (polars) and `Transaction`
-# (pydantic); both use Rust's regex engine, where `$` is the end of the text (Python's `re` would
-# also accept a trailing newline). ISO 4217 / ISO 3166-1 alpha-2 shapes, not their code lists:
-# a code issued tomorrow is well-formed.
-CURRENCY_PATTERN = r"^[A-Z]{3}$"
-COUNTRY_PATTERN = r"^[A-Z]{2}$"
-CATEGORY_MAX_LENGTH = 64
-# After stripping surrounding whitespace: 1-64 ASCII letters, digits, spaces and `_ - & / .`, room
-# for names such as "ev_charging", "Home & Garden" or "b2b/saas", none for markup, quotes,
-# control characters or the debris of a mis-split CSV line. ASCII only, so a look-alike Unicode
-# letter cannot open a second spelling of one category.
-CATEGORY_PATTERN = rf"^[A-Za-z0-9 _&/.-]{{1,{CATEGORY_MAX_LENGTH}}}$"
-# RFC 3339 date-time text (a `T`, seconds, and `Z` or a numeric offset), checked alike by both
-# validators before their own parsers. Each parser alone takes forms the other refuses: pydantic an
-# epoch number or "2026-11-01 12:00:00Z", polars "2026-11-01T1:00:00Z", a leading space or a leap
-# second. A record is valid on both paths or on neither. ASCII digits only, and no year 0, which
-# polars would parse and Python's datetime cannot hold (Rust's regex has no look-ahead to say it).
-EVENT_TIME_PATTERN = (
-    r"^([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-[0-9]{2}-[0-9]{2}"
-    r"T[0-9]{2}:[0-9]{2}:[0-5][0-9](\.[0-9]+)?([Zz]|[+-][0-9]{2}:?[0-9]{2})$"
-)
-_EVENT_TIME = re.compile(EVENT_TIME_PATTERN)
-# The text fields, kept without surrounding whitespace wherever a record comes in (`Transaction`
-# with `str_strip_whitespace`, `raw_frame`, `strip_text_fields`): the stripped value is the one
-# stored, hashed and scored, so an id padded in a file is the same transaction as in a request.
-STRIPPED_COLUMNS: tuple[str, ...] = ("transaction_id", "account_id", "currency", "merchant_category", "country")
+
 # What pydantic's and polars' strips remove (Rust's `char::is_whitespace`). Python's own `strip()`
 # also removes the separators U+001C-U+001F, which the other two keep.
 WHITESPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace() and c not in "\x1c\x1d\x1e\x1f")
-# An amount above this is a unit or parsing error upstream, not a purchase.
-MAX_PLAUSIBLE_AMOUNT = 1_000_000.0
-ID_MAX_LENGTH = 64
-
-
-class RejectReason(enum.StrEnum):
-    """Why a record was quarantined (validation) or failed scoring (model stage)."""
-
-    # A NUL character in a text field: PostgreSQL text cannot hold one, so the record cannot be
-    # stored (one such row failed the whole day's COPY, at every retry); online it is a 422.
-    NUL_CHARACTER = "nul_character"
-    MISSING_FIELD = "missing_field"
-    DUPLICATE_ID = "duplicate_id"
-    # Malformed, not merely unseen: an unseen well-formed value is scored (see CURRENCIES).
-    BAD_CURRENCY = "bad_currency"
-    # Text that is no number ("12;50", "12,50"): malformed, where `amount_not_finite` is a number
-    # that is NaN or infinite, or no amount at all. Quarantined at ingest with the text received.
-    AMOUNT_UNPARSABLE = "amount_unparsable"
-    AMOUNT_NOT_FINITE = "amount_not_finite"
-    AMOUNT_NEGATIVE = "amount_negative"
-    AMOUNT_ABSURD = "amount_absurd"
-    MALFORMED_CATEGORY = "malformed_category"
-    MALFORMED_COUNTRY = "malformed_country"
-    TIMESTAMP_MISSING = "timestamp_missing"
-    TIMESTAMP_UNPARSABLE = "timestamp_unparsable"
-    MODEL_ERROR = "model_error"
-    NONFINITE_SCORE = "nonfinite_score"
-
-
-# The order rules are checked in, so a row breaking several rules always gets the same reason.
-REASON_ORDER: tuple[RejectReason, ...] = (
-    RejectReason.NUL_CHARACTER,
-    RejectReason.MISSING_FIELD,
-    RejectReason.DUPLICATE_ID,
-    RejectReason.BAD_CURRENCY,
-    RejectReason.AMOUNT_UNPARSABLE,
-    RejectReason.AMOUNT_NOT_FINITE,
-    RejectReason.AMOUNT_NEGATIVE,
-    RejectReason.AMOUNT_ABSURD,
-    RejectReason.MALFORMED_CATEGORY,
-    RejectReason.MALFORMED_COUNTRY,
-    RejectReason.TIMESTAMP_MISSING,
-    RejectReason.TIMESTAMP_UNPARSABLE,
-)
-
-# Source records as they arrive: event_time stays text because a source may send anything.
-RAW_SCHEMA: dict[str, pl.DataType] = {
-    "transaction_id": pl.String(),
-    "account_id": pl.String(),
-    "amount": pl.Float64(),
-    "currency": pl.String(),
-    "merchant_category": pl.String(),
-    "country": pl.String(),
-    "event_time": pl.String(),
-}
-RAW_COLUMNS: tuple[str, ...] = tuple(RAW_SCHEMA)
-# A field as its source received it, beside the RAW column that holds it read (stripped, or an
-# amount parsed), null where the two agree: a quarantine payload keeps the text the user wrote.
-# RECEIVED_AMOUNT is set only on a day with an amount text that is no number, since RAW_SCHEMA's
-# float column cannot hold "12;50"; validation names such a row amount_unparsable.
+# A field as its source received it, beside the raw column that holds it read (stripped, or a
+# numeric parsed), null where the two agree: a quarantine payload keeps the text the user wrote.
+# `received_{numeric}` is set only on a day with a numeric's text that is no number, since the
+# raw schema's float column cannot hold "12;50"; validation names such a row `{numeric}_unparsable`.
 RECEIVED_PREFIX = "received_"
-RECEIVED_AMOUNT = f"{RECEIVED_PREFIX}amount"
-TEXT_COLUMNS: tuple[str, ...] = tuple(name for name, dtype in RAW_SCHEMA.items() if dtype == pl.String())
+EVENT_TS_DTYPE = pl.Datetime("us", "UTC")
+
+
+@functools.cache
+def raw_schema(ls: LoadedSpec) -> Mapping[str, pl.DataType]:
+    """Source records as they arrive, in field order: numerics as floats, everything else text
+    (the event time too, because a source may send anything)."""
+    numerics = {field.name for field in ls.numerics}
+    return {name: pl.Float64() if name in numerics else pl.String() for name in ls.field_names}
+
+
+@functools.cache
+def raw_columns(ls: LoadedSpec) -> tuple[str, ...]:
+    return tuple(raw_schema(ls))
+
+
+@functools.cache
+def text_columns(ls: LoadedSpec) -> tuple[str, ...]:
+    return tuple(name for name, dtype in raw_schema(ls).items() if dtype == pl.String())
+
+
+@functools.cache
+def stripped_columns(ls: LoadedSpec) -> tuple[str, ...]:
+    """The text fields kept without surrounding whitespace wherever a record comes in (the record
+    model with `str_strip_whitespace`, `raw_frame`, `strip_text_fields`): the stripped value is
+    the one stored, hashed and scored, so an id padded in a file is the same record as in a
+    request. All text but the event time, which is parsed as it came."""
+    return tuple(name for name in text_columns(ls) if name != ls.event_time.name)
+
+
+@functools.cache
+def numeric_columns(ls: LoadedSpec) -> tuple[str, ...]:
+    return tuple(field.name for field in ls.numerics)
 
 
 def has_nul(value: Any) -> bool:
@@ -194,101 +83,46 @@ def has_nul(value: Any) -> bool:
     return False
 
 
-EVENT_TS_DTYPE = pl.Datetime("us", "UTC")
-
-
-class Transaction(BaseModel):
-    """One record, for the online path: the same field names as the `transactions` table."""
-
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
-
-    transaction_id: str = Field(min_length=1, max_length=ID_MAX_LENGTH)
-    account_id: str = Field(min_length=1, max_length=ID_MAX_LENGTH)
-    amount: float = Field(ge=0.0, le=MAX_PLAUSIBLE_AMOUNT, allow_inf_nan=False)
-    # Shapes only (see CURRENCY_PATTERN): a value outside the training vocabulary is accepted.
-    currency: str = Field(min_length=3, max_length=3, pattern=CURRENCY_PATTERN)
-    merchant_category: str = Field(min_length=1, max_length=CATEGORY_MAX_LENGTH, pattern=CATEGORY_PATTERN)
-    country: str = Field(min_length=2, max_length=2, pattern=COUNTRY_PATTERN)
-    event_time: datetime
-
-    @field_validator("amount", mode="before")
-    @classmethod
-    def _a_number(cls, value: Any) -> Any:
-        # pydantic alone reads true as 1.0; a frame (`raw_frame`, a CSV cell) has no amount there.
-        if isinstance(value, bool):
-            raise ValueError("amount must be a number, not a boolean")
-        # A JSON number, as the schema says and an NDJSON line requires (a string amount is that
-        # row's problem). Read leniently, pydantic took "1_000" as 1000 and "１２" as 12, which a CSV
-        # cell with the same text is quarantined for.
-        if isinstance(value, str):
-            raise ValueError("amount must be a number, not a string")
-        return value
-
-    @field_validator("event_time", mode="before")
-    @classmethod
-    def _rfc3339_text(cls, value: Any) -> Any:
-        if isinstance(value, datetime):  # a Python caller's own value; a request always sends text
-            return value
-        # fullmatch: `re`'s `$` alone would also accept a trailing newline, which polars refuses.
-        if not isinstance(value, str) or _EVENT_TIME.fullmatch(value) is None:
-            raise ValueError("event_time must be RFC 3339 text with seconds and an offset (e.g. 2026-11-01T12:00:00Z)")
-        return value
-
-    @field_validator("event_time")
-    @classmethod
-    def _aware_utc(cls, value: datetime) -> datetime:
-        if value.tzinfo is None:
-            raise ValueError("event_time must carry a timezone offset (e.g. 2026-11-01T12:00:00Z)")
-        try:
-            return value.astimezone(UTC)
-        except OverflowError:  # not a ValueError: pydantic would let it out of validation as a crash
-            raise ValueError("event_time is out of range in UTC (years 1-9999)") from None
-
-    def to_raw(self) -> dict[str, Any]:
-        raw = self.model_dump()
-        raw["event_time"] = format_event_time(self.event_time)
-        return raw
-
-
 def format_event_time(moment: datetime) -> str:
     """Canonical text form, so the same instant always hashes and sorts the same. Not `strftime`:
     its `%Y` writes the year 1 as "1", which is not RFC 3339."""
     return moment.astimezone(UTC).isoformat(timespec="microseconds").removesuffix("+00:00") + "Z"
 
 
-def empty_raw_frame() -> pl.DataFrame:
-    return pl.DataFrame(schema=RAW_SCHEMA)
+def empty_raw_frame(ls: LoadedSpec) -> pl.DataFrame:
+    return pl.DataFrame(schema=raw_schema(ls))
 
 
-def raw_frame(records: list[dict[str, Any]]) -> pl.DataFrame:
-    """Build a frame in RAW_SCHEMA from dicts without letting one odd value fail the frame."""
-    columns: dict[str, list[Any]] = {name: [] for name in RAW_COLUMNS}
-    for record in records:
-        for name in RAW_COLUMNS:
-            columns[name].append(record.get(name))
-    columns["amount"] = [_as_float(value) for value in columns["amount"]]
-    for name in RAW_COLUMNS:
-        if name != "amount":
-            columns[name] = [None if value is None else str(value) for value in columns[name]]
-    for name in STRIPPED_COLUMNS:
-        columns[name] = [None if value is None else value.strip(WHITESPACE) for value in columns[name]]
-    return pl.DataFrame(columns, schema=RAW_SCHEMA)
-
-
-def strip_text_fields(frame: pl.DataFrame) -> pl.DataFrame:
-    """`frame` with its text fields stripped, as a request's are (`STRIPPED_COLUMNS`)."""
-    return frame.with_columns(pl.col(STRIPPED_COLUMNS).str.strip_chars())
-
-
-def received_columns(records: list[dict[str, Any]]) -> list[pl.Series]:
-    """The fields `raw_frame(records)` does not hold as received (text it strips, an amount text
-    that is no number), as RECEIVED_PREFIX columns: the text on rows where it differs, else null.
-    Only the columns with such a row."""
-    columns = []
-    for name in (*STRIPPED_COLUMNS, "amount"):
+def raw_frame(ls: LoadedSpec, records: list[dict[str, Any]]) -> pl.DataFrame:
+    """Build a frame in the raw schema from dicts without letting one odd value fail the frame."""
+    numerics = numeric_columns(ls)
+    columns: dict[str, list[Any]] = {}
+    for name in raw_columns(ls):
         values = [record.get(name) for record in records]
-        if name == "amount":
-            received = [value if _read_amount(value)[1] else None for value in values]
+        if name in numerics:
+            columns[name] = [_as_float(value) for value in values]
+        else:
+            columns[name] = [None if value is None else str(value) for value in values]
+    for name in stripped_columns(ls):
+        columns[name] = [None if value is None else value.strip(WHITESPACE) for value in columns[name]]
+    return pl.DataFrame(columns, schema=raw_schema(ls))
+
+
+def strip_text_fields(ls: LoadedSpec, frame: pl.DataFrame) -> pl.DataFrame:
+    """`frame` with its text fields stripped, as a request's are (`stripped_columns`)."""
+    return frame.with_columns(pl.col(stripped_columns(ls)).str.strip_chars())
+
+
+def received_columns(ls: LoadedSpec, records: list[dict[str, Any]]) -> list[pl.Series]:
+    """The fields `raw_frame(ls, records)` does not hold as received (text it strips, a numeric's
+    text that is no number), as RECEIVED_PREFIX columns: the text on rows where it differs, else
+    null. Only the columns with such a row."""
+    columns = []
+    numerics = numeric_columns(ls)
+    for name in (*stripped_columns(ls), *numerics):
+        values = [record.get(name) for record in records]
+        if name in numerics:
+            received = [value if _read_number(value)[1] else None for value in values]
         else:
             received = [
                 value if isinstance(value, str) and value.strip(WHITESPACE) != value else None for value in values
@@ -299,11 +133,11 @@ def received_columns(records: list[dict[str, Any]]) -> list[pl.Series]:
 
 
 def _as_float(value: Any) -> float | None:
-    return _read_amount(value)[0]
+    return _read_number(value)[0]
 
 
-def _read_amount(value: Any) -> tuple[float | None, bool]:
-    """(the amount, NaN when it is no number; whether it was text that is no number)."""
+def _read_number(value: Any) -> tuple[float | None, bool]:
+    """(the number, NaN when it is none; whether it was text that is no number)."""
     if value is None or isinstance(value, bool):
         return None, False
     if isinstance(value, str):
@@ -312,7 +146,7 @@ def _read_amount(value: Any) -> tuple[float | None, bool]:
         # with the same text quarantines: one record would mean two things.
         value = value.strip(WHITESPACE)
         if not value:
-            return None, False  # a blank cell is no amount, as in a CSV
+            return None, False  # a blank cell is no number, as in a CSV
         if not value.isascii() or "_" in value:
             return math.nan, True
     try:
@@ -344,106 +178,158 @@ def parse_event_time(column: pl.Expr) -> pl.Expr:
     return pl.when(column.str.contains(EVENT_TIME_PATTERN)).then(_to_utc(column))
 
 
-def validate(frame: pl.DataFrame) -> pl.DataFrame:
+def validate(ls: LoadedSpec, frame: pl.DataFrame) -> pl.DataFrame:
     """Return `frame` plus `event_ts` (parsed) and `reject_reason` (null if valid).
 
-    `frame` needs the RAW_SCHEMA columns; any others (labels, partition keys, RECEIVED_AMOUNT) are
+    `frame` needs the raw schema's columns; any others (labels, partition keys, `received_*`) are
     carried along.
 
     Duplicated ids: the first occurrence is kept, every later one is rejected, so a frame's valid
     rows always have unique ids.
     """
+    event_time = pl.col(ls.event_time.name)
+    received = frozenset(name for name in numeric_columns(ls) if f"{RECEIVED_PREFIX}{name}" in frame.columns)
     return run_query(
         frame.lazy()
-        .with_columns(event_ts=parse_event_time(pl.col("event_time")))
-        # Years 1-9999 in UTC, as `Transaction` checks: "0001-01-01T00:00:00+01:00" parses to the
+        .with_columns(event_ts=parse_event_time(event_time))
+        # Years 1-9999 in UTC, as the record model checks: "0001-01-01T00:00:00+01:00" parses to the
         # year 0, which no Python datetime holds (a rejected row is read as one, for its detail).
         # A stage of its own: in `parse_event_time` the parse would run twice, and beside the
         # reason a second output costs an online batch more than this stage does.
         .with_columns(event_ts=pl.when(pl.col("event_ts").dt.year().is_between(1, 9999)).then(pl.col("event_ts")))
-        .with_columns(reject_reason=_reject_reason(RECEIVED_AMOUNT in frame.columns))
+        .with_columns(reject_reason=_reject_reason(ls, received))
     )
 
 
-@functools.cache
-def _reject_reason(amount_received: bool) -> pl.Expr:
-    """validate()'s rules as one expression, built once: building it cost a sixth of validating
-    one online batch. Polars expressions are immutable, so every caller may share it."""
-    amount = pl.col("amount")
-    unparsable = pl.col(RECEIVED_AMOUNT).is_not_null() if amount_received else pl.lit(False)
-    rules: dict[RejectReason, pl.Expr] = {
-        RejectReason.NUL_CHARACTER: pl.any_horizontal(
-            pl.col(name).str.contains("\x00", literal=True).fill_null(False) for name in TEXT_COLUMNS
+def _missing(name: str, max_length: int) -> pl.Expr:
+    """Null, blank (the record model strips whitespace) or longer than `max_length`."""
+    column = pl.col(name)
+    return column.is_null() | (column.str.strip_chars().str.len_chars() == 0) | (column.str.len_chars() > max_length)
+
+
+# `^[class]{n}$` or `^[class]{min,max}$`: one character class repeated, so its length bounds are
+# the repetition's (a class matches one character, as `len_chars` counts them).
+_ONE_CLASS = re.compile(r"\^(\[(?:[^\]\\]|\\.)+\])\{(\d+)(?:,(\d+))?\}\$")
+
+
+def _well_formed(categorical: Categorical) -> pl.Expr:
+    """The record model's check of a categorical (stripped, `pattern`, `min_length`..`max_length`),
+    with the work a pattern makes needless left out: each step is a cost on every online batch.
+    A pattern of one character class that holds no whitespace refuses padding itself (and the
+    frames validated are stripped: `raw_frame`, `strip_text_fields`), so it is matched as it
+    stands; one whose repetition lies within the bounds needs no length check."""
+    shape = _ONE_CLASS.fullmatch(categorical.pattern)
+    if shape is None:
+        text = pl.col(categorical.name).str.strip_chars()
+        bounded = text.str.len_chars().is_between(categorical.min_length, categorical.max_length)
+        return text.str.contains(categorical.pattern) & bounded
+    character, least, most = shape.group(1), int(shape.group(2)), int(shape.group(3) or shape.group(2))
+    padded = pl.Series(list(WHITESPACE), dtype=pl.String).str.contains(f"^{character}$").any()
+    text = pl.col(categorical.name).str.strip_chars() if padded else pl.col(categorical.name)
+    matches = text.str.contains(categorical.pattern)
+    if categorical.min_length <= least and most <= categorical.max_length:
+        return matches
+    return matches & text.str.len_chars().is_between(categorical.min_length, categorical.max_length)
+
+
+def _rules(ls: LoadedSpec, received: frozenset[str]) -> dict[str, pl.Expr]:
+    """Every code validation checks, with the expression true where a row breaks its rule."""
+    record_id, event_time = pl.col(ls.id.name), pl.col(ls.event_time.name)
+    keys: list[RecordId | EntityKey] = [ls.id, *([ls.entity] if ls.entity else [])]
+    missing = functools.reduce(operator.or_, (_missing(key.name, key.max_length) for key in keys))
+    rules: dict[str, pl.Expr] = {
+        GenericReason.NUL_CHARACTER: pl.any_horizontal(
+            pl.col(name).str.contains("\x00", literal=True).fill_null(False) for name in text_columns(ls)
         ),
-        RejectReason.MISSING_FIELD: pl.col("transaction_id").is_null()
-        | pl.col("account_id").is_null()
-        # Blank ids count as missing, as `Transaction` (which strips whitespace) treats them.
-        | (pl.col("transaction_id").str.strip_chars().str.len_chars() == 0)
-        | (pl.col("account_id").str.strip_chars().str.len_chars() == 0)
-        | (pl.col("transaction_id").str.len_chars() > ID_MAX_LENGTH)
-        | (pl.col("account_id").str.len_chars() > ID_MAX_LENGTH),
+        GenericReason.MISSING_FIELD: missing,
         # The first occurrence stays valid. Not a window (`int_range().over()`): that cost a
         # quarter of validating one online batch.
-        RejectReason.DUPLICATE_ID: pl.col("transaction_id").is_not_null()
-        & ~pl.col("transaction_id").is_first_distinct(),
-        RejectReason.BAD_CURRENCY: ~pl.col("currency").str.contains(CURRENCY_PATTERN).fill_null(False),
-        RejectReason.AMOUNT_UNPARSABLE: unparsable,
-        RejectReason.AMOUNT_NOT_FINITE: amount.is_null() | ~amount.is_finite().fill_null(False),
-        RejectReason.AMOUNT_NEGATIVE: amount < 0,
-        RejectReason.AMOUNT_ABSURD: amount > MAX_PLAUSIBLE_AMOUNT,
-        # Stripped first, as `Transaction` (str_strip_whitespace) does: the same values pass both.
-        RejectReason.MALFORMED_CATEGORY: ~pl.col("merchant_category")
-        .str.strip_chars()
-        .str.contains(CATEGORY_PATTERN)
-        .fill_null(False),
-        RejectReason.MALFORMED_COUNTRY: ~pl.col("country").str.contains(COUNTRY_PATTERN).fill_null(False),
-        RejectReason.TIMESTAMP_MISSING: pl.col("event_time").is_null() | (pl.col("event_time").str.strip_chars() == ""),
-        RejectReason.TIMESTAMP_UNPARSABLE: pl.col("event_ts").is_null(),
+        GenericReason.DUPLICATE_ID: record_id.is_not_null() & ~record_id.is_first_distinct(),
+        GenericReason.TIMESTAMP_MISSING: event_time.is_null() | (event_time.str.strip_chars() == ""),
+        GenericReason.TIMESTAMP_UNPARSABLE: pl.col("event_ts").is_null(),
     }
+    for numeric in ls.numerics:
+        value = pl.col(numeric.name)
+        received_text = pl.col(f"{RECEIVED_PREFIX}{numeric.name}")
+        rules[numeric.unparsable_code] = received_text.is_not_null() if numeric.name in received else pl.lit(False)
+        rules[numeric.not_finite_code] = value.is_null() | ~value.is_finite().fill_null(False)
+        if numeric.minimum is not None:
+            rules[numeric.below_code] = value < numeric.minimum
+        if numeric.maximum is not None:
+            rules[numeric.above_code] = value > numeric.maximum
+    for categorical in ls.categoricals:
+        rules[categorical.malformed_code] = ~_well_formed(categorical).fill_null(False)
+    for rule in ls.spec.rules:
+        rules[rule.code] = rule.refuses()
+    return rules
+
+
+@functools.cache
+def _reject_reason(ls: LoadedSpec, received: frozenset[str]) -> pl.Expr:
+    """validate()'s rules as one expression, built once per spec: building it cost a sixth of
+    validating one online batch. Polars expressions are immutable, so every caller may share it.
+    `received`: the numerics whose `received_*` column the frame has."""
+    rules = _rules(ls, received)
     reason: pl.Expr = pl.lit(None, dtype=pl.String)
-    for code in reversed(REASON_ORDER):
-        reason = pl.when(rules[code].fill_null(False)).then(pl.lit(code.value)).otherwise(reason)
+    for code in reversed(validation_order(ls.spec)):
+        reason = pl.when(rules[code].fill_null(False)).then(pl.lit(str(code))).otherwise(reason)
     return reason
 
 
-def split_valid(frame: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(valid rows with event_ts, rejected rows with reject_reason) from a RAW_SCHEMA frame."""
-    checked = validate(frame)
+@functools.cache
+def reason_fields(ls: LoadedSpec) -> Mapping[str, tuple[str, ...]]:
+    """The fields each validation code is about, for a rejection's detail."""
+    keys = (ls.id.name, *([ls.entity.name] if ls.entity else ()))
+    fields: dict[str, tuple[str, ...]] = {
+        GenericReason.MISSING_FIELD.value: keys,
+        GenericReason.DUPLICATE_ID.value: (ls.id.name,),
+        GenericReason.TIMESTAMP_MISSING.value: (ls.event_time.name,),
+        GenericReason.TIMESTAMP_UNPARSABLE.value: (ls.event_time.name,),
+    }
+    for numeric in ls.numerics:
+        codes = (numeric.unparsable_code, numeric.not_finite_code, numeric.below_code, numeric.above_code)
+        fields |= dict.fromkeys(codes, (numeric.name,))
+    fields |= {categorical.malformed_code: (categorical.name,) for categorical in ls.categoricals}
+    fields |= {rule.code: (rule.field,) for rule in ls.spec.rules}
+    return fields
+
+
+def split_valid(ls: LoadedSpec, frame: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(valid rows with event_ts, rejected rows with reject_reason) from a raw frame."""
+    checked = validate(ls, frame)
     valid = checked.filter(pl.col("reject_reason").is_null()).drop("reject_reason")
     rejected = checked.filter(pl.col("reject_reason").is_not_null())
     return valid, rejected
 
 
 @functools.cache
-def input_hash_expr() -> pl.Expr:
-    """The canonical text of a record's RAW contents, hashed by `hash_inputs`.
+def input_hash_expr(ls: LoadedSpec) -> pl.Expr:
+    """The canonical text of a record's raw contents, hashed by `hash_inputs`: the fields in
+    declaration order, `\\x1f`-joined, `\\N` for null.
 
     Timestamps that parse are hashed in canonical form, so `...Z` and `...+00:00` are one input.
     """
     # The parser alone, without the pattern: a valid row's time matches it anyway, so its hash is
     # the same, and hashing (on every online batch, beside `validate`) does not run the check again.
-    parsed = _to_utc(pl.col("event_time"))
-    event = (
-        pl.when(parsed.is_not_null()).then(parsed.dt.strftime("%Y-%m-%dT%H:%M:%S.%6fZ")).otherwise(pl.col("event_time"))
-    )
-    return pl.concat_str(
-        [
-            pl.col("transaction_id").fill_null("\\N"),
-            pl.col("account_id").fill_null("\\N"),
+    event_time = pl.col(ls.event_time.name)
+    parsed = _to_utc(event_time)
+    event = pl.when(parsed.is_not_null()).then(parsed.dt.strftime("%Y-%m-%dT%H:%M:%S.%6fZ")).otherwise(event_time)
+    numerics = numeric_columns(ls)
+
+    def canonical(name: str) -> pl.Expr:
+        if name == ls.event_time.name:
+            return event.fill_null("\\N")
+        if name in numerics:
             # SQLite stores NaN as NULL; hashing both alike keeps a stored row's hash equal to the source's.
-            pl.col("amount").fill_nan(None).cast(pl.String).fill_null("\\N"),
-            pl.col("currency").fill_null("\\N"),
-            pl.col("merchant_category").fill_null("\\N"),
-            pl.col("country").fill_null("\\N"),
-            event.fill_null("\\N"),
-        ],
-        separator="\x1f",
-    )
+            return pl.col(name).fill_nan(None).cast(pl.String).fill_null("\\N")
+        return pl.col(name).fill_null("\\N")
+
+    return pl.concat_str([canonical(name) for name in raw_columns(ls)], separator="\x1f")
 
 
-def hash_inputs(frame: pl.DataFrame) -> pl.Series:
+def hash_inputs(ls: LoadedSpec, frame: pl.DataFrame) -> pl.Series:
     """sha256 of each row's canonical contents; polars' own hash is not stable across versions."""
-    canonical = frame.select(input_hash_expr().alias("canonical"))["canonical"]
+    canonical = frame.select(input_hash_expr(ls).alias("canonical"))["canonical"]
     return pl.Series(
         "input_hash",
         [hashlib.sha256(text.encode()).hexdigest()[:32] for text in canonical.to_list()],

@@ -18,7 +18,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from inference.lineage import explain
-from inference.records import ID_MAX_LENGTH, Transaction
 from inference.settings import TandemSettings
 from serving.batcher import SCORING_PROCESS_DIED
 from serving.gate import Edge, ScoreCall, new_request_id
@@ -27,7 +26,7 @@ from serving.metrics import ServingMetrics
 from serving.openapi import service_document
 from serving.refusals import Refused
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
-from serving.schemas import REQUEST_ID_HEADER, ItemResult, ScoreResponse
+from serving.schemas import RECORD_SPEC, REQUEST_ID_HEADER, ItemResult, ScoreResponse, Transaction
 from serving.security import SecuritySettings
 
 logger = logging.getLogger(__name__)
@@ -84,8 +83,9 @@ async def _lineage(request: Request, request_id: str, edge: _Edge, scorer: Onlin
     if refusal is not None:
         raise refusal
     transaction_id = str(request.path_params["transaction_id"])
-    if not 0 < len(transaction_id) <= ID_MAX_LENGTH or "\x00" in transaction_id:
-        raise Refused(422, "invalid_request", f"transaction_id must be 1-{ID_MAX_LENGTH} characters, no NUL")
+    longest = RECORD_SPEC.id.max_length
+    if not 0 < len(transaction_id) <= longest or "\x00" in transaction_id:
+        raise Refused(422, "invalid_request", f"transaction_id must be 1-{longest} characters, no NUL")
     try:
         # A blocking query: off the event loop, which keeps answering /score meanwhile.
         found = await asyncio.to_thread(

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
-from inference.records import MERCHANT_CATEGORIES, Transaction
 from serving.batcher import ProcessFn
+from serving.schemas import RECORD_SPEC, Transaction
 from serving.scoring import BatchResult, ItemSpec
 from serving.scoring_process import run_on
+
+_CATEGORIES = RECORD_SPEC.categorical("merchant_category").vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +133,16 @@ def warm_up_backend(
 
 def _warm_up_spec(index: int) -> ItemSpec:
     moment = datetime(2000, 1, 1, tzinfo=UTC) + timedelta(minutes=index)
-    tx = Transaction(
-        transaction_id=f"warm-up-{index}",
-        account_id=f"warm-up-account-{index % 4}",
-        amount=10.0 + index,
-        # One ordinary country: warm-up proves the path works, not that every input does.
-        currency="USD",
-        merchant_category=MERCHANT_CATEGORIES[index % len(MERCHANT_CATEGORIES)],
-        country="US",
-        event_time=moment,
+    tx = Transaction.model_validate(
+        {
+            "transaction_id": f"warm-up-{index}",
+            "account_id": f"warm-up-account-{index % 4}",
+            "amount": 10.0 + index,
+            # One ordinary country: warm-up proves the path works, not that every input does.
+            "currency": "USD",
+            "merchant_category": _CATEGORIES[index % len(_CATEGORIES)],
+            "country": "US",
+            "event_time": moment,
+        }
     )
     return ItemSpec(raw=tx.to_raw(), request_id="warm-up")

@@ -29,7 +29,7 @@ from serving.batcher import Reservation
 from serving.metrics import target_seconds
 from serving.refusals import Refused
 from serving.runtime import OnlineScorer
-from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, ScoreRequest
+from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, RECORD_ID, ScoreRequest
 from serving.security import BearerAuth, SecuritySettings, drain_before_close, read_body
 
 logger = logging.getLogger(__name__)
@@ -281,11 +281,12 @@ def _request_problems(parsed: ScoreRequest) -> list[dict[str, Any]]:
             # PostgreSQL text cannot hold NUL: such an id would fail every write.
             if "\x00" in getattr(tx, name):
                 problems.append({"loc": ["transactions", index, name], "msg": "NUL characters are not allowed"})
-        if tx.transaction_id in seen:
+        record_id = getattr(tx, RECORD_ID)
+        if record_id in seen:
             problems.append(
                 {"loc": ["transactions", index, "transaction_id"], "msg": "duplicate transaction_id in request"}
             )
-        seen.add(tx.transaction_id)
+        seen.add(record_id)
     return problems
 
 

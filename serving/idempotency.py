@@ -27,7 +27,6 @@ from pydantic import TypeAdapter
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from inference.records import Transaction
 from inference.store import (
     KeyClaim,
     claim_idempotency_key,
@@ -37,7 +36,7 @@ from inference.store import (
     utc_now,
 )
 from serving.breaker import CircuitBreaker
-from serving.schemas import ItemResult
+from serving.schemas import ItemResult, Transaction
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Final, Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from inference.records import VOCABULARY_FIELDS
+from inference.spec import load_spec
 from serving.settings import ServingSettings
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -187,7 +187,8 @@ class ServingMetrics:
             ["field"],
         )
         # Children exported at 0 from the start, so rate() and increase() see the first one.
-        self.unseen_values = Children(unseen_values, "field", exported=VOCABULARY_FIELDS)
+        vocabulary_fields = tuple(sorted(field.name for field in load_spec().categoricals))
+        self.unseen_values = Children(unseen_values, "field", exported=vocabulary_fields)
 
     def _define_model_metrics(self) -> None:
         self.model_info = self._gauge(

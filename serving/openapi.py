@@ -13,8 +13,14 @@ from pydantic import TypeAdapter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inference.lineage import TransactionLineage
-from inference.records import COUNTRIES, CURRENCIES, ID_MAX_LENGTH, MERCHANT_CATEGORIES
-from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, ErrorBody, ScoreRequest, ScoreResponse
+from serving.schemas import (
+    DEADLINE_HEADER,
+    IDEMPOTENCY_HEADER,
+    RECORD_SPEC,
+    ErrorBody,
+    ScoreRequest,
+    ScoreResponse,
+)
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 
@@ -147,7 +153,7 @@ def _lineage_path(components: _Components, guarded: dict[str, Any]) -> dict[str,
                     "name": "transaction_id",
                     "in": "path",
                     "required": True,
-                    "schema": {"type": "string", "minLength": 1, "maxLength": ID_MAX_LENGTH},
+                    "schema": {"type": "string", "minLength": 1, "maxLength": RECORD_SPEC.id.max_length},
                 }
             ],
             **guarded,
@@ -206,9 +212,9 @@ def openapi_document(limits: Limits, *, bearer_auth: bool = False, model_version
 def _with_value_sets(schemas: dict[str, Any]) -> dict[str, Any]:
     """List the training vocabularies as examples, not as an `enum`: an unseen value is accepted
     (scored through the unknown bucket), and the known ones show clients what the model knows best."""
-    properties = schemas["Transaction"]["properties"]
-    for name, values in (("currency", CURRENCIES), ("merchant_category", MERCHANT_CATEGORIES), ("country", COUNTRIES)):
-        properties[name] = {**properties[name], "examples": list(values)}
+    properties = schemas[RECORD_SPEC.spec.record_name]["properties"]
+    for field in RECORD_SPEC.categoricals:
+        properties[field.name] = {**properties[field.name], "examples": list(field.vocabulary)}
     return schemas
 
 

@@ -13,7 +13,6 @@ from concurrent.futures import Executor
 
 from sqlalchemy.engine import Engine
 
-from inference.records import Transaction
 from serving.admission import AimdLimit, BatchCostModel, Decision
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, Reservation, WorkItem
@@ -21,7 +20,7 @@ from serving.breaker import BreakerState, CircuitBreaker
 from serving.idempotency import Admission, IdempotencyKeys, KeyInProgress, KeyReused, request_fingerprint
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.schemas import ItemResult
+from serving.schemas import RECORD_ID, ItemResult, Transaction
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
 from serving.shadow import ShadowScorer
@@ -288,7 +287,7 @@ class OnlineScorer:
         for tx in transactions:
             raw = tx.to_raw()
             # Only a truly identical item coalesces: same transaction, same body.
-            identity = (tx.transaction_id, request_fingerprint([tx]))
+            identity = (getattr(tx, RECORD_ID), request_fingerprint([tx]))
             running = self.in_flight.get(identity)
             # A done item leaves `in_flight` only when its callback runs: it is no answer to join.
             if running is not None and not running.abandoned and not running.future.done():

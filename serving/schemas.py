@@ -4,12 +4,21 @@ specs (its /docs.json, docs page and clients); serving/openapi.py builds the doc
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import bentoml
 from pydantic import BaseModel, ConfigDict, Field
 
-from inference.records import Transaction
+from inference.spec import load_spec
+from inference.spec.api import RecordBase, record_model
+
+# The spec the service scores: the reference's until TANDEM_MODEL_SPEC (0012 step 8).
+RECORD_SPEC = load_spec()
+RECORD_ID = RECORD_SPEC.id.name
+if TYPE_CHECKING:  # the fields exist at run time only: a type checker knows the base
+    Transaction = RecordBase
+else:
+    Transaction = record_model(RECORD_SPEC)
 
 DEADLINE_HEADER = "X-Deadline-Ms"
 IDEMPOTENCY_HEADER = "Idempotency-Key"

@@ -31,7 +31,7 @@ from inference.store import (
     utc_now,
 )
 from serving.breaker import CircuitBreaker
-from serving.schemas import ItemError, ItemResult
+from serving.schemas import RECORD_SPEC, ItemError, ItemResult
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -149,8 +149,9 @@ class ScoringCore:
         return outcome
 
     def _score_round(self, items: list[ItemSpec], outcome: BatchResult, *, lookup: bool) -> list[ItemResult]:
-        checked = validate(raw_frame([item.raw for item in items]))
-        checked = checked.hstack([hash_inputs(checked)])  # not with_columns: that is a polars query of its own
+        checked = validate(RECORD_SPEC, raw_frame(RECORD_SPEC, [item.raw for item in items]))
+        # hstack, not with_columns: that is a polars query of its own.
+        checked = checked.hstack([hash_inputs(RECORD_SPEC, checked)])
         history = GuardedHistory(self.engine, self.breaker)
         scored = self.predictor.predict(checked, history)
         outcome.degraded = outcome.degraded or history.degraded

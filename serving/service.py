@@ -19,7 +19,6 @@ from bentoml import get_current_service
 from bentoml.models import BentoModel
 
 from inference.migrate import upgrade
-from inference.records import Transaction
 from inference.settings import TandemSettings
 from inference.store import make_engine
 from serving import worker
@@ -31,7 +30,7 @@ from serving.metrics import ServingMetrics
 from serving.openapi import ApiDocs, service_document
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
-from serving.schemas import ScoreRequest, ScoreResponse
+from serving.schemas import ScoreRequest, ScoreResponse, Transaction
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from serving.shadow import SHADOW_NICE

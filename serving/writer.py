@@ -30,6 +30,7 @@ from inference.store import (
 from serving.breaker import CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox, PartlyWritten
+from serving.schemas import RECORD_SPEC
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ class ResultWriter:
         records = [(index, item) for index, item in enumerate(items) if isinstance(item, dict) and index in details]
         if not records:
             return
-        reasons = validate(raw_frame([item for _, item in records]))["reject_reason"].to_list()
+        frame = raw_frame(RECORD_SPEC, [item for _, item in records])
+        reasons = validate(RECORD_SPEC, frame)["reject_reason"].to_list()
         rows = []
         for (index, item), reason in zip(records, reasons, strict=True):
             rows.append(
@@ -292,7 +294,7 @@ class ResultWriter:
 
     def _quarantine(self, rows: list[dict[str, Any]]) -> None:
         # Best effort: a quarantine row lost to an outage costs a diagnostic, never an answer.
-        frame = raw_frame(rows).with_columns(
+        frame = raw_frame(RECORD_SPEC, rows).with_columns(
             reject_reason=pl.Series([row["reject_reason"] for row in rows], dtype=pl.String),
             reject_detail=pl.Series([row.get("reject_detail") for row in rows], dtype=pl.String),
         )

@@ -14,14 +14,17 @@ import polars as pl
 
 from inference.features import build_features
 from inference.model import load_model, score_batch
-from inference.records import EVENT_TS_DTYPE, Transaction, hash_inputs, raw_frame, validate
+from inference.records import EVENT_TS_DTYPE, hash_inputs, raw_frame, validate
 from inference.settings import TandemSettings
 from inference.spec import load_spec
+from inference.spec.api import record_model
 from inference.store import ResultPath, StoreHistory, make_engine, upsert_predictions, utc_now
 from tandem import modelstore
 from tandem.version import code_version
 
 _SETTINGS = TandemSettings()
+RECORD_SPEC = load_spec()
+_RECORD = record_model(RECORD_SPEC)
 _TAG = modelstore.production_tag(_SETTINGS.model_name) or f"{_SETTINGS.model_name}:latest"
 
 
@@ -30,18 +33,19 @@ class StockScorer:
     model_ref = bentoml.models.BentoModel(_TAG)
 
     def __init__(self) -> None:
-        self.model = load_model(Path(self.model_ref.path), load_spec())
+        self.model = load_model(Path(self.model_ref.path), RECORD_SPEC)
         self.version = str(self.model_ref.tag)
         self.engine = make_engine(_SETTINGS.resolved_database_url())
         self.history = StoreHistory(self.engine)
 
     @bentoml.api(batchable=True)
     def score(self, transactions: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        records = [Transaction(**t).to_raw() for t in transactions]  # raises on poison: whole batch fails
-        checked = validate(raw_frame(records)).drop("reject_reason")
-        checked = checked.with_columns(hash_inputs(checked))  # with it, the features digest the history read
+        records = [_RECORD(**t).to_raw() for t in transactions]  # raises on poison: whole batch fails
+        checked = validate(RECORD_SPEC, raw_frame(RECORD_SPEC, records)).drop("reject_reason")
+        # With input hashes, the features digest the history they read.
+        checked = checked.with_columns(hash_inputs(RECORD_SPEC, checked))
         k = self.model.history_length  # the K it was trained with
-        features = build_features(load_spec(), checked, self.history.history_for(checked, k), k)
+        features = build_features(RECORD_SPEC, checked, self.history.history_for(checked, k), k)
         scores = score_batch(self.model, features)
         request_id = uuid.uuid4().hex
         rows = pl.DataFrame(

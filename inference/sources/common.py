@@ -12,7 +12,14 @@ from typing import Literal, Protocol
 
 import polars as pl
 
-from inference.records import RAW_COLUMNS, RAW_SCHEMA, RECEIVED_AMOUNT
+from inference.records import RECEIVED_PREFIX, raw_columns, raw_schema
+from inference.spec import load_spec
+
+# The reference's records until sources read every spec's numerics alike (0012 step 6).
+REFERENCE_SPEC = load_spec()
+RAW_SCHEMA = raw_schema(REFERENCE_SPEC)
+RAW_COLUMNS = raw_columns(REFERENCE_SPEC)
+RECEIVED_AMOUNT = f"{RECEIVED_PREFIX}amount"
 
 SourceFormat = Literal["parquet", "csv", "ndjson"]
 DEFAULT_PATTERN = "{date:%Y-%m-%d}.csv"
@@ -34,8 +41,9 @@ DEMO_FILE = "demo.csv"  # the demo's file name inside a day folder (a pattern en
 CANONICAL_EVENT_TIME = "%Y-%m-%dT%H:%M:%S.%6fZ"
 _ID_COLUMNS = ("transaction_id", "account_id")
 # The reason of a row its source could not read as written (a line that is not JSON, a JSON
-# number or boolean where text belongs); validation reasons are `records.RejectReason`. Such a row
-# is quarantined at ingest with the why in its detail, and never stored or scored.
+# number or boolean where text belongs); validation's reasons are the spec's codes
+# (`inference.spec.validation_order`). Such a row is quarantined at ingest with the why in its
+# detail, and never stored or scored.
 MALFORMED_ROW = "malformed_row"
 # The column a source adds to a day, only when some row of it could not be read: why, naming the
 # line, or null for a row read as written. Not a RAW column, so it never reaches the store.

@@ -21,7 +21,6 @@ from typing import Any
 import polars as pl
 from pydantic_core import from_json
 
-from inference.records import RAW_COLUMNS
 from inference.sources.common import (
     _DIRECTIVE_REGEX,
     DATA_LOOKING,
@@ -30,6 +29,7 @@ from inference.sources.common import (
     GZIP,
     LABEL,
     PROBLEM,
+    RAW_COLUMNS,
     SourceError,
     SourceFormat,
     SourceRead,

@@ -10,7 +10,7 @@ import polars as pl
 import sqlalchemy as sa
 
 from inference.records import format_event_time, raw_frame, received_columns
-from inference.sources.common import LABEL, SourceError, SourceRead, _missing, _one_line
+from inference.sources.common import LABEL, REFERENCE_SPEC, SourceError, SourceRead, _missing, _one_line
 
 # ---------------------------------------------------------------------------------------------
 # SQL: a query over the partition's time window.
@@ -82,7 +82,7 @@ class SqlSource:
                 record["event_time"] = format_event_time(moment)
             if LABEL in columns:
                 labels.append(_label_value(record[LABEL]))
-        frame = raw_frame(records).with_columns(received_columns(records))
+        frame = raw_frame(REFERENCE_SPEC, records).with_columns(received_columns(REFERENCE_SPEC, records))
         if LABEL in columns:
             frame = frame.with_columns(pl.Series(LABEL, labels, dtype=pl.Int16))
         return SourceRead(frame, self.kind, (self.where,), None)

@@ -4,12 +4,14 @@ A spec author imports from here only (docs/spec.md).
 """
 
 from inference.spec.fields import (
+    EVENT_TIME_PATTERN,
     ID_MAX_LENGTH,
     TEXT_PATTERN,
     Categorical,
     EntityKey,
     EventTime,
     Field,
+    GenericReason,
     Label,
     Numeric,
     RecordId,
@@ -24,12 +26,14 @@ from inference.spec.loading import (
     reason_codes,
     role_of,
     schema_digest,
+    validation_order,
 )
 from inference.spec.model_spec import ModelSpec
 from inference.spec.timeline import Timeline
 
 __all__ = [
     "DEFAULT_SPEC_PATH",
+    "EVENT_TIME_PATTERN",
     "GENERIC_REASONS",
     "ID_MAX_LENGTH",
     "TEXT_PATTERN",
@@ -37,6 +41,7 @@ __all__ = [
     "EntityKey",
     "EventTime",
     "Field",
+    "GenericReason",
     "Label",
     "LoadedSpec",
     "ModelSpec",
@@ -49,4 +54,5 @@ __all__ = [
     "reason_codes",
     "role_of",
     "schema_digest",
+    "validation_order",
 ]

@@ -7,6 +7,7 @@ categorical is validated and handed to the spec's features. The label never arri
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,31 @@ import polars as pl
 # cannot open a second spelling of one value.
 TEXT_PATTERN = r"^[A-Za-z0-9 _&/.-]{1,64}$"
 ID_MAX_LENGTH = 64
+# RFC 3339 date-time text (a `T`, seconds, and `Z` or a numeric offset), checked alike by both
+# validators before their own parsers. Each parser alone takes forms the other refuses: pydantic an
+# epoch number or "2026-11-01 12:00:00Z", polars "2026-11-01T1:00:00Z", a leading space or a leap
+# second. A record is valid on both paths or on neither. ASCII digits only, and no year 0, which
+# polars would parse and Python's datetime cannot hold (Rust's regex has no look-ahead to say it).
+EVENT_TIME_PATTERN = (
+    r"^([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-[0-9]{2}-[0-9]{2}"
+    r"T[0-9]{2}:[0-9]{2}:[0-5][0-9](\.[0-9]+)?([Zz]|[+-][0-9]{2}:?[0-9]{2})$"
+)
+
+
+class GenericReason(enum.StrEnum):
+    """The reason codes every spec has, beside those its fields and rules declare."""
+
+    # A NUL character in a text field: PostgreSQL text cannot hold one, so the record cannot be
+    # stored (one such row failed the whole day's COPY, at every retry); online it is a 422.
+    NUL_CHARACTER = "nul_character"
+    # The record id or entity key null, blank or longer than its max_length.
+    MISSING_FIELD = "missing_field"
+    DUPLICATE_ID = "duplicate_id"
+    TIMESTAMP_MISSING = "timestamp_missing"
+    TIMESTAMP_UNPARSABLE = "timestamp_unparsable"
+    # Scoring's own: the model raised, or returned no finite score.
+    MODEL_ERROR = "model_error"
+    NONFINITE_SCORE = "nonfinite_score"
 
 
 @dataclass(frozen=True)
@@ -75,13 +101,15 @@ class Numeric:
 class Categorical:
     """Text from a vocabulary. A well-formed value outside the vocabulary (it matches `pattern`)
     is scored through the unknown bucket and flagged, never refused: tomorrow's new value is drift
-    to watch, not poison. One that is malformed is refused with `malformed` (default
-    `malformed_{name}`)."""
+    to watch, not poison. One that is malformed (after stripping surrounding whitespace, it does
+    not match `pattern` or has fewer than `min_length` or more than `max_length` characters) is
+    refused with `malformed` (default `malformed_{name}`)."""
 
     name: str
     vocabulary: tuple[str, ...]
     pattern: str = TEXT_PATTERN
     max_length: int = 64
+    min_length: int = 1
     malformed: str | None = None
 
     @property

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from inference.spec.fields import Categorical, EntityKey, EventTime, Field, Label, Numeric, RecordId
+from inference.spec.fields import (
+    Categorical,
+    EntityKey,
+    EventTime,
+    Field,
+    GenericReason,
+    Label,
+    Numeric,
+    RecordId,
+)
 from inference.spec.model_spec import ModelSpec
 
 DEFAULT_SPEC_PATH = "tandem_specs.transactions:SPEC"
@@ -59,6 +68,12 @@ class LoadedSpec:
     @property
     def categoricals(self) -> tuple[Categorical, ...]:
         return tuple(f for f in self.spec.fields if isinstance(f, Categorical))
+
+    def numeric(self, name: str) -> Numeric:
+        return next(f for f in self.numerics if f.name == name)
+
+    def categorical(self, name: str) -> Categorical:
+        return next(f for f in self.categoricals if f.name == name)
 
     @property
     def label(self) -> Label | None:
@@ -168,6 +183,12 @@ def spec_problems(spec: ModelSpec) -> list[str]:
     elif spec.history_length and not entities:
         problems.append(f"history_length {spec.history_length} needs an EntityKey")
     problems.extend(_code_problems(spec))
+    try:
+        # The core keeps what it builds from a spec (expressions, schemas, the record model) per
+        # loaded spec, keyed by its value.
+        hash(spec)
+    except TypeError as error:
+        problems.append(f"is not hashable ({error}): give fields, vocabularies and rules as tuples")
     return problems
 
 
@@ -181,6 +202,8 @@ def _role_counts(fields: tuple[Field, ...]) -> dict[type, int]:
 
 def _vocabulary_problems(field: Categorical) -> list[str]:
     problems = []
+    if not 1 <= field.min_length <= field.max_length:
+        problems.append(f"categorical {field.name!r} needs 1 <= min_length <= max_length")
     if not field.vocabulary:
         problems.append(f"categorical {field.name!r} has an empty vocabulary")
     if len(set(field.vocabulary)) != len(field.vocabulary):
@@ -211,15 +234,19 @@ def reason_codes(spec: ModelSpec) -> list[str]:
     return codes + [rule.code for rule in spec.rules]
 
 
-GENERIC_REASONS = (
-    "nul_character",
-    "missing_field",
-    "duplicate_id",
-    "timestamp_missing",
-    "timestamp_unparsable",
-    "model_error",
-    "nonfinite_score",
-)
+GENERIC_REASONS: tuple[str, ...] = tuple(reason.value for reason in GenericReason)
+# Scoring's codes: no record is refused for them by validation, so no order ranks them.
+SCORING_REASONS = frozenset({GenericReason.MODEL_ERROR.value, GenericReason.NONFINITE_SCORE.value})
+
+
+def validation_order(spec: ModelSpec) -> tuple[str, ...]:
+    """The codes validation checks, in order: `spec.reason_order`, or by default the generic
+    checks, each field's codes in field order, the spec's rules, then the timestamps."""
+    if spec.reason_order is not None:
+        return tuple(code for code in spec.reason_order if code not in SCORING_REASONS)
+    head = (GenericReason.NUL_CHARACTER, GenericReason.MISSING_FIELD, GenericReason.DUPLICATE_ID)
+    tail = (GenericReason.TIMESTAMP_MISSING, GenericReason.TIMESTAMP_UNPARSABLE)
+    return (*(r.value for r in head), *reason_codes(spec), *(r.value for r in tail))
 
 
 def _code_problems(spec: ModelSpec) -> list[str]:
@@ -237,7 +264,7 @@ def _code_problems(spec: ModelSpec) -> list[str]:
     if spec.reason_order is not None:
         known = set(GENERIC_REASONS) | set(codes)
         problems += [f"reason_order names no reason {code!r}" for code in spec.reason_order if code not in known]
-        missing = sorted(known - set(spec.reason_order) - {"model_error", "nonfinite_score"})
+        missing = sorted(known - set(spec.reason_order) - SCORING_REASONS)
         if missing:
             problems.append(f"reason_order leaves out {', '.join(missing)}")
     return problems

@@ -10,9 +10,17 @@ import polars as pl
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA
+from inference.records import EVENT_TS_DTYPE
 from inference.store.engine import _frame_from_rows
-from inference.store.schema import RejectStage, ResultPath, predictions, rejected_records, transactions
+from inference.store.schema import (
+    RAW_COLUMNS,
+    RAW_SCHEMA,
+    RejectStage,
+    ResultPath,
+    predictions,
+    rejected_records,
+    transactions,
+)
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,12 @@ import polars as pl
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from inference.records import RAW_COLUMNS, RECEIVED_PREFIX, hash_inputs
+from inference.records import RECEIVED_PREFIX, hash_inputs
 from inference.store.engine import _chunks, utc_now
 from inference.store.merge import _SQLITE_ROWS_PER_STATEMENT, _insert_for
 from inference.store.schema import (
+    RAW_COLUMNS,
+    REFERENCE_SPEC,
     UNWRITABLE_RESULT,
     RejectStage,
     Resolution,
@@ -105,7 +107,7 @@ def quarantine(
     if rejected.is_empty():
         return 0
     now = utc_now()
-    hashes = hash_inputs(rejected)
+    hashes = hash_inputs(REFERENCE_SPEC, rejected)
     details = rejected["reject_detail"].to_list() if "reject_detail" in rejected.columns else [None] * rejected.height
     records = []
     raw_rows = rejected.select(RAW_COLUMNS).to_dicts()

@@ -12,7 +12,13 @@ from typing import Any
 import polars as pl
 import sqlalchemy as sa
 
-from inference.records import EVENT_TS_DTYPE, RAW_SCHEMA
+from inference.records import EVENT_TS_DTYPE, raw_columns, raw_schema
+from inference.spec import load_spec
+
+# The record table is the reference's until it is generated from the spec (0012 step 5).
+REFERENCE_SPEC = load_spec()
+RAW_SCHEMA = raw_schema(REFERENCE_SPEC)
+RAW_COLUMNS = raw_columns(REFERENCE_SPEC)
 
 metadata = sa.MetaData()
 
@@ -39,7 +45,8 @@ class RejectStage(enum.StrEnum):
     WRITE = "write"  # scored, but the result store refused the result row itself (a data error)
 
 
-# The reason of a WRITE-stage rejection; validation reasons are `records.RejectReason`.
+# The reason of a WRITE-stage rejection; validation's reasons are the spec's codes
+# (`inference.spec.validation_order`).
 UNWRITABLE_RESULT = "unwritable_result"
 
 

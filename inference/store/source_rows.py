@@ -13,10 +13,10 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
-from inference.records import EVENT_TS_DTYPE, RAW_COLUMNS, RAW_SCHEMA, hash_inputs, run_query
+from inference.records import EVENT_TS_DTYPE, hash_inputs, run_query
 from inference.store.engine import ByteOrder, _as_utc, _chunks, _frame_from_rows, _rows_frame, utc_now
 from inference.store.merge import _merge, _overwrite_when_changed
-from inference.store.schema import HISTORY_SCHEMA, transactions
+from inference.store.schema import HISTORY_SCHEMA, RAW_COLUMNS, RAW_SCHEMA, REFERENCE_SPEC, transactions
 
 # SQLite's default SQLITE_MAX_COMPOUND_SELECT is 500 terms per UNION ALL.
 _TARGETS_PER_STATEMENT = 400
@@ -38,7 +38,7 @@ def upsert_transactions(conn: Connection, checked: pl.DataFrame, partition_date:
         "event_ts",
         "reject_reason",
         pl.Series("label_fraud", labels, dtype=pl.Int16),
-        hash_inputs(checked),
+        hash_inputs(REFERENCE_SPEC, checked),
     ).with_columns(
         partition_date=pl.lit(partition_date, dtype=pl.Date),
         ingested_at=pl.lit(now, dtype=EVENT_TS_DTYPE),

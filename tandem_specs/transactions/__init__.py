@@ -11,7 +11,10 @@ from typing import Any
 
 from torch import nn
 
-from inference.records import (
+from inference.spec import Categorical, EntityKey, EventTime, Label, ModelSpec, Numeric, RecordId
+from tandem_specs.transactions.features import encode, features
+from tandem_specs.transactions.model import ModelConfig, RiskModel, mask_to_unknown
+from tandem_specs.transactions.records import (
     CATEGORY_MAX_LENGTH,
     CATEGORY_PATTERN,
     COUNTRIES,
@@ -22,9 +25,6 @@ from inference.records import (
     MERCHANT_CATEGORIES,
     REASON_ORDER,
 )
-from inference.spec import Categorical, EntityKey, EventTime, Label, ModelSpec, Numeric, RecordId
-from tandem_specs.transactions.features import encode, features
-from tandem_specs.transactions.model import ModelConfig, RiskModel, mask_to_unknown
 
 
 def _model(config: Mapping[str, Any]) -> nn.Module:
@@ -56,7 +56,12 @@ SPEC = ModelSpec(
         EntityKey("account_id"),
         Numeric("amount", minimum=0.0, maximum=MAX_PLAUSIBLE_AMOUNT, below="amount_negative", above="amount_absurd"),
         Categorical(
-            "currency", vocabulary=CURRENCIES, pattern=CURRENCY_PATTERN, max_length=3, malformed="bad_currency"
+            "currency",
+            vocabulary=CURRENCIES,
+            pattern=CURRENCY_PATTERN,
+            min_length=3,
+            max_length=3,
+            malformed="bad_currency",
         ),
         Categorical(
             "merchant_category",
@@ -65,7 +70,7 @@ SPEC = ModelSpec(
             max_length=CATEGORY_MAX_LENGTH,
             malformed="malformed_category",
         ),
-        Categorical("country", vocabulary=COUNTRIES, pattern=COUNTRY_PATTERN, max_length=2),
+        Categorical("country", vocabulary=COUNTRIES, pattern=COUNTRY_PATTERN, min_length=2, max_length=2),
         EventTime("event_time"),
     ),
     history_length=16,
@@ -78,7 +83,7 @@ SPEC = ModelSpec(
     augment_training=mask_to_unknown,
     plural="transactions",
     record_name="Transaction",
-    reason_order=tuple(code.value for code in REASON_ORDER),
+    reason_order=REASON_ORDER,
     title="Tandem risk scorer",
     description="Scores payment transactions for fraud risk, reading each account's recent history.",
 )

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from tandem_specs.transactions.features import CURRENT_NUMERIC, HISTORY_NUMERIC_WIDTH
+from tandem_specs.transactions.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 
 # Embedding rows: each vocabulary plus its unknown bucket (history items also have the empty slot
 # 0), and the hour and weekday: (the current record's, the history items').

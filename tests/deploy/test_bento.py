@@ -17,8 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from inference.records import MERCHANT_CATEGORIES
 from tests.deploy.support import ROOT
+from tests.reference import MERCHANT_CATEGORIES
 from tests.serving.support import LiveServer, serve
 from tests.shared import fresh_postgres_database, register_untrained_model, run_child, service_env
 

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Engine
 
 from assets.deadline import DEADLINE_CHECK
 from inference.demo import EXPECTED_REASON
-from inference.records import RAW_COLUMNS, hash_inputs, validate
+from inference.records import hash_inputs, validate
 from inference.store import (
     RejectStage,
     ResultPath,
@@ -52,6 +52,7 @@ from tests.e2e.week import (
     SCORING_ASSETS,
     BackfillOutcome,
 )
+from tests.reference import RAW_COLUMNS, REFERENCE
 
 # The deployment and the backfill are set up inside the budget of the first test that asks for them.
 pytestmark = [pytest.mark.e2e, pytest.mark.live, pytest.mark.postgres, pytest.mark.timeout(900)]
@@ -75,13 +76,13 @@ def _correct_records(engine: Engine, partition: str, count: int) -> dict[str, st
     """A source correction: `count` valid records of the day get a new amount. Returns id -> new input hash."""
     day = date.fromisoformat(partition)
     with engine.begin() as conn:
-        stored = validate(read_partition_rows(conn, day))
+        stored = validate(REFERENCE, read_partition_rows(conn, day))
         chosen = stored.filter(pl.col("reject_reason").is_null()).sort("transaction_id").head(count)
-        corrected = validate(chosen.select(*RAW_COLUMNS, "label_fraud").with_columns(pl.col("amount") + 1.0))
+        corrected = validate(REFERENCE, chosen.select(*RAW_COLUMNS, "label_fraud").with_columns(pl.col("amount") + 1.0))
         assert corrected["reject_reason"].is_null().all(), "a correction must stay a valid record"
         changed = upsert_transactions(conn, corrected, day)
     assert changed == count, f"{partition}: {changed} of {count} corrected rows stored as changes"
-    return dict(zip(corrected["transaction_id"].to_list(), hash_inputs(corrected).to_list(), strict=True))
+    return dict(zip(corrected["transaction_id"].to_list(), hash_inputs(REFERENCE, corrected).to_list(), strict=True))
 
 
 def _history_readers(engine: Engine, corrected: set[str], history_length: int) -> dict[str, str]:
@@ -141,7 +142,7 @@ def test_the_readme_backfill_scores_every_partition_and_quarantines_the_poison(
             assert scored[0][2] + quarantined_at_scoring == stored, f"{partition}: scored + rejected != stored"
             # 1% poison of 1000 rows cycles through every poison kind, so each day has each reason.
             reasons = Counter(reason for _, reason in rejections)
-            assert set(reasons) == {reason.value for reason in EXPECTED_REASON.values()}, f"{partition}: {reasons}"
+            assert set(reasons) == set(EXPECTED_REASON.values()), f"{partition}: {reasons}"
 
 
 def test_backfill_runs_stay_within_the_run_and_pool_limits(

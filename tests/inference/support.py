@@ -23,6 +23,7 @@ from inference.model import LoadedModel
 from inference.records import raw_frame
 from inference.store import metadata, read_predictions, rejected_records, upsert_predictions
 from tandem_specs.transactions.model import ModelConfig
+from tests.reference import REFERENCE
 from tests.shared import fresh_postgres_database, reference_model
 
 DAY = date(2026, 11, 1)
@@ -46,7 +47,7 @@ def record(**changes: Any) -> dict[str, Any]:
 
 
 def frame_of(*records: dict[str, Any]) -> pl.DataFrame:
-    return raw_frame(list(records))
+    return raw_frame(REFERENCE, list(records))
 
 
 def postgres_database(admin_url: str) -> AbstractContextManager[str]:

@@ -21,16 +21,7 @@ from inference.features import FeatureBatch
 from inference.migrate import upgrade
 from inference.model import score_batch
 from inference.parity import PARITY_TOLERANCE
-from inference.records import (
-    COUNTRIES,
-    CURRENCIES,
-    MERCHANT_CATEGORIES,
-    RAW_COLUMNS,
-    Transaction,
-    hash_inputs,
-    raw_frame,
-    validate,
-)
+from inference.records import hash_inputs, raw_frame, validate
 from inference.sources import FileSource, SqlSource
 from inference.store import (
     StoreHistory,
@@ -55,6 +46,7 @@ from tests.inference.support import (
     untrained_model,
     untrained_predictor,
 )
+from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, REFERENCE, Transaction
 from tests.shared import fresh_postgres_database, until
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -85,7 +77,7 @@ def test_every_row_is_scored_or_quarantined_with_its_reason(engine: Engine) -> N
         seen = set(quarantined.select("transaction_id", "reason").iter_rows())
         poisoned = source.filter(pl.col("poison_kind").is_not_null())
         for transaction_id, kind in poisoned.select("transaction_id", "poison_kind").iter_rows():
-            assert (transaction_id, EXPECTED_REASON[PoisonKind(kind)].value) in seen, (transaction_id, kind)
+            assert (transaction_id, EXPECTED_REASON[PoisonKind(kind)]) in seen, (transaction_id, kind)
         assert quarantined.height == poisoned.height
         # Repeated ids cannot even be stored, so they are quarantined at ingest; the rest at scoring.
         by_stage = Counter(quarantined["stage"])
@@ -93,7 +85,7 @@ def test_every_row_is_scored_or_quarantined_with_its_reason(engine: Engine) -> N
         assert by_stage["score"] == report.rejected
 
         expected_reasons = Counter(
-            EXPECTED_REASON[PoisonKind(kind)].value
+            EXPECTED_REASON[PoisonKind(kind)]
             for kind in poisoned["poison_kind"]
             if kind != PoisonKind.DUPLICATE_ID.value
         )
@@ -199,7 +191,10 @@ def test_a_padded_file_row_is_stored_and_scored_as_the_request_naming_it(engine:
     assert stored.filter(pl.col("transaction_id") == "year-0")["event_ts"].to_list() == [None]
     for sent in as_sent:
         request = Transaction(**{**sent, "transaction_id": f" {sent['transaction_id']} "}).to_raw()
-        assert hashes[sent["transaction_id"]] == hash_inputs(validate(raw_frame([request])))[0]
+        assert (
+            hashes[sent["transaction_id"]]
+            == hash_inputs(REFERENCE, validate(REFERENCE, raw_frame(REFERENCE, [request])))[0]
+        )
 
     report = score_day(engine, day)
     assert (report.scored, report.rejected) == (3, 1)
@@ -353,19 +348,19 @@ def test_a_late_record_reads_the_history_the_online_path_reads(
 
     morning = [row(f"morning-{i}", f"{before}T0{i + 1}:00:00Z", 20.0 + i) for i in range(3)]
     evening = [row(f"evening-{i:02d}", f"{before}T20:{i:02d}:00Z", 900.0 + i, "jewelry") for i in range(HISTORY)]
-    ingest_day(engine, raw_frame(morning + evening), before)
+    ingest_day(engine, raw_frame(REFERENCE, morning + evening), before)
     late = [row("late-1", f"{before}T10:00:00Z", 25.0), row("late-2", f"{before}T21:30:00Z", 30.0, "fuel")]
     today = [row(f"today-{i}", f"{day}T0{i + 1}:00:00Z", 40.0 + i) for i in range(3)]
-    ingest_day(engine, raw_frame(late + today), day)
+    ingest_day(engine, raw_frame(REFERENCE, late + today), day)
     scorer = untrained_predictor(forward_batch_size=1)
     score_day(engine, day, scorer, chunk_rows=chunk_rows, pipelined=pipelined)
 
     batch = predictions_of(engine, partition_key=day.isoformat()).sort("transaction_id")
-    online = scorer.predict(raw_frame(late + today), StoreHistory(engine)).sort("transaction_id")
+    online = scorer.predict(raw_frame(REFERENCE, late + today), StoreHistory(engine)).sort("transaction_id")
     assert batch["transaction_id"].to_list() == sorted(r["transaction_id"] for r in late + today)
     assert batch["history_hash"].to_list() == online["history_hash"].to_list()
     assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
-    no_history = scorer.predict(raw_frame(late[:1]), FrameHistory(raw_frame(late[:1])))
+    no_history = scorer.predict(raw_frame(REFERENCE, late[:1]), FrameHistory(raw_frame(REFERENCE, late[:1])))
     assert batch["history_hash"][0] != no_history["history_hash"][0]
 
 
@@ -399,7 +394,7 @@ def test_a_record_one_model_refused_is_no_longer_rejected_once_another_scores_it
     v1 = TorchPredictor(
         model=untrained_model(), model_version="risk:v1", forward_batch_size=1, forward=overflows_on_large_amounts
     )
-    ingest_day(engine, raw_frame([record(), record(transaction_id="tx-2", amount=9000.0)]), DAY)
+    ingest_day(engine, raw_frame(REFERENCE, [record(), record(transaction_id="tx-2", amount=9000.0)]), DAY)
 
     score_day(engine, DAY, scorer=v1, run_id="nightly")
     assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", False, None)]
@@ -421,21 +416,21 @@ def test_a_record_refused_again_is_open_again(engine: Engine) -> None:
     scored nor rejected (scored + rejected < input): an operator marked it fixed while the source
     still sent it, or the old bad version was re-sent after its correction."""
     bad, good = record(transaction_id="tx-2", currency="EURO"), record(transaction_id="tx-2", amount=7.0)
-    ingest_day(engine, raw_frame([record(), bad]), DAY)
+    ingest_day(engine, raw_frame(REFERENCE, [record(), bad]), DAY)
     score_day(engine, DAY, run_id="nightly")
     with engine.begin() as conn:
         ids = conn.execute(sa.select(rejected_records.c.rejection_id)).scalars().all()
         assert mark_rejections_fixed(conn, ids) == 1
 
-    ingest_day(engine, raw_frame([record(), bad]), DAY)  # the fixed-rejects rerun; the source is not fixed
+    ingest_day(engine, raw_frame(REFERENCE, [record(), bad]), DAY)  # the fixed-rejects rerun; the source is not fixed
     score_day(engine, DAY, run_id="fixed-rerun")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
 
-    ingest_day(engine, raw_frame([good]), DAY)
+    ingest_day(engine, raw_frame(REFERENCE, [good]), DAY)
     score_day(engine, DAY, run_id="corrected")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", True, "superseded")]
-    ingest_day(engine, raw_frame([bad]), DAY)  # the old version re-sent
+    ingest_day(engine, raw_frame(REFERENCE, [bad]), DAY)  # the old version re-sent
     score_day(engine, DAY, run_id="bad-again")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
@@ -450,7 +445,7 @@ def test_a_nul_in_a_text_field_quarantines_its_row_at_ingest_and_the_day_is_stor
         record(transaction_id="tx-3", merchant_category="groc\x00ery"),
         record(transaction_id="tx-4", event_time="2026-11-01T12:00:00Z\x00"),
     ]
-    report = ingest_day(engine, raw_frame([record(), *nul_rows]), DAY)
+    report = ingest_day(engine, raw_frame(REFERENCE, [record(), *nul_rows]), DAY)
     assert (report.rows_stored, report.rejected_at_ingest) == (1, 4)
 
     r = rejected_records.c
@@ -482,19 +477,23 @@ def test_payments_of_one_second_are_ordered_by_the_bytes_of_their_ids_on_both_pa
             with engine.connect() as conn:
                 assert conn.execute(sa.text("SELECT 'a-1' < 'B-2'")).scalar_one()  # the collation at work
             ingest_day(
-                engine, raw_frame([record(transaction_id="p-1", account_id="acct", event_time=f"{DAY}T08:00:00Z")]), DAY
+                engine,
+                raw_frame(REFERENCE, [record(transaction_id="p-1", account_id="acct", event_time=f"{DAY}T08:00:00Z")]),
+                DAY,
             )
             later = DAY + timedelta(days=1)
             same_second = [
                 record(transaction_id="B-2", account_id="acct", amount=10.0, event_time=f"{later}T12:00:00Z"),
                 record(transaction_id="a-1", account_id="acct", amount=900.0, event_time=f"{later}T12:00:00Z"),
             ]
-            ingest_day(engine, raw_frame(same_second), later)
+            ingest_day(engine, raw_frame(REFERENCE, same_second), later)
             scorer = untrained_predictor(forward_batch_size=1)
             score_day(engine, later, scorer)
 
             batch = predictions_of(engine, partition_key=later.isoformat()).sort("transaction_id")
-            online = pl.concat([scorer.predict(raw_frame([row]), StoreHistory(engine)) for row in same_second])
+            online = pl.concat(
+                [scorer.predict(raw_frame(REFERENCE, [row]), StoreHistory(engine)) for row in same_second]
+            )
             online = online.sort("transaction_id")
             assert batch["history_hash"].to_list() == online["history_hash"].to_list()
             assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
@@ -509,11 +508,11 @@ def test_an_id_another_day_holds_is_quarantined_not_moved_or_lost(engine: Engine
     no rejection either way. It stays where it is, and the copy is quarantined saying where."""
     later = DAY + timedelta(days=1)
     first = record(transaction_id="t-1", amount=10.0, event_time=f"{DAY}T09:00:00Z")
-    ingest_day(engine, raw_frame([first]), DAY)
+    ingest_day(engine, raw_frame(REFERENCE, [first]), DAY)
 
     repeat = {**first, "amount": amount}
     report = ingest_day(
-        engine, raw_frame([repeat, record(transaction_id="t-2", event_time=f"{later}T09:00:00Z")]), later
+        engine, raw_frame(REFERENCE, [repeat, record(transaction_id="t-2", event_time=f"{later}T09:00:00Z")]), later
     )
 
     assert (report.rows_stored, report.rejected_at_ingest) == (1, 1)
@@ -526,7 +525,7 @@ def test_an_id_another_day_holds_is_quarantined_not_moved_or_lost(engine: Engine
         ("t-1", "duplicate_id", f"already stored under partition {DAY}", later.isoformat())
     ]
     # Its own day's correction still lands.
-    assert ingest_day(engine, raw_frame([{**first, "amount": 12.0}]), DAY).rows_changed == 1
+    assert ingest_day(engine, raw_frame(REFERENCE, [{**first, "amount": 12.0}]), DAY).rows_changed == 1
 
 
 def test_an_id_two_days_ingested_at_once_both_hold_is_stored_once_and_quarantined_once(postgres_url: str) -> None:
@@ -540,9 +539,11 @@ def test_an_id_two_days_ingested_at_once_both_hold_is_stored_once_and_quarantine
         row = record(transaction_id="t-both", event_time=f"{DAY}T10:00:00Z")
         first = engine.connect()
         transaction = first.begin()
-        upsert_transactions(first, validate(raw_frame([row])), DAY)  # DAY's ingest, not yet committed
+        upsert_transactions(
+            first, validate(REFERENCE, raw_frame(REFERENCE, [row])), DAY
+        )  # DAY's ingest, not yet committed
         reports: list[IngestReport] = []
-        second = threading.Thread(target=lambda: reports.append(ingest_day(engine, raw_frame([row]), later)))
+        second = threading.Thread(target=lambda: reports.append(ingest_day(engine, raw_frame(REFERENCE, [row]), later)))
         second.start()
         until(lambda: _waiting_on_a_lock(engine), message="the second ingest never waited on the first")
         transaction.commit()
@@ -583,10 +584,10 @@ def test_a_correction_that_moves_a_record_reschedules_the_records_that_followed_
     but only the records after its new place were scheduled (the old place was not stored)."""
     later = DAY + timedelta(days=1)
     moved = record(transaction_id="moved", account_id="acct", amount=900.0, event_time=f"{DAY}T10:00:00Z")
-    ingest_day(engine, raw_frame([moved]), DAY)
+    ingest_day(engine, raw_frame(REFERENCE, [moved]), DAY)
     ingest_day(
         engine,
-        raw_frame([record(transaction_id="follower", account_id="acct", event_time=f"{later}T10:00:00Z")]),
+        raw_frame(REFERENCE, [record(transaction_id="follower", account_id="acct", event_time=f"{later}T10:00:00Z")]),
         later,
     )
     scorer = untrained_predictor(forward_batch_size=1)
@@ -594,7 +595,7 @@ def test_a_correction_that_moves_a_record_reschedules_the_records_that_followed_
         score_day(engine, day, scorer, run_id=f"run-{day}")
     before = utc_now()
 
-    ingest_day(engine, raw_frame([{**moved, **correction}]), DAY)
+    ingest_day(engine, raw_frame(REFERENCE, [{**moved, **correction}]), DAY)
 
     with engine.connect() as conn:
         stale = stale_scored_partitions(conn, changed_after=before, history_length=HISTORY)

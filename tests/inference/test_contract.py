@@ -15,9 +15,9 @@ from inference.contract import RESULT_SCHEMA, FrameHistory, TorchPredictor
 from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
 from inference.features import FeatureBatch, build_features
 from inference.model import LoadedModel, score_batch
-from inference.records import RejectReason, hash_inputs, split_valid, validate
-from inference.spec import load_spec
+from inference.records import hash_inputs, split_valid, validate
 from tests.inference.support import DAY, TINY_MODEL
+from tests.reference import REFERENCE
 from tests.shared import reference_model
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -73,8 +73,8 @@ def predictor(forward: FakeForward | None = None, forward_batch_size: int = 4096
 
 
 def expected_fake_scores(frame: pl.DataFrame) -> dict[str, float]:
-    valid, _ = split_valid(frame)
-    features = build_features(load_spec(), valid, valid, K)
+    valid, _ = split_valid(REFERENCE, frame)
+    features = build_features(REFERENCE, valid, valid, K)
     return dict(zip(features.record_ids, fake_scores(features).tolist(), strict=True))
 
 
@@ -85,7 +85,7 @@ def test_one_row_per_input_row_in_input_order_with_poison_rejected() -> None:
     assert results.schema == pl.Schema(RESULT_SCHEMA)
     assert results.height == frame.height
     assert results["transaction_id"].equals(frame["transaction_id"])
-    assert results["input_hash"].equals(hash_inputs(validate(frame)))
+    assert results["input_hash"].equals(hash_inputs(REFERENCE, validate(REFERENCE, frame)))
 
     for kind, reason, score, detail in zip(
         frame["poison_kind"], results["reject_reason"], results["score"], results["reject_detail"], strict=True
@@ -95,7 +95,7 @@ def test_one_row_per_input_row_in_input_order_with_poison_rejected() -> None:
             assert detail is None
             assert 0.0 < score < 1.0
         else:
-            assert reason == EXPECTED_REASON[PoisonKind(kind)].value
+            assert reason == EXPECTED_REASON[PoisonKind(kind)]
             assert detail is not None
             assert detail.startswith(reason)
             assert score is None
@@ -104,8 +104,8 @@ def test_one_row_per_input_row_in_input_order_with_poison_rejected() -> None:
 def test_default_forward_is_the_model() -> None:
     frame = day(300, poison_rate=0.0)
     results = predictor().predict(frame, FrameHistory(frame))
-    valid, _ = split_valid(frame)
-    expected = score_batch(tiny_model(), build_features(load_spec(), valid, valid, K))
+    valid, _ = split_valid(REFERENCE, frame)
+    expected = score_batch(tiny_model(), build_features(REFERENCE, valid, valid, K))
     assert np.array_equal(results["score"].to_numpy(), expected)
 
 
@@ -137,7 +137,7 @@ def test_a_forward_that_raises_fails_only_the_item_that_causes_it(forward_batch_
         "transaction_id", "reject_reason", "reject_detail", "score"
     ).iter_rows():
         if transaction_id == poison_id:
-            assert reason == RejectReason.MODEL_ERROR.value
+            assert reason == "model_error"
             assert detail.startswith("RuntimeError: cannot score")
             assert score is None
         else:
@@ -153,7 +153,7 @@ def test_a_nonfinite_or_out_of_range_score_fails_only_its_item(bad_value: float)
     results = predictor(FakeForward(bad_values={odd_id: bad_value})).predict(frame, FrameHistory(frame))
 
     reasons = dict(zip(results["transaction_id"], results["reject_reason"], strict=True))
-    assert reasons.pop(odd_id) == RejectReason.NONFINITE_SCORE.value
+    assert reasons.pop(odd_id) == "nonfinite_score"
     assert set(reasons.values()) == {None}
     assert results.filter(pl.col("transaction_id") == odd_id)["score"].to_list() == [None]
     assert results["score"].null_count() == 1
@@ -170,11 +170,11 @@ def test_mixed_failures_and_validation_rejects_in_one_batch() -> None:
         frame["poison_kind"], frame["transaction_id"], results["reject_reason"], strict=True
     ):
         if kind is not None:
-            assert reason == EXPECTED_REASON[PoisonKind(kind)].value
+            assert reason == EXPECTED_REASON[PoisonKind(kind)]
         elif transaction_id in raising:
-            assert reason == RejectReason.MODEL_ERROR.value
+            assert reason == "model_error"
         elif transaction_id == nan_id:
-            assert reason == RejectReason.NONFINITE_SCORE.value
+            assert reason == "nonfinite_score"
         else:
             assert reason is None
 
@@ -210,7 +210,7 @@ def test_nothing_valid_means_no_forward_at_all() -> None:
     forward = FakeForward()
     results = predictor(forward).predict(frame, FrameHistory(frame))
     assert forward.calls == 0
-    assert set(results["reject_reason"]) == {RejectReason.BAD_CURRENCY.value}
+    assert set(results["reject_reason"]) == {"bad_currency"}
     assert results["score"].null_count() == frame.height
 
 

@@ -8,8 +8,8 @@ import polars as pl
 import pytest
 
 from inference.demo import BASE_FRAUD_RATE, DemoConfig, PoisonKind, day_range, generate_day, generate_days
-from inference.records import RAW_COLUMNS
 from tests.inference.support import DAY
+from tests.reference import RAW_COLUMNS
 
 CONFIG = DemoConfig(seed=11, rows_per_day=1_000, poison_rate=0.02)
 

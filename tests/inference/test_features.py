@@ -22,19 +22,13 @@ from inference.contract import FrameHistory
 from inference.demo import UNSEEN_VALUES, DemoConfig, day_range, generate_day, generate_days
 from inference.features import FeatureBatch, build_features
 from inference.migrate import upgrade
-from inference.records import (
-    COUNTRIES,
-    CURRENCIES,
-    MERCHANT_CATEGORIES,
-    USD_PER_UNIT,
-    hash_inputs,
-    split_valid,
-)
+from inference.records import hash_inputs, split_valid
 from inference.spec import load_spec
 from inference.store import StoreHistory, make_engine, warm_history_statements
-from tandem_specs.transactions.features import CURRENT_CATEGORICAL, CURRENT_NUMERIC, HISTORY_NUMERIC_WIDTH
+from tandem_specs.transactions.features import CURRENT_CATEGORICAL, CURRENT_NUMERIC, HISTORY_NUMERIC_WIDTH, USD_PER_UNIT
 from tandem_specs.transactions.model import EMBEDDING_SIZES
 from tests.inference.support import DAY, frame_of, postgres_database, record
+from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, REFERENCE
 
 CURRENT_CATEGORICAL_CARDINALITY, HISTORY_CATEGORICAL_CARDINALITY = EMBEDDING_SIZES
 
@@ -51,8 +45,8 @@ def demo_config(seed: int) -> DemoConfig:
 
 @functools.cache
 def partition_valid(seed: int) -> pl.DataFrame:
-    valid, _ = split_valid(generate_days(DAYS[0], len(DAYS), demo_config(seed)))
-    return valid.with_columns(hash_inputs(valid))
+    valid, _ = split_valid(REFERENCE, generate_days(DAYS[0], len(DAYS), demo_config(seed)))
+    return valid.with_columns(hash_inputs(REFERENCE, valid))
 
 
 @functools.cache
@@ -167,7 +161,7 @@ def test_a_changed_history_record_changes_the_digest_of_exactly_the_records_that
     corrected = valid.with_columns(
         amount=pl.when(pl.col("transaction_id") == changed_id).then(pl.col("amount") + 1).otherwise(pl.col("amount"))
     ).drop("input_hash")
-    corrected = corrected.with_columns(hash_inputs(corrected))
+    corrected = corrected.with_columns(hash_inputs(REFERENCE, corrected))
 
     before, after = build_features(load_spec(), valid, valid, k), build_features(load_spec(), corrected, corrected, k)
     assert before.history_digests is not None and after.history_digests is not None
@@ -195,7 +189,7 @@ def test_unseen_values_are_encoded_as_the_unknown_bucket_of_their_field() -> Non
         ),
         record(transaction_id="e", event_time="2026-11-01T14:00:00Z"),
     ]
-    valid, rejected = split_valid(frame_of(*records))
+    valid, rejected = split_valid(REFERENCE, frame_of(*records))
     assert rejected.is_empty()
     k = 4
     features = build_features(load_spec(), valid, valid, k)
@@ -277,8 +271,8 @@ def test_records_sent_together_online_each_read_the_store_alone(stores: dict[int
     each other through the store either way."""
     seed, k = SEEDS[0], 8
     next_day = DAYS[-1] + (DAYS[1] - DAYS[0])
-    arriving, _ = split_valid(generate_day(next_day, demo_config(seed)))
-    arriving = arriving.with_columns(hash_inputs(arriving))
+    arriving, _ = split_valid(REFERENCE, generate_day(next_day, demo_config(seed)))
+    arriving = arriving.with_columns(hash_inputs(REFERENCE, arriving))
     busiest = arriving.group_by("account_id").len().sort(["len", "account_id"], descending=True)["account_id"][0]
     batch = pl.concat([arriving.filter(pl.col("account_id") == busiest).head(3), arriving.head(5)]).unique(
         "transaction_id", maintain_order=True

@@ -21,6 +21,7 @@ from inference.store import RejectStage, ResultPath, quarantine, read_prediction
 from tandem import cli
 from tests.answers import answer, write_answers
 from tests.inference.support import frame_of, record
+from tests.reference import REFERENCE
 
 DAY = date(2026, 11, 5)
 TX = "tx-lineage"
@@ -43,7 +44,7 @@ def _online(score: float, input_hash: str, minutes: int = 0, **changes: Any) -> 
 
 def _store_record(engine: Engine, **changes: Any) -> str:
     with engine.begin() as conn:
-        upsert_transactions(conn, validate(frame_of(record(transaction_id=TX, **changes))), DAY)
+        upsert_transactions(conn, validate(REFERENCE, frame_of(record(transaction_id=TX, **changes))), DAY)
     return str(explain(engine, TX, dagster_ui_url="http://ui").current_input_hash)
 
 
@@ -213,7 +214,7 @@ def _refuse_at_ingest_and_online(engine: Engine) -> None:
     """`REFUSED` refused by the batch path's ingest (a decimal-comma amount in a CSV cell) and, earlier,
     by an online request (a malformed currency)."""
     with engine.begin() as conn:
-        online = validate(frame_of(record(transaction_id=REFUSED, currency="US$")))
+        online = validate(REFERENCE, frame_of(record(transaction_id=REFUSED, currency="US$")))
         quarantine(conn, online, path=ResultPath.ONLINE, stage=RejectStage.SCORE, request_id="req-7")
     cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id=REFUSED).items()})
     ingest_day(engine, conform(cells.with_columns(amount=pl.lit("12,50")), "day.csv", typed=False), DAY)
@@ -263,7 +264,7 @@ def test_the_cli_says_a_rejected_id_was_rejected_where_and_why(
 def test_a_record_refused_at_scoring_has_its_record_and_its_rejection(engine: Engine, stored_hash: str) -> None:
     """Stored, then refused by the batch run: the partition, the run and the reason, beside the record."""
     with engine.begin() as conn:
-        refused = validate(frame_of(record(transaction_id=TX, country="usa")))
+        refused = validate(REFERENCE, frame_of(record(transaction_id=TX, country="usa")))
         quarantine(
             conn, refused, path=ResultPath.BATCH, stage=RejectStage.SCORE, partition_key=DAY.isoformat(), run_id="run-3"
         )

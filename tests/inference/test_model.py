@@ -27,6 +27,7 @@ from inference.records import split_valid
 from inference.spec import load_spec
 from tandem_specs.transactions.model import ModelConfig
 from tests.inference.support import DAY, TINY_MODEL
+from tests.reference import REFERENCE
 from tests.shared import reference_model
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 @functools.cache
 def labelled_features(history_length: int) -> tuple[FeatureBatch, np.ndarray]:
-    valid, _ = split_valid(generate_day(DAY, DemoConfig(seed=4, rows_per_day=400, poison_rate=0.0)))
+    valid, _ = split_valid(REFERENCE, generate_day(DAY, DemoConfig(seed=4, rows_per_day=400, poison_rate=0.0)))
     labels = valid["label_fraud"].to_numpy().astype(np.float32)
     return build_features(load_spec(), valid, valid, history_length), labels
 

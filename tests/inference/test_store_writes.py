@@ -34,6 +34,7 @@ from inference.store import (
 from tests.answers import answer, write_answers
 from tests.inference.store_worker import PRODUCED_AT, prediction_rows, upsert_repeatedly
 from tests.inference.support import DAY, IDS, frame_of, predictions_of, record, write
+from tests.reference import REFERENCE
 
 
 # ------------------------------------------------------------------ predictions
@@ -171,9 +172,11 @@ def test_every_distinct_online_answer_is_a_row_and_degraded_ones_are_marked(engi
 def test_answer_pairs_compare_each_online_answer_with_the_right_batch_answer(engine: Engine) -> None:
     with engine.begin() as conn:
         upsert_transactions(
-            conn, validate(frame_of(*(record(transaction_id=tx) for tx in ("tx-a", "tx-b", "tx-c")))), DAY
+            conn, validate(REFERENCE, frame_of(*(record(transaction_id=tx) for tx in ("tx-a", "tx-b", "tx-c")))), DAY
         )
-        upsert_transactions(conn, validate(frame_of(record(transaction_id="tx-other-day"))), DAY + timedelta(1))
+        upsert_transactions(
+            conn, validate(REFERENCE, frame_of(record(transaction_id="tx-other-day"))), DAY + timedelta(1)
+        )
     t0 = datetime(2026, 11, 2, tzinfo=UTC)
     key = DAY.isoformat()
     write_answers(
@@ -217,11 +220,12 @@ def rejected_rows(engine: Engine) -> pl.DataFrame:
 
 def test_quarantine_is_idempotent_on_the_rejection_key(engine: Engine) -> None:
     bad = validate(
+        REFERENCE,
         frame_of(
             record(transaction_id="bad-1", currency="US$"),
             record(transaction_id="bad-2", amount=math.nan),
             record(transaction_id="bad-3", event_time="yesterday"),
-        )
+        ),
     )
 
     def send(frame: pl.DataFrame, run_id: str) -> None:
@@ -248,13 +252,13 @@ def test_quarantine_is_idempotent_on_the_rejection_key(engine: Engine) -> None:
     assert set(again["run_id"]) == {"run-3"}
 
     # A changed record is a new rejection, not a sighting of the old one.
-    send(validate(frame_of(record(transaction_id="bad-1", currency="EURO"))), "run-4")
+    send(validate(REFERENCE, frame_of(record(transaction_id="bad-1", currency="EURO"))), "run-4")
     assert rejected_rows(engine).height == 4
 
 
 # ------------------------------------------------------------------ transactions
 def test_upsert_transactions_changes_only_what_changed(engine: Engine) -> None:
-    checked = validate(generate_day(DAY, DemoConfig(seed=6, rows_per_day=120, poison_rate=0.0)))
+    checked = validate(REFERENCE, generate_day(DAY, DemoConfig(seed=6, rows_per_day=120, poison_rate=0.0)))
     with engine.begin() as conn:
         assert upsert_transactions(conn, checked, DAY) == checked.height
     with engine.begin() as conn:
@@ -302,7 +306,7 @@ def test_a_streamed_partition_reads_back_every_stored_value_exactly(engine: Engi
         record(transaction_id="tx-25", account_id="acct-3", amount=0.1, event_time="1969-12-31T23:59:59.999999Z"),
     ]
     with engine.begin() as conn:
-        upsert_transactions(conn, validate(frame_of(*records)), DAY)
+        upsert_transactions(conn, validate(REFERENCE, frame_of(*records)), DAY)
 
     chunks = list(stream_partition_rows(engine, DAY, chunk_rows=4))
     with engine.connect() as conn:

@@ -10,10 +10,10 @@ import pytest
 from inference.demo import DemoConfig, generate_day
 from inference.features import FeatureBatch, build_features
 from inference.records import split_valid
-from inference.spec import load_spec
 from tandem_specs.transactions.features import CURRENT_CATEGORICAL
 from tandem_specs.transactions.model import EMBEDDING_SIZES, UNKNOWN_MASK_SHARE, mask_to_unknown
 from tests.inference.support import DAY
+from tests.reference import REFERENCE
 
 K = 8
 CURRENT_SIZES, HISTORY_SIZES = EMBEDDING_SIZES
@@ -26,8 +26,10 @@ UNSEEN_FIELD_COLUMNS = tuple(
 
 @functools.cache
 def features() -> FeatureBatch:
-    valid, _ = split_valid(generate_day(DAY, DemoConfig(seed=4, rows_per_day=6_000, poison_rate=0.0, unseen_rate=0.0)))
-    return build_features(load_spec(), valid, valid, K)
+    valid, _ = split_valid(
+        REFERENCE, generate_day(DAY, DemoConfig(seed=4, rows_per_day=6_000, poison_rate=0.0, unseen_rate=0.0))
+    )
+    return build_features(REFERENCE, valid, valid, K)
 
 
 def test_a_small_seeded_share_of_categoricals_becomes_the_unknown_bucket() -> None:

@@ -16,7 +16,7 @@ from inference.demo import EXPECTED_REASON, PoisonKind, generate_day
 from inference.features import build_features
 from inference.migrate import upgrade
 from inference.model import score_batch
-from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, split_valid
+from inference.records import split_valid
 from inference.spec import load_spec
 from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows, transactions
 from tandem import modelstore
@@ -31,6 +31,7 @@ from tests.orchestration.support import (
     rejection_rows,
     run_partition,
 )
+from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, REFERENCE
 from tests.shared import register_untrained_model
 
 CHECKS = {
@@ -118,11 +119,9 @@ def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
     at_ingest = sorted((r["transaction_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.INGEST)
     at_score = sorted((r["transaction_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.SCORE)
     assert len(at_ingest) + len(at_score) == len(rejected)
-    assert at_ingest == sorted(
-        (tid, EXPECTED_REASON[PoisonKind.DUPLICATE_ID].value) for tid in duplicates["transaction_id"]
-    )
+    assert at_ingest == sorted((tid, EXPECTED_REASON[PoisonKind.DUPLICATE_ID]) for tid in duplicates["transaction_id"])
     assert at_score == sorted(
-        (tid, EXPECTED_REASON[PoisonKind(kind)].value)
+        (tid, EXPECTED_REASON[PoisonKind(kind)])
         for tid, kind in invalid.select("transaction_id", "poison_kind").iter_rows()
     )
 
@@ -229,7 +228,9 @@ def test_a_model_trained_with_k_8_is_scored_with_8_whatever_the_setting_says(
     engine = make_engine(sqlite_url)
     try:
         with engine.connect() as conn:
-            valid, _ = split_valid(read_partition_rows(conn, date.fromisoformat(PARTITION)).select(RAW_COLUMNS))
+            valid, _ = split_valid(
+                REFERENCE, read_partition_rows(conn, date.fromisoformat(PARTITION)).select(RAW_COLUMNS)
+            )
     finally:
         engine.dispose()
     model = modelstore.load(tag)

@@ -14,7 +14,7 @@ from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, Execu
 from assets.resources import ModelStoreResource
 from inference.agreement import Cause
 from inference.contract import TorchPredictor
-from inference.records import RAW_COLUMNS, validate
+from inference.records import validate
 from inference.store import (
     ResultPath,
     StoreHistory,
@@ -34,6 +34,7 @@ from tests.orchestration.support import (
     rejection_rows,
     run_partition,
 )
+from tests.reference import RAW_COLUMNS, REFERENCE
 
 DAY = date.fromisoformat(PARTITION)
 ROWS = 600
@@ -177,7 +178,7 @@ def _stored_valid(url: str) -> pl.DataFrame:
             stored = read_partition_rows(conn, DAY)
     finally:
         engine.dispose()
-    return validate(stored.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null()).select(RAW_COLUMNS)
+    return validate(REFERENCE, stored.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null()).select(RAW_COLUMNS)
 
 
 def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
@@ -227,7 +228,7 @@ def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
     engine = make_engine(database_url)
     with engine.begin() as conn:
         corrected = answered.filter(pl.col("transaction_id") == corrected_id).with_columns(amount=pl.col("amount") + 1)
-        assert upsert_transactions(conn, validate(corrected), DAY) == 1
+        assert upsert_transactions(conn, validate(REFERENCE, corrected), DAY) == 1
     engine.dispose()
     result = nightly()
     assert result.success

@@ -59,6 +59,7 @@ from tests.orchestration.support import (
     predictions_config,
     run_partition,
 )
+from tests.reference import REFERENCE
 from tests.shared import register_untrained_model
 
 DAYS = ("2026-11-02", "2026-11-03")
@@ -120,7 +121,9 @@ def _correct_records(url: str, day: str, count: int) -> None:
     clean = frame.filter(pl.col("poison_kind").is_null()).head(count)
     engine = make_engine(url)
     with engine.begin() as conn:
-        upsert_transactions(conn, validate(clean.with_columns(amount=pl.col("amount") + 1.0)), date.fromisoformat(day))
+        upsert_transactions(
+            conn, validate(REFERENCE, clean.with_columns(amount=pl.col("amount") + 1.0)), date.fromisoformat(day)
+        )
     engine.dispose()
 
 
@@ -382,7 +385,9 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
     account = corrected["account_id"][0]
     with engine.begin() as conn:
         upsert_transactions(
-            conn, validate(corrected.with_columns(amount=pl.col("amount") * 3 + 1)), date.fromisoformat(DAYS[0])
+            conn,
+            validate(REFERENCE, corrected.with_columns(amount=pl.col("amount") * 3 + 1)),
+            date.fromisoformat(DAYS[0]),
         )
 
     later_ids = second_day.filter(pl.col("account_id") == account)["transaction_id"].to_list()

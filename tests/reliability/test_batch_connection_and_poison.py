@@ -148,7 +148,7 @@ def test_partition_with_five_percent_poison_lands_with_every_poison_row_quaranti
     assert result.success, "poison is quarantined, never a failed partition"
 
     expected = sorted(
-        (tx, EXPECTED_REASON[PoisonKind(kind)].value)
+        (tx, EXPECTED_REASON[PoisonKind(kind)])
         for tx, kind in zip(poison["transaction_id"], poison["poison_kind"], strict=True)
     )
     with psycopg.connect(postgres_url) as conn:

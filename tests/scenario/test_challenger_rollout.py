@@ -33,12 +33,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.contract import TorchPredictor
 from inference.demo import DemoConfig, day_range, generate_day
-from inference.records import RAW_COLUMNS, validate
+from inference.records import validate
 from inference.store import StoreHistory, challenger_predictions, latest_challenger_report, make_engine, predictions
 from orchestration.definitions import build_definitions
 from orchestration.settings import OrchestrationSettings
 from tandem import cli, modelstore
 from tests.orchestration.support import select_rows
+from tests.reference import RAW_COLUMNS, REFERENCE
 from tests.serving.support import LiveServer, serve
 from tests.shared import register_untrained_model, service_env, until
 
@@ -136,7 +137,9 @@ def test_a_challenger_is_shadowed_replayed_judged_and_promoted_through_the_gate(
     champion_rows = select_rows(database_url, sa.select(predictions).order_by(*predictions.primary_key.columns))
 
     # 3. Clients under load while every request is shadowed.
-    live = validate(generate_day(LIVE_DAY, DEMO).select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null())
+    live = validate(REFERENCE, generate_day(LIVE_DAY, DEMO).select(RAW_COLUMNS)).filter(
+        pl.col("reject_reason").is_null()
+    )
     requests = live.select(RAW_COLUMNS).head(LOAD_REQUESTS).to_dicts()
     env = service_env(database_url=database_url, data_dir=tmp_path / "service", model_name=MODEL_NAME) | {
         "TANDEM_SERVING_MODEL_POLL_INTERVAL_S": "0.5",

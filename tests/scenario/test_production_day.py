@@ -48,7 +48,7 @@ from dagster import (
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.agreement import Cause, summarize
 from inference.demo import DemoConfig, generate_day
-from inference.records import RAW_COLUMNS, validate
+from inference.records import validate
 from inference.sources import demo_path, write_demo_day
 from inference.store import answer_pairs, make_engine, predictions, transactions
 from orchestration.definitions import build_definitions
@@ -56,6 +56,7 @@ from orchestration.sensors import DAILY_JOB, INGEST_JOB, RESCORE_JOB
 from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
 from tests.orchestration.support import select_rows
+from tests.reference import RAW_COLUMNS, REFERENCE
 from tests.serving.support import LiveServer, serve
 from tests.shared import service_env, until
 
@@ -208,7 +209,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
     # 2. Day D online, as payments happen.
     source_day = generate_day(DAY, DEMO)
-    valid = validate(source_day.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null())
+    valid = validate(REFERENCE, source_day.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null())
     online = valid.filter(pl.int_range(pl.len()) % 10 < 7).select(RAW_COLUMNS).to_dicts()
     received: list[Answer] = []
     env = service_env(database_url=database_url, data_dir=tmp_path / "service", model_name=MODEL_NAME) | {
@@ -277,7 +278,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         previous = HISTORY[-1]
         before = select_rows(database_url, sa.select(predictions).where(predictions.c.path == "batch"))
         old_day = generate_day(previous, DEMO)
-        clean = validate(old_day.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null())
+        clean = validate(REFERENCE, old_day.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null())
         changed_ids = set(clean["transaction_id"].head(400)[::100].to_list())
         write_day(
             landing,

@@ -30,7 +30,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
 from inference.demo import DemoConfig, generate_day
-from inference.records import RAW_COLUMNS, Transaction
 from inference.store import utc_now
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
@@ -38,6 +37,7 @@ from serving.runtime import OnlineScorer
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
+from tests.reference import RAW_COLUMNS, Transaction
 from tests.shared import free_port, migrate_and_ingest, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,9 +25,9 @@ from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
 from inference.lineage import TransactionLineage, explain
 from inference.model import LoadedModel
-from inference.records import RAW_COLUMNS
 from inference.store import make_engine
 from tandem import modelstore
+from tests.reference import RAW_COLUMNS
 from tests.serving.support import DemoServer, StartDemoServer
 from tests.shared import reference_model, register_model, until
 

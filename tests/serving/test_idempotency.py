@@ -14,13 +14,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from inference.records import Transaction
 from inference.store import idempotency_keys, read_predictions
 from serving.breaker import CircuitBreaker
 from serving.idempotency import IdempotencyKeys
 from serving.runtime import DeadlineExceeded, KeyInProgress, KeyReused, OnlineScorer, Shed
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
+from tests.reference import Transaction
 from tests.serving.support import DUPLICATES, check_one_answer_per_key, scored_batch, started_scorer, transaction
 from tests.shared import until_async
 

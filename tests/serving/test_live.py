@@ -28,8 +28,8 @@ from bentoml.exceptions import BentoMLException
 from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
 from inference.model import LoadedModel
-from inference.records import COUNTRIES, RAW_COLUMNS
 from inference.store import make_engine, read_predictions
+from tests.reference import COUNTRIES, RAW_COLUMNS
 from tests.serving.support import DemoServer, StartDemoServer
 from tests.shared import reference_model, register_model, until
 

@@ -18,7 +18,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
-from inference.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from inference.store import utc_now
 from serving.admission import Decision
 from serving.batcher import Reservation
@@ -28,6 +27,7 @@ from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
+from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 from tests.serving.score_route import with_score_route
 from tests.serving.support import started_scorer
 

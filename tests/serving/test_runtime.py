@@ -20,7 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
 from inference.contract import TorchPredictor
-from inference.records import Transaction
 from inference.store import read_predictions
 from serving.admission import Decision
 from serving.app import answer
@@ -34,6 +33,7 @@ from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, O
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
 from tandem_specs.transactions.model import ModelConfig
+from tests.reference import Transaction
 from tests.serving.support import scored_batch, started_scorer, transaction
 from tests.shared import reference_model, until_async
 

@@ -30,10 +30,10 @@ import torch
 
 from inference.contract import FrameHistory, TorchPredictor
 from inference.model import LoadedModel
-from inference.records import RAW_COLUMNS
 from inference.store import make_engine
 from inference.store.schema import predictions
 from tandem import modelstore
+from tests.reference import RAW_COLUMNS
 from tests.serving.support import LiveServer, demo_day, serve
 from tests.shared import (
     fresh_postgres_database,

@@ -24,7 +24,7 @@ import psutil
 import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
-from inference.records import MERCHANT_CATEGORIES
+from tests.reference import MERCHANT_CATEGORIES
 from tests.serving.support import LiveServer, serve
 from tests.shared import fresh_postgres_database, register_untrained_model, service_env
 

@@ -39,12 +39,15 @@ import torch
 from inference.contract import FrameHistory, TorchPredictor
 from inference.demo import DemoConfig, generate_day
 from inference.features import FeatureBatch
-from inference.records import RAW_COLUMNS, hash_inputs, raw_frame, validate
+from inference.records import hash_inputs, raw_columns, raw_frame, validate
+from inference.spec import load_spec
 from serving.openapi import service_document
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from tests.shared import reference_model
 
+REFERENCE = load_spec()
+RAW_COLUMNS = raw_columns(REFERENCE)
 GOLDEN = Path(__file__).parent / "golden" / "reference.json"
 REGENERATE = os.environ.get("TANDEM_REGENERATE_GOLDEN") == "1"
 
@@ -147,8 +150,8 @@ def scores_summary(scores: pl.Series) -> dict[str, Any]:
 
 def batch_section(predictor: TorchPredictor, day: pl.DataFrame) -> dict[str, Any]:
     """The day scored as the batch path scores a partition: validated once, its own history."""
-    checked = validate(day.select(RAW_COLUMNS))
-    checked = checked.with_columns(hash_inputs(checked))
+    checked = validate(REFERENCE, day.select(RAW_COLUMNS))
+    checked = checked.with_columns(hash_inputs(REFERENCE, checked))
     prepared = predictor.prepare(checked, FrameHistory(checked))
     result = predictor.complete(prepared)
     assert prepared.features is not None
@@ -165,8 +168,8 @@ def online_section(predictor: TorchPredictor, stored: pl.DataFrame, next_day: pl
     answers = []
     for position in ONLINE_ROWS:
         record = next_day.select(RAW_COLUMNS).row(position, named=True)
-        checked = validate(raw_frame([record]))
-        checked = checked.hstack([hash_inputs(checked)])
+        checked = validate(REFERENCE, raw_frame(REFERENCE, [record]))
+        checked = checked.hstack([hash_inputs(REFERENCE, checked)])
         answers.append(predictor.predict(checked, history).row(0, named=True))
     return answers
 

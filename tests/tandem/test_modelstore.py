@@ -22,9 +22,9 @@ from inference.demo import DemoConfig, generate_day
 from inference.features import build_features
 from inference.model import LoadedModel, TrainingReport, score_batch
 from inference.records import split_valid
-from inference.spec import load_spec
 from tandem import modelstore
 from tests.inference.support import DAY, TINY_MODEL
+from tests.reference import REFERENCE
 from tests.shared import reference_model
 
 
@@ -50,8 +50,8 @@ def register_new(name: str, seed: int, auc: float = 0.5) -> tuple[LoadedModel, s
 
 
 def test_register_then_load_gives_bit_identical_outputs() -> None:
-    valid, _ = split_valid(generate_day(DAY, DemoConfig(seed=9, rows_per_day=200, poison_rate=0.0)))
-    features = build_features(load_spec(), valid, valid, TINY_MODEL.history_length)
+    valid, _ = split_valid(REFERENCE, generate_day(DAY, DemoConfig(seed=9, rows_per_day=200, poison_rate=0.0)))
+    features = build_features(REFERENCE, valid, valid, TINY_MODEL.history_length)
     name = fresh_name()
     model, tag = register_new(name, seed=1, auc=0.75)
     assert tag.startswith(f"{name}:")

@@ -137,6 +137,20 @@ def test_vocabularies_and_codes(module: types.ModuleType) -> None:
     )
 
 
+def test_categorical_lengths_and_a_spec_that_does_not_hash(module: types.ModuleType) -> None:
+    short = Categorical("colour", vocabulary=("red",), min_length=5, max_length=4)
+    fields = tuple(short if f.name == "colour" else f for f in tiny.SPEC.fields)
+    assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
+        "categorical 'colour' needs 1 <= min_length <= max_length"
+    )
+    load_spec.cache_clear()
+    listed = Categorical("colour", vocabulary=["red", "green"])  # type: ignore[arg-type]
+    fields = tuple(listed if f.name == "colour" else f for f in tiny.SPEC.fields)
+    assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
+        "is not hashable (unhashable type: 'list'): give fields, vocabularies and rules as tuples"
+    )
+
+
 def test_every_problem_is_named_at_once(module: types.ModuleType) -> None:
     bad = dataclasses.replace(
         tiny.SPEC, name="Bad Name", history_length=-1, fields=(*tiny.SPEC.fields, RecordId("record_id"))

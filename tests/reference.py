@@ -1,0 +1,28 @@
+"""The reference spec as tests read it: its loaded spec, raw columns, record model and vocabularies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inference.records import raw_columns, raw_schema
+from inference.spec import load_spec
+from inference.spec.api import record_model
+from tandem_specs.transactions.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
+
+REFERENCE = load_spec()
+RAW_COLUMNS = raw_columns(REFERENCE)
+RAW_SCHEMA = raw_schema(REFERENCE)
+ID_MAX_LENGTH = REFERENCE.id.max_length
+# Any: its fields exist at run time only, as the spec declares them.
+Transaction: Any = record_model(REFERENCE)
+
+__all__ = [
+    "COUNTRIES",
+    "CURRENCIES",
+    "ID_MAX_LENGTH",
+    "MERCHANT_CATEGORIES",
+    "RAW_COLUMNS",
+    "RAW_SCHEMA",
+    "REFERENCE",
+    "Transaction",
+]
