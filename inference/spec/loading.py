@@ -8,8 +8,10 @@ import importlib
 import json
 import re
 from dataclasses import dataclass
+from typing import Annotated
 
-import polars as pl
+from pydantic import StringConstraints, TypeAdapter, ValidationError
+from pydantic_core import SchemaError
 
 from inference.spec.fields import (
     Categorical,
@@ -209,16 +211,28 @@ def _vocabulary_problems(field: Categorical) -> list[str]:
     if len(set(field.vocabulary)) != len(field.vocabulary):
         problems.append(f"vocabulary of {field.name!r} repeats a value")
     try:
-        # Checked by polars, the engine validation checks records with.
-        matches = pl.Series(field.vocabulary, dtype=pl.String).str.contains(field.pattern).to_list()
-    except pl.exceptions.ComputeError as error:
-        return [*problems, f"pattern of {field.name!r} is no regular expression ({str(error).splitlines()[0]})"]
+        # Checked by pydantic's Rust regex engine, polars' own: the record model and `validate`
+        # read the pattern alike. Not by polars itself: a spec is loaded while modules import,
+        # and a polars computation there starts its thread pool, which a process forked from
+        # the importer (the scoring process, from its fork server) inherits without threads.
+        well_formed = TypeAdapter(Annotated[str, StringConstraints(pattern=field.pattern)])
+    except SchemaError as error:
+        return [*problems, f"pattern of {field.name!r} is no regular expression ({str(error).splitlines()[-1]})"]
+    matches = [_matches(well_formed, value) for value in field.vocabulary]
     problems += [
         f"vocabulary value {value!r} of {field.name!r} does not match its pattern"
         for value, matched in zip(field.vocabulary, matches, strict=True)
         if not matched
     ]
     return problems
+
+
+def _matches(well_formed: TypeAdapter[str], value: str) -> bool:
+    try:
+        well_formed.validate_python(value)
+    except ValidationError:
+        return False
+    return True
 
 
 def reason_codes(spec: ModelSpec) -> list[str]:
