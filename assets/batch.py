@@ -49,7 +49,6 @@ from inference.model import IncompatibleModelError, LoadedModel, TrainingReport
 from inference.parity import PARITY_TOLERANCE, ParityReport, check_parity
 from inference.records import input_hash_expr
 from inference.sources import SourceError
-from inference.spec import load_spec
 from inference.store import PartitionCounts, batch_scores, partition_counts, stored_partition_dates
 from inference.store import predictions as predictions_table
 from inference.store import transactions as transactions_table
@@ -252,10 +251,10 @@ def _train_and_register(
     first, holdout = days[0], days[-1]
     model, report = train_from_store(
         database.engine,
-        load_spec(),
+        REFERENCE_SPEC,
         first_day=first,
         holdout_day=holdout,
-        config=load_spec().spec.model_config(history_length),
+        config=REFERENCE_SPEC.spec.model_config(history_length),
         seed=config.seed,
         epochs=config.epochs,
         max_train_rows=config.max_train_rows,
@@ -264,7 +263,9 @@ def _train_and_register(
     current = model_store.production_tag()
     try:
         current_auc = (
-            evaluate_auc(database.engine, load_spec(), modelstore.load(current), first_day=first, holdout_day=holdout)
+            evaluate_auc(
+                database.engine, REFERENCE_SPEC, modelstore.load(current), first_day=first, holdout_day=holdout
+            )
             if current
             else None
         )

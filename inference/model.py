@@ -95,6 +95,26 @@ def load_model(directory: Path, spec: LoadedSpec) -> LoadedModel:
     return model
 
 
+def state_dict_problems(module: nn.Module, stored: Mapping[str, torch.Tensor]) -> list[str]:
+    """What keeps `stored` from loading into `module`: missing and unexpected tensors, then shapes."""
+    expected = module.state_dict()
+    missing = sorted(expected.keys() - stored.keys())
+    unexpected = sorted(stored.keys() - expected.keys())
+    problems = [f"missing {_some(missing)}"] if missing else []
+    problems += [f"unexpected {_some(unexpected)}"] if unexpected else []
+    problems += [
+        f"{key} is {tuple(stored[key].shape)}, expected {tuple(tensor.shape)}"
+        for key, tensor in expected.items()
+        if key in stored and stored[key].shape != tensor.shape
+    ]
+    return problems
+
+
+def _some(keys: list[str], shown: int = 5) -> str:
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
+
+
 def _check_compatible(module: nn.Module, stored: dict[str, torch.Tensor], directory: Path, spec: LoadedSpec) -> None:
     """Fail in one line naming the cause, before `load_state_dict`'s multi-line size-mismatch dump.
 
@@ -102,26 +122,22 @@ def _check_compatible(module: nn.Module, stored: dict[str, torch.Tensor], direct
     vocabulary (models saved before the unknown bucket have one row fewer per field): its rows
     would mean other values, so it is refused rather than loaded partially.
     """
+    problems = state_dict_problems(module, stored)
+    if not problems:
+        return
     retrain = f"retrain it with this code (the {spec.spec.model_name} asset or `tandem demo`)"
     expected = module.state_dict()
-    missing = sorted(expected.keys() - stored.keys())
-    unexpected = sorted(stored.keys() - expected.keys())
-    if missing or unexpected:
-        raise IncompatibleModelError(
-            f"model at {directory} has another layout (missing {missing[:3]}, unexpected {unexpected[:3]}); {retrain}"
-        )
-    for name, tensor in expected.items():
-        found = tuple(stored[name].shape)
-        if found == tuple(tensor.shape):
-            continue
-        if "embedding" in name:
+    # Only where every tensor is there: then a row count alone that differs is another vocabulary.
+    for name, tensor in expected.items() if expected.keys() == stored.keys() else ():
+        found = stored[name].shape
+        if "embedding" in name and found[1:] == tensor.shape[1:] and found[0] != tensor.shape[0]:
             raise IncompatibleModelError(
                 f"model at {directory} was trained on another categorical vocabulary: {name} has {found[0]} rows, "
                 f"this code expects {tensor.shape[0]} (each field's vocabulary plus an 'unknown' bucket); {retrain}"
             )
-        raise IncompatibleModelError(
-            f"model at {directory} does not fit this code: {name} is {found}, expected {tuple(tensor.shape)}; {retrain}"
-        )
+    raise IncompatibleModelError(
+        f"model at {directory} does not fit {spec.path}'s model: {'; '.join(problems)}; {retrain}"
+    )
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:

@@ -21,7 +21,6 @@ from typing import Any
 
 import bentoml
 import torch
-from torch import nn
 
 from inference.homes import resolve_homes
 from inference.model import (
@@ -32,6 +31,7 @@ from inference.model import (
     load_model,
     read_config,
     save_model,
+    state_dict_problems,
 )
 from inference.spec import DEFAULT_SPEC_PATH, LoadedSpec, load_spec
 from tandem.bentoml_home import bentoml_home
@@ -179,28 +179,9 @@ def _check_fits(directory: Path, config: dict[str, Any], spec: LoadedSpec) -> No
         ) from None
     if not isinstance(stored, dict) or not all(isinstance(t, torch.Tensor) for t in stored.values()):
         raise ValueError(f"{directory / WEIGHTS_FILE} is not a state_dict (a dict of tensor names to tensors)")
-    problems = _state_dict_problems(module, stored)
+    problems = state_dict_problems(module, stored)
     if problems:
         raise ValueError(f"{directory / WEIGHTS_FILE} does not fit {spec.path}'s model: {'; '.join(problems)}")
-
-
-def _state_dict_problems(module: nn.Module, stored: dict[str, torch.Tensor]) -> list[str]:
-    expected = module.state_dict()
-    missing = sorted(expected.keys() - stored.keys())
-    unexpected = sorted(stored.keys() - expected.keys())
-    problems = [f"missing {_some(missing)}"] if missing else []
-    problems += [f"unexpected {_some(unexpected)}"] if unexpected else []
-    problems += [
-        f"{key} is {tuple(stored[key].shape)}, expected {tuple(tensor.shape)}"
-        for key, tensor in expected.items()
-        if key in stored and stored[key].shape != tensor.shape
-    ]
-    return problems
-
-
-def _some(keys: list[str], shown: int = 5) -> str:
-    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
-    return ", ".join(keys[:shown]) + more
 
 
 def load(tag: str, spec: LoadedSpec | None = None) -> LoadedModel:
