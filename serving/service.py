@@ -20,6 +20,7 @@ from bentoml.models import BentoModel
 
 from inference.migrate import upgrade
 from inference.settings import TandemSettings
+from inference.spec import configured_spec
 from inference.store import make_engine
 from serving import worker
 from serving.app import answer, build_app
@@ -62,7 +63,7 @@ def production_model() -> BentoModel:
                 "or set TANDEM_SERVING_MODEL_TAG"
             )
         tag = stored[0].tag
-    return BentoModel(modelstore.check_spec(tag, modelstore.configured_spec()))
+    return BentoModel(modelstore.check_spec(tag, configured_spec()))
 
 
 def engine_options(url: str, serving: ServingSettings) -> dict[str, typing.Any]:
@@ -107,7 +108,7 @@ class RiskScorer:
         settings = TandemSettings()
         serving = ServingSettings()
         SecuritySettings()  # a bad token or body limit fails the start, not the first request
-        self.spec = modelstore.configured_spec()
+        self.spec = configured_spec()
         url = settings.resolved_database_url()
         options = engine_options(url, serving)
         engine = make_engine(url, **options)

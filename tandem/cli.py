@@ -21,7 +21,7 @@ from inference.demo import DemoConfig, day_range, generate_day
 from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.settings import TandemSettings, get_settings, settings_error
-from inference.spec import DEFAULT_SPEC_PATH, Categorical, Label, LoadedSpec, load_spec, role_of
+from inference.spec import DEFAULT_SPEC_PATH, Categorical, Label, LoadedSpec, configured_spec, load_spec, role_of
 from inference.store import latest_challenger_report, make_engine, mark_rejections_fixed, rejected_records
 from inference.training import train_from_store
 from tandem import modelstore
@@ -274,7 +274,7 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
 
 def _run_models(args: argparse.Namespace, settings: TandemSettings) -> None:
     """`tandem models ...` but list; every version is checked against the spec Tandem runs."""
-    spec = modelstore.configured_spec()
+    spec = configured_spec()
     if args.action == "promote" and args.from_challenger:
         _promote_challenger(settings, spec, force=args.force)
     elif args.action == "promote":

@@ -33,7 +33,7 @@ from inference.model import (
     save_model,
     state_dict_problems,
 )
-from inference.spec import DEFAULT_SPEC_PATH, LoadedSpec, load_spec
+from inference.spec import DEFAULT_SPEC_PATH, LoadedSpec, configured_spec
 from tandem.bentoml_home import bentoml_home
 
 MODEL_LABELS = {"owner": "tandem", "framework": "torch-state-dict"}
@@ -53,11 +53,6 @@ class TrainedWith:
 
     path: str
     digest: str
-
-
-def configured_spec() -> LoadedSpec:
-    """The spec Tandem runs, loaded once per process: the reference (there is no setting yet)."""
-    return load_spec()
 
 
 def spec_metadata(spec: LoadedSpec, history_length: int) -> dict[str, Any]:

@@ -134,6 +134,14 @@ def load_spec(path: str = DEFAULT_SPEC_PATH) -> LoadedSpec:
     return LoadedSpec(path=path, spec=spec, digest=schema_digest(spec))
 
 
+def configured_spec() -> LoadedSpec:
+    """The spec Tandem runs: every entry point (Dagster resources, the service, the CLI) asks here.
+
+    The reference until the setting that picks a spec lands (0012, after step 9).
+    """
+    return load_spec()
+
+
 def _import(path: str) -> ModelSpec:
     module_name, colon, attribute = path.partition(":")
     if not colon or not module_name or not attribute:

@@ -20,7 +20,7 @@ import torch
 from sqlalchemy.engine import Engine
 
 from inference.model import CONFIG_FILE, WEIGHTS_FILE, TrainingReport
-from inference.spec import load_spec
+from inference.spec import configured_spec, load_spec
 from serving.backends import ScoringBackend
 from serving.lifecycle import ChallengerWatcher, ModelWatcher
 from serving.runtime import OnlineScorer
@@ -51,7 +51,7 @@ class Store:
         self.started: list[str] = []
 
     def load(self, tag: str) -> ScoringBackend:
-        resolved = modelstore.check_spec(tag, modelstore.configured_spec())
+        resolved = modelstore.check_spec(tag, configured_spec())
         self.started.append(resolved)
         return ScoringBackend(resolved, ThreadPoolExecutor(max_workers=1), ScoringStep(resolved))
 
