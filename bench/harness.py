@@ -85,13 +85,15 @@ def seed_history(database_url: str, rows_per_day: int, days: int) -> None:
     from inference.batch import ingest_day
     from inference.demo import DemoConfig, day_range, generate_day
     from inference.migrate import upgrade
+    from inference.spec import configured_spec
     from inference.store import make_engine
 
+    spec = configured_spec()
     engine = make_engine(database_url)
-    upgrade(engine)
+    upgrade(engine, spec)
     demo = DemoConfig(rows_per_day=rows_per_day, poison_rate=0.01)  # as bench.run.prepare_environment's
     for day in day_range(START_DAY, days):
-        ingest_day(engine, generate_day(day, demo), day)
+        ingest_day(spec, engine, generate_day(day, demo), day)
     engine.dispose()
 
 

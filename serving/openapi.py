@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from inference.lineage import TransactionLineage
+from inference.lineage import RecordLineage
 from serving.schemas import (
     DEADLINE_HEADER,
     IDEMPOTENCY_HEADER,
@@ -158,7 +158,7 @@ def _lineage_path(components: _Components, guarded: dict[str, Any]) -> dict[str,
             ],
             **guarded,
             "responses": {
-                "200": error(TransactionLineage, "The source record's state, every answer and every rejection."),
+                "200": error(RecordLineage, "The source record's state, every answer and every rejection."),
                 "401": error(ErrorBody, "A token is configured and the request lacks it.", UNAUTHORIZED),
                 "404": error(ErrorBody, "No record, answer or rejection for this id."),
                 "422": error(ErrorBody, "Not a possible transaction id."),

@@ -20,14 +20,15 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from inference.contract import Predictor
 from inference.records import hash_inputs, raw_frame, validate
+from inference.spec import LoadedSpec
 from inference.store import (
-    HISTORY_SCHEMA,
     NO_HISTORY,
     OnlineProducer,
     ResultPath,
     fetch_history,
     online_answers,
     prediction_rows,
+    record_table,
     utc_now,
 )
 from serving.breaker import CircuitBreaker
@@ -87,9 +88,10 @@ def read_reconnecting(engine: Engine, read: Callable[[Connection], _R]) -> _R:
 
 
 class GuardedHistory:
-    """Account history from the store behind the breaker; an unreachable store yields no history."""
+    """Entity history from the store behind the breaker; an unreachable store yields no history."""
 
-    def __init__(self, engine: Engine, breaker: CircuitBreaker) -> None:
+    def __init__(self, ls: LoadedSpec, engine: Engine, breaker: CircuitBreaker) -> None:
+        self.spec = ls
         self.engine = engine
         self.breaker = breaker
         self.degraded = False
@@ -97,7 +99,9 @@ class GuardedHistory:
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         if self.breaker.allow():
             try:
-                history = read_reconnecting(self.engine, lambda conn: fetch_history(conn, targets, history_length))
+                history = read_reconnecting(
+                    self.engine, lambda conn: fetch_history(self.spec, conn, targets, history_length)
+                )
             except SQLAlchemyError as error:
                 self.breaker.record_failure()
                 logger.warning("history read failed, scoring without history: %s", error)
@@ -105,7 +109,7 @@ class GuardedHistory:
                 self.breaker.record_success()
                 return history
         self.degraded = True
-        return pl.DataFrame(schema=HISTORY_SCHEMA)
+        return pl.DataFrame(schema=record_table(self.spec).history_schema)
 
 
 class ScoringCore:
@@ -152,7 +156,7 @@ class ScoringCore:
         checked = validate(RECORD_SPEC, raw_frame(RECORD_SPEC, [item.raw for item in items]))
         # hstack, not with_columns: that is a polars query of its own.
         checked = checked.hstack([hash_inputs(RECORD_SPEC, checked)])
-        history = GuardedHistory(self.engine, self.breaker)
+        history = GuardedHistory(RECORD_SPEC, self.engine, self.breaker)
         scored = self.predictor.predict(checked, history)
         outcome.degraded = outcome.degraded or history.degraded
         stored = self._stored_answers(items) if lookup else {}
@@ -179,17 +183,21 @@ class ScoringCore:
         if not self.breaker.allow():
             return {}
         try:
-            transaction_ids = [str(item.raw["transaction_id"]) for item in items]
+            record_ids = [str(item.raw["transaction_id"]) for item in items]
             rows = read_reconnecting(
                 self.engine,
-                lambda conn: online_answers(conn, model_version=self.model_version, transaction_ids=transaction_ids),
+                lambda conn: online_answers(conn, model_version=self.model_version, record_ids=record_ids),
             )
         except SQLAlchemyError as error:
             self.breaker.record_failure()
             logger.warning("stored-answer lookup failed; answering afresh: %s", error)
             return {}
         self.breaker.record_success()
-        return {(row["transaction_id"], row["answer_key"]): _replayed(row) for row in rows}
+        # A stored row's id is `record_id`; the answer names it as the API does.
+        return {
+            (row["record_id"], row["answer_key"]): _replayed({**row, "transaction_id": row["record_id"]})
+            for row in rows
+        }
 
     def _remember(self, answer_id: tuple[str, str], answer: ItemResult) -> None:
         """Only scored answers: an error is never replayed."""

@@ -112,7 +112,7 @@ class RiskScorer:
         url = settings.resolved_database_url()
         options = engine_options(url, serving)
         engine = make_engine(url, **options)
-        upgrade(engine)
+        upgrade(engine, self.spec)
         self.worker_config = worker.WorkerConfig(
             model_dir=str(self.model_ref.path),
             model_version=str(self.model_ref.tag),

@@ -61,7 +61,7 @@ def initialize(config: WorkerConfig) -> None:
     engine = make_engine(config.database_url, **{**config.engine_options, "pool_pre_ping": False})
     try:
         with engine.connect() as conn:
-            warm_history_statements(conn, config.forward_batch_size)
+            warm_history_statements(spec, conn, config.forward_batch_size)
     except SQLAlchemyError as error:  # the store may be down at start: batches then score without history
         logger.warning("could not prepare the history reads: %s", error)
     breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)

@@ -12,13 +12,14 @@ import sqlalchemy as sa
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
 
-from inference.migrate import alembic_config, upgrade
+from inference.migrate import alembic_config, upgrade, upgrade_core
 from inference.store import (
     make_engine,
 )
 from tests.answers import answer, write_answers
 from tests.inference.store_worker import prediction_rows
 from tests.inference.support import IDS, current_revision, predictions_of, schema_diffs, write
+from tests.reference import REFERENCE
 
 
 def test_migrated_schema_matches_the_metadata(engine: Engine) -> None:
@@ -29,8 +30,8 @@ def test_migrated_schema_matches_the_metadata(engine: Engine) -> None:
 def test_upgrade_is_idempotent(engine: Engine) -> None:
     write(engine, prediction_rows(IDS))
     before = predictions_of(engine)
-    upgrade(engine)
-    upgrade(engine)
+    upgrade(engine, REFERENCE)
+    upgrade(engine, REFERENCE)
     assert schema_diffs(engine) == []
     assert current_revision(engine) == ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert predictions_of(engine).equals(before)
@@ -68,7 +69,7 @@ def _old_row(transaction_id: str, path: str, **changes: Any) -> dict[str, Any]:
 def test_migration_0005_splits_cross_path_verdicts_into_rows_and_marks_degraded_answers(database_url: str) -> None:
     engine = make_engine(database_url)
     try:
-        upgrade(engine, "0004")
+        upgrade_core(engine, "0004")
         old = sa.Table("predictions", sa.MetaData(), autoload_with=engine)
         assert "cross_path" in old.c and "answer_key" not in old.c
         checked_at = T_OLD + timedelta(hours=5)
@@ -99,12 +100,12 @@ def test_migration_0005_splits_cross_path_verdicts_into_rows_and_marks_degraded_
                     _old_row("tx-degraded", "online", input_hash="in-tx-degraded+nohistory", history_hash=None),
                 ],
             )
-        upgrade(engine)
+        upgrade(engine, REFERENCE)
         assert schema_diffs(engine) == []
         columns = sa.inspect(engine).get_columns("predictions")
         assert not {c["name"] for c in columns} & {"cross_path", "cross_path_score", "cross_path_producer"}
 
-        stored = {(row["transaction_id"], row["path"]): row for row in predictions_of(engine).to_dicts()}
+        stored = {(row["record_id"], row["path"]): row for row in predictions_of(engine).to_dicts()}
         assert set(stored) == {
             ("tx-plain", "batch"),
             ("tx-both", "batch"),

@@ -21,7 +21,7 @@ from inference.store import (
     make_engine,
     read_partition_rows,
     read_predictions,
-    upsert_transactions,
+    upsert_records,
     utc_now,
 )
 from tests.answers import answer, write_answers
@@ -151,7 +151,9 @@ def _score_online(url: str, frame: pl.DataFrame, request: str) -> list[dict[str,
     try:
         rows = []
         for i in range(frame.height):
-            (scored,) = predictor.predict(frame[i : i + 1].select(RAW_COLUMNS), StoreHistory(engine)).to_dicts()
+            (scored,) = predictor.predict(
+                frame[i : i + 1].select(RAW_COLUMNS), StoreHistory(REFERENCE, engine)
+            ).to_dicts()
             assert scored["reject_reason"] is None
             rows.append(
                 answer(
@@ -175,7 +177,7 @@ def _stored_valid(url: str) -> pl.DataFrame:
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
-            stored = read_partition_rows(conn, DAY)
+            stored = read_partition_rows(REFERENCE, conn, DAY)
     finally:
         engine.dispose()
     return validate(REFERENCE, stored.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null()).select(RAW_COLUMNS)
@@ -228,7 +230,7 @@ def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
     engine = make_engine(database_url)
     with engine.begin() as conn:
         corrected = answered.filter(pl.col("transaction_id") == corrected_id).with_columns(amount=pl.col("amount") + 1)
-        assert upsert_transactions(conn, validate(REFERENCE, corrected), DAY) == 1
+        assert upsert_records(REFERENCE, conn, validate(REFERENCE, corrected), DAY) == 1
     engine.dispose()
     result = nightly()
     assert result.success

@@ -38,7 +38,7 @@ from inference.store import (
     rejected_records,
     upsert_challenger_predictions,
     upsert_predictions,
-    upsert_transactions,
+    upsert_records,
     utc_now,
 )
 from orchestration.definitions import build_definitions
@@ -121,8 +121,11 @@ def _correct_records(url: str, day: str, count: int) -> None:
     clean = frame.filter(pl.col("poison_kind").is_null()).head(count)
     engine = make_engine(url)
     with engine.begin() as conn:
-        upsert_transactions(
-            conn, validate(REFERENCE, clean.with_columns(amount=pl.col("amount") + 1.0)), date.fromisoformat(day)
+        upsert_records(
+            REFERENCE,
+            conn,
+            validate(REFERENCE, clean.with_columns(amount=pl.col("amount") + 1.0)),
+            date.fromisoformat(day),
         )
     engine.dispose()
 
@@ -331,7 +334,7 @@ def test_an_online_result_committed_after_a_later_one_is_observed_once(tmp_path:
     commits later. A row committed after a tick that saw a later-stamped one must still count."""
     url = f"sqlite:///{tmp_path / 'online.db'}"
     engine = make_engine(url)
-    upgrade(engine)
+    upgrade(engine, REFERENCE)
     now = datetime(2026, 11, 3, 12, tzinfo=UTC)
     clock = [now]
     sensor = build_online_observer(SensorSettings(interval_seconds=5), clock=lambda: clock[0])
@@ -384,7 +387,8 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
     corrected = returning.group_by("account_id").last().head(1)
     account = corrected["account_id"][0]
     with engine.begin() as conn:
-        upsert_transactions(
+        upsert_records(
+            REFERENCE,
             conn,
             validate(REFERENCE, corrected.with_columns(amount=pl.col("amount") * 3 + 1)),
             date.fromisoformat(DAYS[0]),
@@ -397,7 +401,7 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
             rows = conn.execute(
                 predictions.select()
                 .where(predictions.c.partition_key == DAYS[1])
-                .where(predictions.c.transaction_id.in_(later_ids))
+                .where(predictions.c.record_id.in_(later_ids))
             ).mappings()
             return {row["transaction_id"]: (row["score"], row["history_hash"]) for row in rows}
 

@@ -25,6 +25,7 @@ from inference.batch import BatchProducer, score_partition
 from inference.contract import TorchPredictor
 from inference.store import make_engine
 from tandem import modelstore
+from tests.reference import REFERENCE
 from tests.reliability.batch_child import LAST_CHUNK
 from tests.reliability.support import (
     CHUNK_ROWS,
@@ -60,6 +61,7 @@ def _score(url: str, predictor: TorchPredictor, run_id: str) -> None:
     engine = make_engine(url)
     try:
         score_partition(
+            REFERENCE,
             engine,
             predictor,
             DAY,

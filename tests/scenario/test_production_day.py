@@ -50,13 +50,13 @@ from inference.agreement import Cause, summarize
 from inference.demo import DemoConfig, generate_day
 from inference.records import validate
 from inference.sources import demo_path, write_demo_day
-from inference.store import answer_pairs, make_engine, predictions, transactions
+from inference.store import answer_pairs, make_engine, predictions
 from orchestration.definitions import build_definitions
 from orchestration.sensors import DAILY_JOB, INGEST_JOB, RESCORE_JOB
 from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
 from tests.orchestration.support import select_rows
-from tests.reference import RAW_COLUMNS, REFERENCE
+from tests.reference import RAW_COLUMNS, RECORDS, REFERENCE
 from tests.serving.support import LiveServer, serve
 from tests.shared import service_env, until
 
@@ -353,7 +353,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
     # Every transaction has its batch answer under the production model, for its current content.
     stored = select_rows(
-        database_url, sa.select(transactions.c.transaction_id, transactions.c.input_hash, transactions.c.reject_reason)
+        database_url, sa.select(RECORDS.c.transaction_id, RECORDS.c.input_hash, RECORDS.c.reject_reason)
     )
     batch = {
         row["transaction_id"]: row["input_hash"]
@@ -368,7 +368,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
     # path_agreement explains every disagreement, and the causes are the ones this day had.
     engine = make_engine(database_url)
     with engine.connect() as conn:
-        report = summarize(answer_pairs(conn, DAY))
+        report = summarize(answer_pairs(REFERENCE, conn, DAY))
     engine.dispose()
     causes = report.by_cause
     assert causes.get(Cause.UNEXPLAINED.value, 0) == 0, report.unexplained
@@ -380,7 +380,7 @@ def _affected_by(database_url: str, changed_ids: set[str]) -> tuple[set[str], se
     """The records whose batch answer a change of `changed_ids` may rewrite (themselves and the
     next 16 valid records of the account), and the partitions that hold them, computed here
     from the stored records, independently of the sensor's SQL."""
-    t = transactions.c
+    t = RECORDS.c
     rows = select_rows(
         database_url,
         sa.select(t.transaction_id, t.account_id, t.event_ts, t.partition_date, t.reject_reason).order_by(

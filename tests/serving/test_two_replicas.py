@@ -199,7 +199,7 @@ def stored_rows(pair: Pair, transaction_ids: list[str]) -> list[dict[str, Any]]:
     engine = make_engine(pair.database_url)
     try:
         with engine.connect() as conn:
-            query = sa.select(predictions).where(predictions.c.transaction_id.in_(transaction_ids))
+            query = sa.select(predictions).where(predictions.c.record_id.in_(transaction_ids))
             return [dict(row._mapping) for row in conn.execute(query)]
     finally:
         engine.dispose()

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from inference.migrate import upgrade
 from inference.store import make_engine, rejected_records
 from tandem.cli import main
+from tests.reference import REFERENCE
 from tests.shared import free_port
 
 
@@ -102,7 +103,7 @@ def test_a_rejection_id_outside_the_column_is_refused_by_argparse(
 
 def _rejections(url: str, count: int) -> list[int]:
     engine = make_engine(url)
-    upgrade(engine)
+    upgrade(engine, REFERENCE)
     now = datetime.now(UTC)
     with engine.begin() as conn:
         for n in range(count):
