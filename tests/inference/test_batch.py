@@ -455,9 +455,7 @@ def test_a_nul_in_a_text_field_quarantines_its_row_at_ingest_and_the_day_is_stor
 
     r = rejected_records.c
     with engine.connect() as conn:
-        quarantined = conn.execute(
-            sa.select(r.record_id, r.reason, r.stage, r.payload).order_by(r.record_id)
-        ).all()
+        quarantined = conn.execute(sa.select(r.record_id, r.reason, r.stage, r.payload).order_by(r.record_id)).all()
     assert [(row.record_id, row.reason, row.stage) for row in quarantined] == [
         ("nul\\x00id", "nul_character", "ingest"),
         ("tx-2", "nul_character", "ingest"),

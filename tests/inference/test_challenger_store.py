@@ -218,9 +218,7 @@ def test_pairs_join_only_batch_answers_of_the_named_versions(engine: Engine) -> 
         for frame in days.values()
         for tid, label in zip(frame["transaction_id"], frame["label_fraud"], strict=True)
     }
-    assert dict(zip(both["record_id"], both["label"], strict=True)) == {
-        tid: labels[tid] for tid in both["record_id"]
-    }
+    assert dict(zip(both["record_id"], both["label"], strict=True)) == {tid: labels[tid] for tid in both["record_id"]}
     assert other_champion.is_empty()
 
 
