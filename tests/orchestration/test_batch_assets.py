@@ -116,8 +116,8 @@ def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
     assert result.success
     rejected = rejection_rows(database_url)
     assert {(r["path"], r["resolved"]) for r in rejected} == {(ResultPath.BATCH.value, False)}
-    at_ingest = sorted((r["transaction_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.INGEST)
-    at_score = sorted((r["transaction_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.SCORE)
+    at_ingest = sorted((r["record_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.INGEST)
+    at_score = sorted((r["record_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.SCORE)
     assert len(at_ingest) + len(at_score) == len(rejected)
     assert at_ingest == sorted((tid, EXPECTED_REASON[PoisonKind.DUPLICATE_ID]) for tid in duplicates["transaction_id"])
     assert at_score == sorted(
@@ -127,7 +127,7 @@ def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
 
     predicted = prediction_rows(database_url)
     good_ids = source.filter(pl.col("poison_kind").is_null())["transaction_id"].to_list()
-    assert sorted(row["transaction_id"] for row in predicted) == sorted(good_ids)
+    assert sorted(row["record_id"] for row in predicted) == sorted(good_ids)
     assert {row["model_version"] for row in predicted} == {production_tag}
 
     ingested, scored = _metadata(result, "transactions"), _metadata(result, "predictions")
@@ -224,7 +224,7 @@ def test_a_model_trained_with_k_8_is_scored_with_8_whatever_the_setting_says(
     )
 
     assert result.success
-    stored = {row["transaction_id"]: row["score"] for row in prediction_rows(sqlite_url)}
+    stored = {row["record_id"]: row["score"] for row in prediction_rows(sqlite_url)}
     engine = make_engine(sqlite_url)
     try:
         with engine.connect() as conn:

@@ -279,7 +279,7 @@ def test_online_results_are_observed_as_online_predictions(scored: str, shadow: 
     sensor, other = (_sensors()[f"{kind}_predictions_observer"] for kind in (name, "online" if shadow else "shadow"))
     assert isinstance(_tick(sensor, scored), SkipReason)
     row = {
-        "transaction_id": "online-1",
+        "record_id": "online-1",
         "model_version": "v-online",
         "score": 0.25,
         "path": name,
@@ -312,7 +312,7 @@ def test_online_results_are_observed_as_online_predictions(scored: str, shadow: 
 
 def _online_row(transaction_id: str, produced_at: datetime) -> dict[str, object]:
     return {
-        "transaction_id": transaction_id,
+        "record_id": transaction_id,
         "model_version": "v-online",
         "score": 0.25,
         "path": "online",
@@ -403,7 +403,7 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
                 .where(predictions.c.partition_key == DAYS[1])
                 .where(predictions.c.record_id.in_(later_ids))
             ).mappings()
-            return {row["transaction_id"]: (row["score"], row["history_hash"]) for row in rows}
+            return {row["record_id"]: (row["score"], row["history_hash"]) for row in rows}
 
     before = day_two_rows()
     assert before

@@ -116,7 +116,7 @@ def test_a_folder_of_a_users_csv_files_is_ingested_and_scored(
     (scored,) = result.asset_materializations_for_node("predictions")
     assert scored.metadata["scored"].value == 118
     reasons = {
-        (r["transaction_id"], r["reason"])
+        (r["record_id"], r["reason"])
         for r in _stored(database_url, rejected_records, rejected_records.c.partition_key, PARTITION)
     }
     assert reasons == {(None, "missing_field"), (rows[5]["transaction_id"], "amount_unparsable")}
