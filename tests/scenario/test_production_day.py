@@ -247,7 +247,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
         def recorded() -> bool:
             """Every answer a client received is stored: the service's writer lands them behind the answers."""
-            stored = {(row["transaction_id"], row["request_id"]) for row in select_rows(database_url, ONLINE_ROWS)}
+            stored = {(row["record_id"], row["request_id"]) for row in select_rows(database_url, ONLINE_ROWS)}
             return {(a.transaction_id, a.request_id) for a in received} <= stored
 
         # The night comes hours after the day's last payment, long after the writer has caught up.
@@ -301,13 +301,13 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         assert day.automation() == [], "the reruns computed path_agreement too: nothing follows"
         after = select_rows(database_url, sa.select(predictions).where(predictions.c.path == "batch"))
         rewritten = {
-            row["transaction_id"]
+            row["record_id"]
             for row in after
             if (row["input_hash"], row["history_hash"])
             != next(
                 (b["input_hash"], b["history_hash"])
                 for b in before
-                if (b["transaction_id"], b["model_version"]) == (row["transaction_id"], row["model_version"])
+                if (b["record_id"], b["model_version"]) == (row["record_id"], row["model_version"])
             )
         }
         assert rewritten <= affected and changed_ids <= rewritten, (rewritten - affected, changed_ids - rewritten)
@@ -339,7 +339,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
     # Every answer a client received is recorded, with its lineage; nothing else is.
     online_rows = select_rows(database_url, ONLINE_ROWS)
-    by_request = {(row["transaction_id"], row["request_id"]): row for row in online_rows}
+    by_request = {(row["record_id"], row["request_id"]): row for row in online_rows}
     for answer in received:
         row = by_request.get((answer.transaction_id, answer.request_id))
         assert row is not None, f"the answer {answer} is not recorded"

@@ -178,7 +178,7 @@ def expected(pair: Pair, tag: str, rows: list[dict[str, Any]]) -> dict[str, tupl
     scored = pl.concat([predictor.predict(frame.slice(i, 1), history) for i in range(frame.height)])
     return {
         str(tx): (float(score), str(digest))
-        for tx, score, digest in zip(scored["transaction_id"], scored["score"], scored["input_hash"], strict=True)
+        for tx, score, digest in zip(scored["record_id"], scored["score"], scored["input_hash"], strict=True)
     }
 
 
