@@ -10,18 +10,25 @@ from datetime import UTC, date, datetime
 import polars as pl
 import pytest
 import sqlalchemy as sa
+import torch
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
+from inference.batch import ingest_day, score_partition
+from inference.contract import TorchPredictor
+from inference.lineage import explain
 from inference.migrate import StoreMismatch, upgrade, upgrade_core
-from inference.records import validate
+from inference.model import default_model
+from inference.parity import check_parity
+from inference.records import raw_frame, validate
 from inference.spec import Categorical, LoadedSpec, Numeric, load_spec, schema_digest
 from inference.store import (
     BatchProducer,
     fetch_history,
     make_engine,
+    partition_counts,
     prediction_rows,
     prior_history,
     record_table,
@@ -166,6 +173,34 @@ def test_without_an_entity_a_change_makes_stale_its_own_partition_only(database_
             assert prior_history(DIABETES, conn, targets, date(2026, 11, 3), 4).is_empty()
         # Every stored record's hash differs from its answer's ("old"): each day is stale, alone.
         assert [change.partition_key for change in stale] == [day.isoformat() for day in days]
+    finally:
+        engine.dispose()
+
+
+def test_a_spec_without_an_entity_runs_the_batch_path(database_url: str) -> None:
+    """Ingest, score (the stream, the merge, the quarantine), the asset checks' counts, parity and
+    lineage, for a spec with no entity, no history and a label."""
+    example = DIABETES.spec.example()
+    records = [{**example, "patient_id": f"p-{i}", "visit_time": f"{DAY}T{8 + i % 10:02d}:00:00Z"} for i in range(30)]
+    records.append({**example, "patient_id": "p-bad", "sex": "x"})
+    frame = raw_frame(DIABETES, records).with_columns(progressed=pl.Series([i % 2 for i in range(len(records))]))
+    torch.manual_seed(0)
+    predictor = TorchPredictor(model=default_model(DIABETES), model_version="diabetes:1", spec=DIABETES)
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine, DIABETES)
+        assert ingest_day(DIABETES, engine, frame, DAY).rows_stored == 31
+        producer = BatchProducer("run", DAY.isoformat(), "test")
+        report = score_partition(DIABETES, engine, predictor, DAY, producer=producer, history_length=0)
+        assert (report.scored, dict(report.rejected_by_reason)) == (30, {"malformed_sex": 1})
+        with engine.connect() as conn:
+            counts = partition_counts(
+                DIABETES, conn, partition_date=DAY, partition_key=DAY.isoformat(), model_version="diabetes:1"
+            )
+        assert (counts.input_rows, counts.scored, counts.rejected, counts.stale_answers) == (31, 30, 1, 0)
+        assert check_parity(DIABETES, engine, predictor, partition_key=DAY.isoformat(), sample_size=8).mismatched == []
+        lineage = explain(DIABETES, engine, "p-3", dagster_ui_url="http://ui")
+        assert lineage.current is not None and lineage.current.history_hash == "0" * 16
     finally:
         engine.dispose()
 
