@@ -173,9 +173,7 @@ def test_a_challenger_is_shadowed_replayed_judged_and_promoted_through_the_gate(
         history = StoreHistory(REFERENCE, engine)
         expected = pl.concat([predictor.predict(pl.DataFrame([row]), history) for row in requests[:60]])
         got = {answer["transaction_id"]: answer["score"] for answer in answers}
-        worst = max(
-            abs(got[tx] - score) for tx, score in zip(expected["record_id"], expected["score"], strict=True)
-        )
+        worst = max(abs(got[tx] - score) for tx, score in zip(expected["record_id"], expected["score"], strict=True))
         assert worst <= 1e-5, worst
 
         def shadow_caught_up() -> bool:

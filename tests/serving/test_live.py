@@ -322,7 +322,7 @@ def _stored_online(server: Server, transaction_id: str, rows_expected: int) -> p
 
     def landed() -> list[pl.DataFrame]:  # a frame has no truth value: [the frame] once it holds them all
         with engine.connect() as conn:
-            stored = read_predictions(conn, transaction_id=transaction_id, path="online")
+            stored = read_predictions(conn, record_id=transaction_id, path="online")
         return [stored] if stored.height >= rows_expected else []
 
     try:

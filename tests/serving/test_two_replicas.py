@@ -257,9 +257,9 @@ def check_one_winner(pair: Pair, key: str, outcomes: list[Outcome]) -> None:
     time.sleep(0.5)  # a late second row would be a write already submitted: the writer coalesces for 50 ms
     rows = stored_rows(pair, ids)
     by_id = {item["transaction_id"]: item for item in answer}
-    assert sorted(row["transaction_id"] for row in rows) == sorted(ids), rows
+    assert sorted(row["record_id"] for row in rows) == sorted(ids), rows
     for row in rows:
-        item = by_id[row["transaction_id"]]
+        item = by_id[row["record_id"]]
         assert row["idempotency_key"] == key, row
         assert row["path"] == "online" and row["model_version"] == item["model_version"], row
         assert (row["request_id"], row["batch_id"]) == (item["request_id"], item["batch_id"]), (row, item)
