@@ -187,8 +187,14 @@ def _print_lineage(settings: TandemSettings, record_id: str, *, as_json: bool) -
 
 def _print_ddl(settings: TandemSettings, dialect_name: str | None) -> None:
     """The record table's statements, for a user who creates or alters it by hand."""
-    name = dialect_name or make_url(settings.resolved_database_url()).get_backend_name()
     dialects = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect}
+    name = dialect_name
+    if name is None:
+        try:
+            name = make_url(settings.resolved_database_url()).get_backend_name()
+        except sa_exc.ArgumentError:
+            # Not echoed: a URL that does not parse may still hold a password.
+            raise ValueError("DATABASE_URL: not a database URL; --dialect names the SQL to print") from None
     if name not in dialects:
         raise ValueError(f"DATABASE_URL: a {name} database; Tandem's store is PostgreSQL or SQLite")
     dialect = dialects[name]()

@@ -213,3 +213,21 @@ def test_store_ddl_prints_the_record_tables_statements(capsys: pytest.CaptureFix
         assert f"{statement};" in out
     assert "CREATE INDEX ix_transactions_entity_event ON transactions (account_id, event_ts, transaction_id);" in out
     assert "COMMENT ON COLUMN transactions.label_fraud IS 'ground truth where known (demo data)';" in out
+
+
+def test_the_cli_refuses_another_specs_database_in_one_line(
+    sqlite_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(sqlite_url)
+    upgrade(engine, TINY)
+    engine.dispose()
+    monkeypatch.setenv("DATABASE_URL", sqlite_url)
+    assert main(["lineage", "r-1"]) == 1
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err.splitlines()) == (
+        "",
+        [
+            f"tandem: this database (DATABASE_URL) belongs to spec 'readings' ({TINY.path}), not to "
+            f"'transactions' ({REFERENCE.path}); point DATABASE_URL at a database of its own for each spec"
+        ],
+    )
