@@ -124,8 +124,8 @@ def _nullability(nullable: Any) -> str:
     return "NULL" if nullable else "NOT NULL"
 
 
-# Checked broadest first: a type is in the first family it is a kind of (a Boolean is an Integer
-# in some dialects' reflection, and a DateTime is never a Date).
+# A reflected type is named by the first family it is a kind of: a dialect's own spelling (DOUBLE
+# PRECISION, SMALLINT, VARCHAR) is the family the spec's type is in, so only a real change differs.
 _FAMILIES: tuple[tuple[type[sa.types.TypeEngine[Any]], str], ...] = (
     (sa.DateTime, "TIMESTAMP"),
     (sa.Date, "DATE"),
