@@ -356,7 +356,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         database_url, sa.select(RECORDS.c.transaction_id, RECORDS.c.input_hash, RECORDS.c.reject_reason)
     )
     batch = {
-        row["transaction_id"]: row["input_hash"]
+        row["record_id"]: row["input_hash"]
         for row in select_rows(
             database_url,
             sa.select(predictions).where(predictions.c.path == "batch", predictions.c.model_version == second_model),
