@@ -21,9 +21,10 @@ import polars as pl
 import pytest
 import sqlalchemy as sa
 
-from inference.records import validate
+from inference.demo import demo_day
+from inference.records import raw_frame, validate
 from inference.sources import FileSource, SourceError, SqlSource, demo_path, write_demo_day
-from inference.spec import DemoSettings
+from inference.spec import POISON_REASON, DemoSettings, LoadedSpec, load_spec
 from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.reference import RAW_COLUMNS, RAW_SCHEMA, REFERENCE
 
@@ -579,3 +580,104 @@ def test_a_sql_time_no_python_datetime_holds_is_one_rows_problem(postgres_url: s
 
     assert checked["event_time"].to_list() == ["2026-11-03T09:30:00.000000Z", moment]
     assert checked["reject_reason"].to_list() == [None, "timestamp_unparsable"]
+
+
+# Any spec: the reference, diabetes (no entity, nine numerics) and tiny (no label) -------------
+
+DIABETES = load_spec("tandem_specs.diabetes:SPEC")
+TINY = load_spec("tests.specs.tiny:SPEC")
+SPECS = [REFERENCE, DIABETES, TINY]
+
+
+def _records(ls: LoadedSpec) -> list[dict[str, Any]]:
+    """Three of the spec's records (its example, each with an id of its own), with the label."""
+    example = ls.spec.example()
+    records = [{**example, ls.id.name: f"{example[ls.id.name]}-{row}"} for row in range(3)]
+    label = ls.label.name if ls.label else None
+    return [{**record, label: row % 2} if label else record for row, record in enumerate(records)]
+
+
+def _expected(ls: LoadedSpec, records: list[dict[str, Any]]) -> pl.DataFrame:
+    frame = raw_frame(ls, records)
+    return (
+        frame.with_columns(pl.Series(ls.label.name, [r[ls.label.name] for r in records], pl.Int16))
+        if ls.label
+        else frame
+    )
+
+
+def _sql_source(ls: LoadedSpec, url: str, records: list[dict[str, Any]], numbers: Any = sa.Float) -> SqlSource:
+    """The records as a user's table, numerics in columns of type `numbers`, read by `SELECT *`."""
+    numerics = {numeric.name for numeric in ls.numerics}
+    label = ls.label.name if ls.label else None
+    types = {name: numbers if name in numerics else sa.Integer if name == label else sa.String for name in records[0]}
+    table = sa.Table("landed", sa.MetaData(), *(sa.Column(name, kind) for name, kind in types.items()))
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        table.create(conn)
+        conn.execute(table.insert(), records)
+    engine.dispose()
+    return SqlSource(ls, url, "SELECT * FROM landed")
+
+
+@pytest.mark.parametrize("ls", SPECS, ids=lambda ls: ls.spec.name)
+def test_every_source_reads_any_specs_records_alike(ls: LoadedSpec, tmp_path: Path) -> None:
+    records = _records(ls)
+    expected = _expected(ls, records)
+    written = pl.DataFrame(records).with_columns(extra=pl.lit("ignored"))
+    for fmt in ("csv", "parquet", "ndjson"):
+        WRITERS[fmt](written, tmp_path / f"{DAY}.{fmt}")
+        read = FileSource(ls, str(tmp_path), "{date:%Y-%m-%d}." + fmt).read(DAY).frame
+        assert read.equals(expected), (fmt, read)
+    sql = _sql_source(ls, f"sqlite:///{tmp_path / 'source.db'}", records).read(DAY).frame
+    assert sql.equals(expected), sql
+
+
+@pytest.mark.parametrize("ls", SPECS, ids=lambda ls: ls.spec.name)
+def test_a_numeric_text_that_is_no_number_is_kept_as_received_for_its_row(ls: LoadedSpec, tmp_path: Path) -> None:
+    for numeric in ls.numerics:
+        records = [{**record, numeric.name: str(record[numeric.name])} for record in _records(ls)]
+        records[1][numeric.name] = "12,5"
+        _write_csv(tmp_path / numeric.name / f"{DAY}.csv", records)
+        sources = {
+            "csv": FileSource(ls, str(tmp_path / numeric.name)),
+            "sql": _sql_source(ls, f"sqlite:///{tmp_path / numeric.name / 'source.db'}", records, sa.String),
+        }
+        for kind, source in sources.items():
+            checked = validate(ls, source.read(DAY).frame)
+            received = [name for name in checked.columns if name.startswith("received_")]
+            assert received == [f"received_{numeric.name}"], (kind, received)
+            assert checked[f"received_{numeric.name}"].to_list() == [None, "12,5", None], kind
+            assert checked["reject_reason"].to_list() == [None, numeric.unparsable_code, None], kind
+
+
+def test_the_label_column_is_the_specs_own_and_a_spec_without_one_reads_none(tmp_path: Path) -> None:
+    written = [{**record, "label_fraud": 1, "progressed": 1} for record in _records(TINY)]
+    _write_csv(tmp_path / f"{DAY}.csv", written)
+    assert FileSource(TINY, str(tmp_path)).read(DAY).frame.columns == list(TINY.field_names)
+    _write_csv(tmp_path / "reference" / f"{DAY}.csv", [{**r, "progressed": 1} for r in _records(REFERENCE)])
+    read = FileSource(REFERENCE, str(tmp_path / "reference")).read(DAY).frame
+    assert read.columns == [*RAW_COLUMNS, LABEL]
+
+
+def test_a_typed_column_is_checked_against_the_specs_field(tmp_path: Path) -> None:
+    frame = pl.DataFrame(_records(DIABETES)).with_columns(pl.col("bmi").cast(pl.String))
+    frame.write_parquet(tmp_path / f"{DAY}.parquet")
+    _raises(FileSource(DIABETES, str(tmp_path), "{date:%Y-%m-%d}.parquet"), "'bmi'", "expected a number, found String")
+
+
+def test_the_diabetes_demo_day_reads_back_through_csv_with_its_poison(tmp_path: Path) -> None:
+    settings = DemoSettings(seed=7, start=DAY, days=7, poison_rate=0.2)
+    path, written = write_demo_day(DIABETES, tmp_path, DAY, settings)
+    assert written and path == tmp_path / f"{DAY}.csv"
+    generated = demo_day(DIABETES, DAY, settings)
+
+    back = FileSource(DIABETES, str(tmp_path)).read(DAY).frame
+
+    assert back.equals(generated.drop(POISON_REASON))
+    assert validate(DIABETES, back)["reject_reason"].eq_missing(generated[POISON_REASON]).all()
+
+
+def test_the_demo_of_a_spec_without_one_is_a_source_error(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="has no demo"):
+        write_demo_day(TINY, tmp_path, DAY, DemoSettings())
