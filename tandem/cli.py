@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from inference.batch import FORWARD_BATCH_SIZE, BatchProducer, ChunkProgress, ingest_day, score_partition
 from inference.contract import TorchPredictor
-from inference.demo import DemoConfig, day_range, generate_day
+from inference.demo import day_range, demo_day, demo_settings
 from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.settings import TandemSettings, get_settings, settings_error
@@ -37,23 +37,22 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     started = time.perf_counter()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = _migrated_engine(settings)
-    demo = DemoConfig(
-        seed=settings.demo_seed, rows_per_day=settings.demo_rows_per_day, poison_rate=settings.demo_poison_rate
-    )
-    days = day_range(settings.demo_start_date, settings.demo_days)
+    ls = configured_spec()
+    demo = demo_settings(settings)
+    days = day_range(demo.start, demo.days)
 
-    _say(f"[1/4] ingesting {len(days)} generated days x {demo.rows_per_day} rows into {engine.url!r}")
+    _say(f"[1/4] ingesting {len(days)} generated days into {engine.url!r}")
     for day in days:
-        ingest = ingest_day(engine, generate_day(day, demo), day)
+        ingest = ingest_day(engine, demo_day(ls, day, demo), day)
         _say(
             f"      {day}: {ingest.rows_stored} stored ({ingest.rows_changed} new or changed), "
             f"{ingest.rejected_at_ingest} quarantined at ingest"
         )
 
     _say("[2/4] training the risk model (the last day is held out)")
-    config = load_spec().spec.model_config(settings.history_length)
+    config = ls.spec.model_config(settings.history_length)
     model, training = train_from_store(
-        engine, load_spec(), first_day=days[0], holdout_day=days[-1], config=config, seed=settings.demo_seed
+        engine, ls, first_day=days[0], holdout_day=days[-1], config=config, seed=settings.demo_seed
     )
     tag = modelstore.register(model, training, name=settings.model_name, code_version=code_version())
     modelstore.promote(tag)
@@ -64,7 +63,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     )
 
     _say(f"[3/4] scoring {days[-1]} through inference/ (batch path)")
-    predictor = TorchPredictor(model=model, model_version=tag, spec=load_spec(), forward_batch_size=FORWARD_BATCH_SIZE)
+    predictor = TorchPredictor(model=model, model_version=tag, spec=ls, forward_batch_size=FORWARD_BATCH_SIZE)
 
     def progress(chunk: ChunkProgress) -> None:
         _say(f"      chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")

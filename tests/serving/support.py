@@ -29,7 +29,6 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
-from inference.demo import DemoConfig, generate_day
 from inference.store import utc_now
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
@@ -37,6 +36,7 @@ from serving.runtime import OnlineScorer
 from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.reference import RAW_COLUMNS, Transaction
 from tests.shared import free_port, migrate_and_ingest, wait_until_ready
 

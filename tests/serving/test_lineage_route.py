@@ -13,6 +13,7 @@ from inference.sources.common import conform
 from serving.app import build_app
 from serving.security import SecuritySettings
 from tests.inference.support import DAY, record
+from tests.reference import REFERENCE
 
 
 class _Scorer:
@@ -31,7 +32,9 @@ def client(sqlite_engine: Engine) -> TestClient:
 
 def test_a_rejected_id_is_answered_with_where_and_why(client: TestClient, sqlite_engine: Engine) -> None:
     cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id="tx-bad").items()})
-    ingest_day(sqlite_engine, conform(cells.with_columns(amount=pl.lit("12;50")), "day.csv", typed=False), DAY)
+    ingest_day(
+        sqlite_engine, conform(REFERENCE, cells.with_columns(amount=pl.lit("12;50")), "day.csv", typed=False), DAY
+    )
 
     answer = client.get("/lineage/tx-bad")
 
