@@ -13,12 +13,14 @@ from inference.sources.common import conform
 from serving.app import build_app
 from serving.security import SecuritySettings
 from tests.inference.support import DAY, record
+from tests.reference import REFERENCE
 
 
 class _Scorer:
-    """What the lineage route reads of the scorer: the store and the production version."""
+    """What the lineage route reads of the scorer: the spec, the store and the production version."""
 
     def __init__(self, engine: Engine) -> None:
+        self.spec = REFERENCE
         self.engine = engine
         self.model_version = "risk:v1"
 

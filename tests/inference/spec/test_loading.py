@@ -22,6 +22,7 @@ from inference.spec import (
     SpecError,
     load_spec,
 )
+from inference.spec.loading import forget_loaded_specs
 from tests.specs import tiny
 
 MODULE = "tandem_test_specs_under_test"
@@ -32,10 +33,10 @@ def module() -> Iterator[types.ModuleType]:
     """An importable module to put specs in, fresh for each test (load_spec caches per path)."""
     created = types.ModuleType(MODULE)
     sys.modules[MODULE] = created
-    load_spec.cache_clear()
+    forget_loaded_specs()
     yield created
     del sys.modules[MODULE]
-    load_spec.cache_clear()
+    forget_loaded_specs()
 
 
 def refusal(module: types.ModuleType, spec: object) -> str:
@@ -88,30 +89,30 @@ def test_roles_and_history(module: types.ModuleType) -> None:
         tiny.SPEC, fields=tuple(f for f in tiny.SPEC.fields if not isinstance(f, EntityKey))
     )
     assert refusal(module, no_entity) == "history_length 2 needs an EntityKey"
-    load_spec.cache_clear()
+    forget_loaded_specs()
     two_ids = dataclasses.replace(tiny.SPEC, fields=(*tiny.SPEC.fields, RecordId("other_id")))
     assert refusal(module, two_ids) == "needs exactly one RecordId, has 2"
-    load_spec.cache_clear()
+    forget_loaded_specs()
     no_time = dataclasses.replace(
         tiny.SPEC, history_length=0, fields=tuple(f for f in tiny.SPEC.fields if not isinstance(f, EventTime))
     )
     assert refusal(module, no_time) == "needs exactly one EventTime, has 0"
-    load_spec.cache_clear()
+    forget_loaded_specs()
     assert refusal(module, dataclasses.replace(tiny.SPEC, history_length=300)) == "history_length 300 outside 0..256"
 
 
 def test_names(module: types.ModuleType) -> None:
     reserved = dataclasses.replace(tiny.SPEC, fields=(*tiny.SPEC.fields, Numeric("event_ts")))
     assert refusal(module, reserved) == "field 'event_ts' is a reserved column"
-    load_spec.cache_clear()
+    forget_loaded_specs()
     prefixed = dataclasses.replace(tiny.SPEC, label=Label("previous_level"))
     assert refusal(module, prefixed) == "field 'previous_level' is a reserved column"
-    load_spec.cache_clear()
+    forget_loaded_specs()
     twice = dataclasses.replace(tiny.SPEC, fields=(*tiny.SPEC.fields, Numeric("level")))
     assert refusal(module, twice) == (
         "two fields named 'level'; reason code 'level_unparsable' twice; reason code 'level_not_finite' twice"
     )
-    load_spec.cache_clear()
+    forget_loaded_specs()
     upper = dataclasses.replace(tiny.SPEC, name="Readings")
     assert refusal(module, upper) == "name 'Readings' is not a lower-case name (letters, digits and _, at most 41)"
 
@@ -122,13 +123,13 @@ def test_vocabularies_and_codes(module: types.ModuleType) -> None:
     assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
         "vocabulary value 'Green' of 'colour' does not match its pattern"
     )
-    load_spec.cache_clear()
+    forget_loaded_specs()
     clash = RecordRule("malformed_colour", "colour", tiny.SPEC.rules[0].refuses)
     assert refusal(module, dataclasses.replace(tiny.SPEC, rules=(clash,))) == "reason code 'malformed_colour' twice"
-    load_spec.cache_clear()
+    forget_loaded_specs()
     nowhere = RecordRule("odd", "nothing", tiny.SPEC.rules[0].refuses)
     assert refusal(module, dataclasses.replace(tiny.SPEC, rules=(nowhere,))) == "rule 'odd' names no field 'nothing'"
-    load_spec.cache_clear()
+    forget_loaded_specs()
     partial = dataclasses.replace(tiny.SPEC, reason_order=("nul_character", "mystery"))
     assert refusal(module, partial) == (
         "reason_order names no reason 'mystery'; reason_order leaves out duplicate_id, level_above_maximum, "
@@ -143,7 +144,7 @@ def test_categorical_lengths_and_a_spec_that_does_not_hash(module: types.ModuleT
     assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
         "categorical 'colour' needs 1 <= min_length <= max_length"
     )
-    load_spec.cache_clear()
+    forget_loaded_specs()
     listed = Categorical("colour", vocabulary=["red", "green"])  # type: ignore[arg-type]
     fields = tuple(listed if f.name == "colour" else f for f in tiny.SPEC.fields)
     assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
