@@ -241,6 +241,7 @@ class ScoringCore:
         outcome: BatchResult,
     ) -> ItemResult:
         common = {
+            self.spec.id.name: item.record_id,
             "model_version": self.model_version,
             "path": ResultPath.ONLINE.value,
             "request_id": item.request_id,
@@ -258,11 +259,8 @@ class ScoringCore:
                     "request_id": item.request_id,
                 }
             )
-            return self.results.for_record(
-                item.record_id,
-                status="error",
-                error=ItemError(reason=row["reject_reason"], detail=row["reject_detail"]),
-                **common,
+            return self.results(
+                status="error", error=ItemError(reason=row["reject_reason"], detail=row["reject_detail"]), **common
             )
         outcome.rows.append(
             prediction_rows(
@@ -276,9 +274,7 @@ class ScoringCore:
             )
         )
         unseen = row["unseen_fields"].split(",") if row["unseen_fields"] else []
-        return self.results.for_record(
-            item.record_id, status="scored", score=float(row["score"]), unseen_fields=unseen, **common
-        )
+        return self.results(status="scored", score=float(row["score"]), unseen_fields=unseen, **common)
 
 
 def answer_key(input_hash: str, history_hash: str | None) -> str:
