@@ -27,7 +27,8 @@ class ItemError(BaseModel):
 
 
 class ItemResult(BaseModel):
-    """What every spec's item result shares: its fields are the spec's id, then those below."""
+    """The base of every spec's item result (`api_models`): its fields are the spec's id field,
+    then `_result_fields`, the same for every spec."""
 
     # The spec whose result this is: a generated class is no module attribute, so a result
     # crossing to or from the scoring process is pickled by the spec's path.

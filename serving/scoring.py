@@ -88,18 +88,24 @@ def read_reconnecting(engine: Engine, read: Callable[[Connection], _R]) -> _R:
         return read(conn)
 
 
+def reads_history(spec: LoadedSpec, history_length: int) -> bool:
+    """Whether a model reads stored history: only with an entity and K > 0."""
+    return spec.entity is not None and history_length > 0
+
+
 class GuardedHistory:
     """Entity history from the store behind the breaker; an unreachable store yields no history.
     A model that reads none (K = 0, or a spec without an entity) reads nothing from the store."""
 
-    def __init__(self, engine: Engine, breaker: CircuitBreaker, *, reads: bool = True) -> None:
+    def __init__(self, spec: LoadedSpec, engine: Engine, breaker: CircuitBreaker) -> None:
+        self.spec = spec
         self.engine = engine
         self.breaker = breaker
-        self.reads = reads
         self.degraded = False
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
-        if not self.reads or history_length == 0:
+        if not reads_history(self.spec, history_length):
+            # The features read no history at K = 0: an empty frame of any schema will do.
             return pl.DataFrame(schema=HISTORY_SCHEMA)
         if self.breaker.allow():
             try:
@@ -161,7 +167,7 @@ class ScoringCore:
         checked = validate(self.spec, raw_frame(self.spec, [item.raw for item in items]))
         # hstack, not with_columns: that is a polars query of its own.
         checked = checked.hstack([hash_inputs(self.spec, checked)])
-        history = GuardedHistory(self.engine, self.breaker, reads=self.spec.entity is not None)
+        history = GuardedHistory(self.spec, self.engine, self.breaker)
         scored = self.predictor.predict(checked, history)
         outcome.degraded = outcome.degraded or history.degraded
         stored = self._stored_answers(items) if lookup else {}

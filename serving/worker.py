@@ -19,10 +19,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import TorchPredictor
 from inference.model import load_model
-from inference.spec import LoadedSpec, load_spec
+from inference.spec import load_spec
 from inference.store import make_engine, warm_history_statements
 from serving.breaker import CircuitBreaker
-from serving.scoring import BatchResult, ItemSpec, ScoringCore
+from serving.scoring import BatchResult, ItemSpec, ScoringCore, reads_history
 from serving.scoring_process import ScoringProcess
 
 logger = logging.getLogger(__name__)
@@ -68,11 +68,6 @@ def initialize(config: WorkerConfig) -> None:
     _core = ScoringCore(spec, predictor, engine, breaker, code_version=config.code_version)
     # The libraries and the model live as long as the process: full collections need not scan them.
     gc.freeze()
-
-
-def reads_history(spec: LoadedSpec, history_length: int) -> bool:
-    """Whether a model reads stored history: only with an entity and K > 0."""
-    return spec.entity is not None and history_length > 0
 
 
 def _prepare_history_reads(engine: Engine, targets: int) -> None:
