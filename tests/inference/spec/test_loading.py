@@ -23,7 +23,6 @@ from inference.spec import (
     configured_spec,
     load_spec,
 )
-from inference.spec.loading import forget_loaded_specs
 from tests.specs import tiny
 
 MODULE = "tandem_test_specs_under_test"
@@ -34,10 +33,10 @@ def module() -> Iterator[types.ModuleType]:
     """An importable module to put specs in, fresh for each test (load_spec caches per path)."""
     created = types.ModuleType(MODULE)
     sys.modules[MODULE] = created
-    forget_loaded_specs()
+    load_spec.cache_clear()
     yield created
     del sys.modules[MODULE]
-    forget_loaded_specs()
+    load_spec.cache_clear()
 
 
 def refusal(module: types.ModuleType, spec: object) -> str:
@@ -103,30 +102,30 @@ def test_roles_and_history(module: types.ModuleType) -> None:
         tiny.SPEC, fields=tuple(f for f in tiny.SPEC.fields if not isinstance(f, EntityKey))
     )
     assert refusal(module, no_entity) == "history_length 2 needs an EntityKey"
-    forget_loaded_specs()
+    load_spec.cache_clear()
     two_ids = dataclasses.replace(tiny.SPEC, fields=(*tiny.SPEC.fields, RecordId("other_id")))
     assert refusal(module, two_ids) == "needs exactly one RecordId, has 2"
-    forget_loaded_specs()
+    load_spec.cache_clear()
     no_time = dataclasses.replace(
         tiny.SPEC, history_length=0, fields=tuple(f for f in tiny.SPEC.fields if not isinstance(f, EventTime))
     )
     assert refusal(module, no_time) == "needs exactly one EventTime, has 0"
-    forget_loaded_specs()
+    load_spec.cache_clear()
     assert refusal(module, dataclasses.replace(tiny.SPEC, history_length=300)) == "history_length 300 outside 0..256"
 
 
 def test_names(module: types.ModuleType) -> None:
     reserved = dataclasses.replace(tiny.SPEC, fields=(*tiny.SPEC.fields, Numeric("event_ts")))
     assert refusal(module, reserved) == "field 'event_ts' is a reserved column"
-    forget_loaded_specs()
+    load_spec.cache_clear()
     prefixed = dataclasses.replace(tiny.SPEC, label=Label("previous_level"))
     assert refusal(module, prefixed) == "field 'previous_level' is a reserved column"
-    forget_loaded_specs()
+    load_spec.cache_clear()
     twice = dataclasses.replace(tiny.SPEC, fields=(*tiny.SPEC.fields, Numeric("level")))
     assert refusal(module, twice) == (
         "two fields named 'level'; reason code 'level_unparsable' twice; reason code 'level_not_finite' twice"
     )
-    forget_loaded_specs()
+    load_spec.cache_clear()
     upper = dataclasses.replace(tiny.SPEC, name="Readings")
     assert refusal(module, upper) == "name 'Readings' is not a lower-case name (letters, digits and _, at most 41)"
 
@@ -137,13 +136,13 @@ def test_vocabularies_and_codes(module: types.ModuleType) -> None:
     assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
         "vocabulary value 'Green' of 'colour' does not match its pattern"
     )
-    forget_loaded_specs()
+    load_spec.cache_clear()
     clash = RecordRule("malformed_colour", "colour", tiny.SPEC.rules[0].refuses)
     assert refusal(module, dataclasses.replace(tiny.SPEC, rules=(clash,))) == "reason code 'malformed_colour' twice"
-    forget_loaded_specs()
+    load_spec.cache_clear()
     nowhere = RecordRule("odd", "nothing", tiny.SPEC.rules[0].refuses)
     assert refusal(module, dataclasses.replace(tiny.SPEC, rules=(nowhere,))) == "rule 'odd' names no field 'nothing'"
-    forget_loaded_specs()
+    load_spec.cache_clear()
     partial = dataclasses.replace(tiny.SPEC, reason_order=("nul_character", "mystery"))
     assert refusal(module, partial) == (
         "reason_order names no reason 'mystery'; reason_order leaves out duplicate_id, level_above_maximum, "
@@ -158,7 +157,7 @@ def test_categorical_lengths_and_a_spec_that_does_not_hash(module: types.ModuleT
     assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
         "categorical 'colour' needs 1 <= min_length <= max_length"
     )
-    forget_loaded_specs()
+    load_spec.cache_clear()
     listed = Categorical("colour", vocabulary=["red", "green"])  # type: ignore[arg-type]
     fields = tuple(listed if f.name == "colour" else f for f in tiny.SPEC.fields)
     assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
