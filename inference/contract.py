@@ -173,7 +173,7 @@ class TorchPredictor:
                 history_hashes[position] = digest
                 unseen[position] = fields
         return PreparedBatch(
-            transaction_ids=checked["transaction_id"],
+            transaction_ids=checked[self.spec.id.name],
             input_hashes=checked["input_hash"],
             reasons=reasons,
             details=details,

@@ -7,6 +7,7 @@ from typing import Any
 from inference.records import raw_columns, raw_schema
 from inference.spec import load_spec
 from inference.spec.api import record_model
+from serving.schemas import api_models
 from tandem_specs.transactions.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 
 REFERENCE = load_spec()
@@ -15,6 +16,8 @@ RAW_SCHEMA = raw_schema(REFERENCE)
 ID_MAX_LENGTH = REFERENCE.id.max_length
 # Any: its fields exist at run time only, as the spec declares them.
 Transaction: Any = record_model(REFERENCE)
+# The reference's item result: `transaction_id`, then the fields every spec's result has.
+ItemResult: Any = api_models(REFERENCE).item_result
 
 __all__ = [
     "COUNTRIES",
@@ -24,5 +27,6 @@ __all__ = [
     "RAW_COLUMNS",
     "RAW_SCHEMA",
     "REFERENCE",
+    "ItemResult",
     "Transaction",
 ]

@@ -12,6 +12,7 @@ from serving.batcher import AdaptiveBatcher, Reservation
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.scoring import GuardedHistory
+from tests.reference import REFERENCE, ItemResult
 from tests.serving.support import FakeClock
 
 # Roughly what warm-up measures here: 12 ms fixed per batch, 0.3 ms per item.
@@ -127,7 +128,7 @@ def test_a_probe_that_fails_for_no_database_reason_is_given_up_after_reset_s() -
     breaker = CircuitBreaker(failure_threshold=1, reset_s=5.0, clock=clock)
     breaker.record_failure()
     clock.now = 5.0
-    history = GuardedHistory(_BrokenEngine(), breaker)  # type: ignore[arg-type]
+    history = GuardedHistory(REFERENCE, _BrokenEngine(), breaker)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError):
         history.history_for(pl.DataFrame(), 8)
     assert breaker.state is BreakerState.HALF_OPEN
@@ -151,6 +152,7 @@ def batcher_with(cost: BatchCostModel, clock: FakeClock) -> AdaptiveBatcher:
         cost=cost,
         metrics=ServingMetrics(code_version="test"),
         model_version="v1",
+        results=ItemResult,
         clock=clock,
     )
 

@@ -17,9 +17,10 @@ from tests.reference import REFERENCE
 
 
 class _Scorer:
-    """What the lineage route reads of the scorer: the store and the production version."""
+    """What the lineage route reads of the scorer: the spec, the store and the production version."""
 
     def __init__(self, engine: Engine) -> None:
+        self.spec = REFERENCE
         self.engine = engine
         self.model_version = "risk:v1"
 

@@ -176,7 +176,7 @@ def online_section(predictor: TorchPredictor, stored: pl.DataFrame, next_day: pl
 
 def score_schemas() -> dict[str, Any]:
     """The component schemas /score's request body and responses reach, by $ref, verbatim."""
-    document = service_document(ServingSettings(), SecuritySettings(), "golden")
+    document = service_document(REFERENCE, ServingSettings(), SecuritySettings(), "golden")
     schemas = document["components"]["schemas"]
     score = document["paths"]["/score"]["post"]
     pending = _refs({"request": score["requestBody"], "responses": score["responses"]})
