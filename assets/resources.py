@@ -15,12 +15,12 @@ from dagster import ConfigurableResource, InitResourceContext
 from pydantic import PrivateAttr, field_validator
 from sqlalchemy.engine import Engine
 
-from inference.demo import DemoConfig
+from inference.demo import demo_settings
 from inference.migrate import upgrade
 from inference.model import LoadedModel
 from inference.settings import DemoPoisonRate, DemoRowsPerDay, TandemSettings
 from inference.sources import FileSource, SourceError, SourceFormat, SourceRead, SqlSource, write_demo_day
-from inference.spec import LoadedSpec, configured_spec
+from inference.spec import DemoSettings, LoadedSpec, configured_spec
 from inference.store import make_engine
 from tandem import modelstore
 
@@ -145,12 +145,13 @@ class TransactionSourceResource(ConfigurableResource):
     def resolved_kind(self) -> SourceKind:
         return cast(SourceKind, self.kind) if self.kind else TandemSettings().source
 
-    def demo_config(self) -> DemoConfig:
-        settings = TandemSettings()
-        return DemoConfig(
-            seed=settings.demo_seed if self.seed is None else self.seed,
-            rows_per_day=settings.demo_rows_per_day if self.rows_per_day is None else self.rows_per_day,
-            poison_rate=settings.demo_poison_rate if self.poison_rate is None else self.poison_rate,
+    def demo_settings(self) -> DemoSettings:
+        settings = demo_settings(TandemSettings())
+        return dataclasses.replace(
+            settings,
+            seed=settings.seed if self.seed is None else self.seed,
+            rows_per_day=settings.rows_per_day if self.rows_per_day is None else self.rows_per_day,
+            poison_rate=settings.poison_rate if self.poison_rate is None else self.poison_rate,
         )
 
     def file_source(self) -> FileSource | None:
@@ -160,6 +161,7 @@ class TransactionSourceResource(ConfigurableResource):
             return None
         settings = TandemSettings()
         return FileSource(
+            configured_spec(),
             self.location or settings.resolved_source_location(),
             self.pattern or settings.source_pattern,
             # The demo writes CSV whatever the pattern's extension says.
@@ -171,14 +173,14 @@ class TransactionSourceResource(ConfigurableResource):
         url, query = self.url or settings.source_url, self.query or settings.source_query
         if not (url and query):
             raise SourceError("a sql source needs a url and a query (TANDEM_SOURCE_URL, TANDEM_SOURCE_QUERY)")
-        return SqlSource(url, query)
+        return SqlSource(configured_spec(), url, query)
 
     def read(self, day: date) -> SourceRead:
         files = self.file_source()
         if files is None:
             return self.sql_source().read(day)
         if self.resolved_kind() == "demo":
-            write_demo_day(files.location, day, self.demo_config(), files.pattern.text)
+            write_demo_day(configured_spec(), files.location, day, self.demo_settings(), files.pattern.text)
             return dataclasses.replace(files.read(day), kind="demo")
         return files.read(day)
 

@@ -83,17 +83,17 @@ def fresh_database(root: Path) -> tuple[str, Callable[[], None]]:
 
 def seed_history(database_url: str, rows_per_day: int, days: int) -> None:
     from inference.batch import ingest_day
-    from inference.demo import DemoConfig, day_range, generate_day
+    from inference.demo import day_range, demo_day
     from inference.migrate import upgrade
-    from inference.spec import configured_spec
+    from inference.spec import DemoSettings, configured_spec
     from inference.store import make_engine
 
     spec = configured_spec()
     engine = make_engine(database_url)
     upgrade(engine, spec)
-    demo = DemoConfig(rows_per_day=rows_per_day, poison_rate=0.01)  # as bench.run.prepare_environment's
+    demo = DemoSettings(rows_per_day=rows_per_day, poison_rate=0.01)  # as bench.run.prepare_environment's
     for day in day_range(START_DAY, days):
-        ingest_day(spec, engine, generate_day(day, demo), day)
+        ingest_day(spec, engine, demo_day(spec, day, demo), day)
     engine.dispose()
 
 
@@ -262,9 +262,11 @@ def start_service(spec: ServiceSpec, bench: BenchEnv) -> RunningService | str:
 
 def request_bodies(bench: BenchEnv, count: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Good single-transaction bodies of known accounts (a day after the stored ones), and poison."""
-    from inference.demo import DemoConfig, generate_day
+    from inference.demo import demo_day
+    from inference.spec import DemoSettings, configured_spec
 
-    day = generate_day(START_DAY + timedelta(days=60), DemoConfig(rows_per_day=max(count, 2000), poison_rate=0.05))
+    settings = DemoSettings(rows_per_day=max(count, 2000), poison_rate=0.05)
+    day = demo_day(configured_spec(), START_DAY + timedelta(days=60), settings)
     good = day.filter(pl.col("poison_kind").is_null()).head(count)
     poison = day.filter(
         pl.col("poison_kind").is_in(

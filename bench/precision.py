@@ -383,15 +383,15 @@ def scored_day(database_url: str, day: date, rows: int, history_length: int) -> 
     """A demo day ingested and featurised after the stored history, as a partition is scored:
     each row's history is its account's earlier valid rows."""
     from inference.batch import ingest_day
-    from inference.demo import DemoConfig, generate_day
+    from inference.demo import demo_day
     from inference.features import build_features
-    from inference.spec import configured_spec
+    from inference.spec import DemoSettings, configured_spec
     from inference.store import make_engine, valid_rows_between
 
     spec = configured_spec()
     engine = make_engine(database_url)
     try:
-        ingest_day(spec, engine, generate_day(day, DemoConfig(rows_per_day=rows, poison_rate=0.01)), day)
+        ingest_day(spec, engine, demo_day(spec, day, DemoSettings(rows_per_day=rows, poison_rate=0.01)), day)
         with engine.connect() as conn:
             rows_frame = valid_rows_between(spec, conn, START_DAY, day + timedelta(days=1))
     finally:
@@ -556,13 +556,13 @@ def bench_precision(
     if score is not None:
         partition = START_DAY + timedelta(days=45)
         from inference.batch import ingest_day
-        from inference.demo import DemoConfig, generate_day
-        from inference.spec import configured_spec
+        from inference.demo import demo_day
+        from inference.spec import DemoSettings, configured_spec
         from inference.store import make_engine
 
         engine = make_engine(database_url)
-        demo = DemoConfig(rows_per_day=plan.partition_rows, poison_rate=0.01, accounts=None)
-        ingest_day(configured_spec(), engine, generate_day(partition, demo), partition)
+        demo = DemoSettings(rows_per_day=plan.partition_rows, poison_rate=0.01)
+        ingest_day(configured_spec(), engine, demo_day(configured_spec(), partition, demo), partition)
         engine.dispose()
         e2e = end_to_end(
             database_url, partition, score, FORWARD_BATCH_SIZE, bf16_best, plan.e2e_rounds, DECISION_THRESHOLD

@@ -175,19 +175,19 @@ def prepare_environment(rows_per_day: int, days: int) -> BenchEnv:
     database_url, drop = fresh_database(root)
     os.environ["DATABASE_URL"] = database_url
     from inference.batch import ingest_day
-    from inference.demo import DemoConfig, day_range, generate_day
+    from inference.demo import day_range, demo_day
     from inference.migrate import upgrade
     from inference.model import default_model, untrained_report
-    from inference.spec import configured_spec
+    from inference.spec import DemoSettings, configured_spec
     from inference.store import make_engine
     from tandem import modelstore
 
     spec = configured_spec()
     engine = make_engine(database_url)
     upgrade(engine, spec)
-    demo = DemoConfig(rows_per_day=rows_per_day, poison_rate=0.01)
+    demo = DemoSettings(rows_per_day=rows_per_day, poison_rate=0.01)
     for day in day_range(START_DAY, days):
-        ingest_day(spec, engine, generate_day(day, demo), day)
+        ingest_day(spec, engine, demo_day(spec, day, demo), day)
     engine.dispose()
     import torch
 
@@ -254,8 +254,8 @@ def bench_batch_path(
     """Every partition pipelined and sequential, the smallest at each swept forward batch; with a
     baseline `checkout` (or why there is none), the largest also side by side with its code."""
     from inference.batch import ingest_day
-    from inference.demo import DemoConfig, generate_day
-    from inference.spec import configured_spec
+    from inference.demo import demo_day
+    from inference.spec import DemoSettings, configured_spec
     from inference.store import make_engine
 
     spec = configured_spec()
@@ -267,7 +267,7 @@ def bench_batch_path(
 
     for offset, rows in enumerate(partition_rows):
         day = START_DAY + timedelta(days=30 + offset)
-        ingest_day(spec, engine, generate_day(day, DemoConfig(rows_per_day=rows, poison_rate=0.01, accounts=None)), day)
+        ingest_day(spec, engine, demo_day(spec, day, DemoSettings(rows_per_day=rows, poison_rate=0.01)), day)
         # Side by side on the same partition: the pipeline, then the same steps one chunk at a time.
         runs[str(rows)] = score(day)
         say(f"batch partition {rows:,} rows, pipelined: {runs[str(rows)]}")

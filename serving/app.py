@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from inference.lineage import explain
 from inference.settings import TandemSettings
+from inference.spec.api import RecordBase
 from serving.batcher import SCORING_PROCESS_DIED
 from serving.gate import Edge, ScoreCall, new_request_id
 from serving.idempotency import IDEMPOTENCY_IN_PROGRESS, IDEMPOTENCY_REUSED, KeyInProgress, KeyReused
@@ -26,7 +27,7 @@ from serving.metrics import ServingMetrics
 from serving.openapi import service_document
 from serving.refusals import Refused
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
-from serving.schemas import RECORD_SPEC, REQUEST_ID_HEADER, ItemResult, ScoreResponse, Transaction
+from serving.schemas import REQUEST_ID_HEADER, ItemResult
 from serving.security import SecuritySettings
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySetti
 
     async def openapi(_: Request) -> Response:
         scorer = get_scorer()
-        return JSONResponse(service_document(scorer.settings, edge.settings, scorer.model_version))
+        return JSONResponse(service_document(scorer.spec, scorer.settings, edge.settings, scorer.model_version))
 
     async def metrics(_: Request) -> Response:
         # Off the event loop: in multiprocess mode it reads every worker's files.
@@ -69,8 +70,9 @@ def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySetti
         yield
 
     routes = [
-        # `path`: an id may contain "/", and must still name one transaction.
-        Route("/lineage/{transaction_id:path}", lineage, methods=["GET"]),
+        # `path`: an id may contain "/", and must still name one record. The documents name the
+        # parameter by the spec's id field; the URL is the same.
+        Route("/lineage/{record_id:path}", lineage, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -78,21 +80,21 @@ def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySetti
 
 
 async def _lineage(request: Request, request_id: str, edge: _Edge, scorer: OnlineScorer) -> Response:
-    """Every answer, and every rejection, of one transaction; Refused for a bad id or an unreachable store."""
+    """Every answer, and every rejection, of one record; Refused for a bad id or an unreachable store."""
     refusal = edge.auth.check(request.headers.get("authorization"))
     if refusal is not None:
         raise refusal
-    transaction_id = str(request.path_params["transaction_id"])
-    longest = RECORD_SPEC.id.max_length
-    if not 0 < len(transaction_id) <= longest or "\x00" in transaction_id:
-        raise Refused(422, "invalid_request", f"transaction_id must be 1-{longest} characters, no NUL")
+    record_id = str(request.path_params["record_id"])
+    longest = scorer.spec.id.max_length
+    if not 0 < len(record_id) <= longest or "\x00" in record_id:
+        raise Refused(422, "invalid_request", f"{scorer.spec.id.name} must be 1-{longest} characters, no NUL")
     try:
         # A blocking query: off the event loop, which keeps answering /score meanwhile.
         found = await asyncio.to_thread(
             explain,
-            RECORD_SPEC,
+            scorer.spec,
             scorer.engine,
-            transaction_id,
+            record_id,
             dagster_ui_url=edge.dagster_ui_url,
             production_version=scorer.model_version,
         )
@@ -105,21 +107,22 @@ async def _lineage(request: Request, request_id: str, edge: _Edge, scorer: Onlin
             headers={"Retry-After": "1"},
         ) from error
     if not found.found:
-        raise Refused(404, "not_found", f"no record, result or rejection for transaction {transaction_id!r}")
+        record = scorer.spec.spec.record_name.lower()
+        raise Refused(404, "not_found", f"no record, result or rejection for {record} {record_id!r}")
     return JSONResponse(found.to_dict(), headers={REQUEST_ID_HEADER: request_id})
 
 
 async def answer(
     call: ScoreCall,
     scorer: OnlineScorer,
-    transactions: list[Transaction],
+    records: list[RecordBase],
     idempotency_key: str | None,
     deadline_ms: float | None,
 ) -> Response:
-    """Score an admitted request: one answer per transaction, or the request's refusal. The key
+    """Score an admitted request: one answer per record, or the request's refusal. The key
     and deadline are the body's fields, which the request's headers override (`ScoreCall.resolve`)."""
     try:
-        return await _answer(call, scorer, transactions, idempotency_key, deadline_ms)
+        return await _answer(call, scorer, records, idempotency_key, deadline_ms)
     except Refused as refused:
         return refused.response(scorer.metrics, call.request_id)
 
@@ -127,15 +130,15 @@ async def answer(
 async def _answer(
     call: ScoreCall,
     scorer: OnlineScorer,
-    transactions: list[Transaction],
+    records: list[RecordBase],
     body_key: str | None,
     body_deadline_ms: float | None,
 ) -> Response:
-    count = len(transactions)
+    count = len(records)
     key, deadline, deadline_ms = call.resolve(body_key, body_deadline_ms)
     try:
         results, batch_cpu = await scorer.score(
-            transactions,
+            records,
             request_id=call.request_id,
             idempotency_key=key,
             deadline=deadline,
@@ -161,7 +164,7 @@ async def _answer(
         raise Refused.unavailable(items=count)
     _count_answers(scorer.metrics, results)
     cpu_started = time.thread_time()
-    payload = ScoreResponse(request_id=call.request_id, results=results).model_dump_json()
+    payload = scorer.api.response(request_id=call.request_id, results=results).model_dump_json()
     response = Response(payload, media_type="application/json", headers={REQUEST_ID_HEADER: call.request_id})
     # Only synchronous stretches are timed: thread time across an await is everyone's.
     scorer.metrics.cpu_per_request.observe(call.parse_cpu + batch_cpu + time.thread_time() - cpu_started)

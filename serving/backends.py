@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
+from inference.spec import LoadedSpec
+from inference.spec.api import record_model
 from serving.batcher import ProcessFn
-from serving.schemas import RECORD_SPEC, Transaction
 from serving.scoring import BatchResult, ItemSpec
 from serving.scoring_process import run_on
-
-_CATEGORIES = RECORD_SPEC.categorical("merchant_category").vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +104,16 @@ class BackendSwitch:
 
 
 def warm_up_backend(
-    backend: ScoringBackend, *, max_batch_size: int, rounds: int = 3, timeout_s: float | None = None
+    spec: LoadedSpec,
+    backend: ScoringBackend,
+    *,
+    max_batch_size: int,
+    rounds: int = 3,
+    timeout_s: float | None = None,
 ) -> list[tuple[int, float]]:
-    """Score synthetic records through the whole path (store reads included, writes excluded) at
-    batch size 1 and the largest; returns (batch size, seconds) samples for the cost model. Raises
-    if an answer is not a finite score, or TimeoutError past `timeout_s`.
+    """Score copies of the spec's example record through the whole path (store reads included,
+    writes excluded) at batch size 1 and the largest; returns (batch size, seconds) samples for
+    the cost model. Raises if an answer is not a finite score, or TimeoutError past `timeout_s`.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
@@ -118,7 +122,7 @@ def warm_up_backend(
         return backend.executor.submit(backend.process, specs).result(timeout=remaining)
 
     sizes = (1, max_batch_size)
-    specs = [_warm_up_spec(i) for i in range(max(sizes))]
+    specs = [_warm_up_spec(spec, i) for i in range(max(sizes))]
     run(specs[:1])  # the first call pays lazy init (the process, the model, the connection)
     samples: list[tuple[int, float]] = []
     for _ in range(rounds):
@@ -131,18 +135,13 @@ def warm_up_backend(
     return samples
 
 
-def _warm_up_spec(index: int) -> ItemSpec:
+def _warm_up_spec(spec: LoadedSpec, index: int) -> ItemSpec:
+    """The example under its own id (and entity) and a minute of its own in 2000: no stored
+    record is its history, and no answer of it is ever stored."""
     moment = datetime(2000, 1, 1, tzinfo=UTC) + timedelta(minutes=index)
-    tx = Transaction.model_validate(
-        {
-            "transaction_id": f"warm-up-{index}",
-            "account_id": f"warm-up-account-{index % 4}",
-            "amount": 10.0 + index,
-            # One ordinary country: warm-up proves the path works, not that every input does.
-            "currency": "USD",
-            "merchant_category": _CATEGORIES[index % len(_CATEGORIES)],
-            "country": "US",
-            "event_time": moment,
-        }
-    )
-    return ItemSpec(raw=tx.to_raw(), request_id="warm-up")
+    record_id = f"warm-up-{index}"
+    values = {**spec.spec.example(), spec.id.name: record_id, spec.event_time.name: moment}
+    if spec.entity is not None:
+        values[spec.entity.name] = f"warm-up-entity-{index % 4}"
+    record = record_model(spec).model_validate(values)
+    return ItemSpec(raw=record.to_raw(), record_id=record_id, request_id="warm-up")

@@ -47,8 +47,8 @@ class WorkItem:
     cpu_share: float = 0.0
 
     @property
-    def transaction_id(self) -> str:
-        return str(self.spec.raw["transaction_id"])
+    def record_id(self) -> str:
+        return self.spec.record_id
 
 
 ProcessFn = Callable[[list[ItemSpec]], BatchResult]
@@ -86,6 +86,7 @@ class AdaptiveBatcher:
         cost: BatchCostModel,
         metrics: ServingMetrics,
         model_version: str,
+        results: type[ItemResult],
         on_batch: BatchHook | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -98,6 +99,7 @@ class AdaptiveBatcher:
         self.metrics = metrics
         self.on_batch = on_batch
         self.model_version = model_version
+        self.results = results
         self.clock = clock
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._live = 0  # queued items someone still waits for
@@ -189,10 +191,10 @@ class AdaptiveBatcher:
                 item.future.set_result(EXPIRED)
                 continue
             # Two different records with one id cannot share a frame (the later would be a duplicate).
-            if item.transaction_id in seen:
+            if item.record_id in seen:
                 deferred.append(item)
                 continue
-            seen.add(item.transaction_id)
+            seen.add(item.record_id)
             item.started = True
             self._live -= 1
             batch.append(item)
@@ -237,7 +239,9 @@ class AdaptiveBatcher:
             self.broken = True
             logger.exception("the scoring process died; a new one will be started")
             died = [
-                _internal_error(spec, "scoring process died", self.model_version, reason=SCORING_PROCESS_DIED)
+                _internal_error(
+                    self.results, spec, "scoring process died", self.model_version, reason=SCORING_PROCESS_DIED
+                )
                 for spec in specs
             ]
             return BatchResult(results=died)
@@ -248,7 +252,9 @@ class AdaptiveBatcher:
             try:
                 single = await run_on(self.executor, self.process, [spec])
             except Exception as error:  # noqa: BLE001 - reported on this item only
-                merged.results.append(_internal_error(spec, f"{type(error).__name__}: {error}", self.model_version))
+                merged.results.append(
+                    _internal_error(self.results, spec, f"{type(error).__name__}: {error}", self.model_version)
+                )
                 continue
             merged.results.extend(single.results)
             merged.rows.extend(single.rows)
@@ -258,9 +264,11 @@ class AdaptiveBatcher:
         return merged
 
 
-def _internal_error(spec: ItemSpec, detail: str, model_version: str, reason: str = "internal_error") -> ItemResult:
-    return ItemResult(
-        transaction_id=str(spec.raw["transaction_id"]),
+def _internal_error(
+    results: type[ItemResult], spec: ItemSpec, detail: str, model_version: str, reason: str = "internal_error"
+) -> ItemResult:
+    return results.for_record(
+        spec.record_id,
         status="error",
         model_version=model_version,
         path="online",

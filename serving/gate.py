@@ -24,12 +24,13 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inference.records import has_nul
+from inference.spec import LoadedSpec
 from serving.admission import Decision
 from serving.batcher import Reservation
 from serving.metrics import target_seconds
 from serving.refusals import Refused
 from serving.runtime import OnlineScorer
-from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, RECORD_ID, ScoreRequest
+from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, ScoreRequestBase
 from serving.security import BearerAuth, SecuritySettings, drain_before_close, read_body
 
 logger = logging.getLogger(__name__)
@@ -221,15 +222,16 @@ class ScoreGate:
             ) from late
         cpu_started = time.thread_time()
         limit = scorer.settings.max_transactions_per_request
+        plural = scorer.spec.spec.plural
         try:
-            parsed = ScoreRequest.model_validate_json(body)
+            parsed = scorer.api.request.model_validate_json(body)
         except ValidationError as error:
             raise await _invalid(scorer, body, error, call.request_id, limit) from error
-        count = len(parsed.transactions)
+        count = len(getattr(parsed, plural))
         if count > limit:
-            raise _too_many(limit)
+            raise _too_many(plural, limit)
         _check_one_key(call.header_key, parsed.idempotency_key, count)
-        problems = _request_problems(parsed)
+        problems = _request_problems(scorer.spec, parsed)
         if problems:
             raise Refused(422, "invalid_request", problems, outcome="rejected", items=count)
         if not scorer.scoring_available():
@@ -266,26 +268,26 @@ def _check_one_key(header: str | None, body: str | None, items: int) -> None:
         )
 
 
-def _too_many(limit: int) -> Refused:
-    return Refused(413, "too_many_transactions", f"at most {limit} transactions per request")
+def _too_many(plural: str, limit: int) -> Refused:
+    return Refused(413, f"too_many_{plural}", f"at most {limit} {plural} per request")
 
 
-def _request_problems(parsed: ScoreRequest) -> list[dict[str, Any]]:
+def _request_problems(spec: LoadedSpec, parsed: ScoreRequestBase) -> list[dict[str, Any]]:
     problems: list[dict[str, Any]] = []
     # PostgreSQL text cannot hold NUL: a failed key claim would count against the breaker.
     if has_nul(parsed.idempotency_key):
         problems.append({"loc": ["idempotency_key"], "msg": "NUL characters are not allowed"})
+    plural, id_name = spec.spec.plural, spec.id.name
+    keys = [key.name for key in (spec.id, spec.entity) if key is not None]
     seen: set[str] = set()
-    for index, tx in enumerate(parsed.transactions):
-        for name in ("transaction_id", "account_id"):
+    for index, record in enumerate(getattr(parsed, plural)):
+        for name in keys:
             # PostgreSQL text cannot hold NUL: such an id would fail every write.
-            if "\x00" in getattr(tx, name):
-                problems.append({"loc": ["transactions", index, name], "msg": "NUL characters are not allowed"})
-        record_id = getattr(tx, RECORD_ID)
+            if "\x00" in getattr(record, name):
+                problems.append({"loc": [plural, index, name], "msg": "NUL characters are not allowed"})
+        record_id = getattr(record, id_name)
         if record_id in seen:
-            problems.append(
-                {"loc": ["transactions", index, "transaction_id"], "msg": "duplicate transaction_id in request"}
-            )
+            problems.append({"loc": [plural, index, id_name], "msg": f"duplicate {id_name} in request"})
         seen.add(record_id)
     return problems
 
@@ -301,16 +303,17 @@ async def _invalid(scorer: OnlineScorer, body: bytes, error: ValidationError, re
         document = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or nested past the stdlib parser's depth
         document = None
-    items = document.get("transactions") if isinstance(document, dict) else None
+    plural = scorer.spec.spec.plural
+    items = document.get(plural) if isinstance(document, dict) else None
     if not isinstance(items, list):
         return Refused(422, "invalid_request", errors)
     if len(items) > limit:
-        return _too_many(limit)
+        return _too_many(plural, limit)
     details: dict[int, str] = {}
     for e in errors:
         loc = e["loc"]
-        if len(loc) >= 2 and loc[0] == "transactions" and isinstance(loc[1], int):
-            name = ".".join(str(part) for part in loc[2:]) or "transaction"
+        if len(loc) >= 2 and loc[0] == plural and isinstance(loc[1], int):
+            name = ".".join(str(part) for part in loc[2:]) or scorer.spec.spec.record_name.lower()
             details.setdefault(loc[1], f"{name}: {e['msg']}")
     # NUL cannot be stored: such an item is answered 422 but not quarantined.
     details = {index: detail for index, detail in details.items() if not has_nul(items[index])}

@@ -27,6 +27,7 @@ from pydantic import TypeAdapter
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from inference.spec.api import RecordBase
 from inference.store import (
     KeyClaim,
     claim_idempotency_key,
@@ -36,13 +37,12 @@ from inference.store import (
     utc_now,
 )
 from serving.breaker import CircuitBreaker
-from serving.schemas import ItemResult, Transaction
+from serving.schemas import ItemResult
 
 logger = logging.getLogger(__name__)
 
 IDEMPOTENCY_REUSED = "idempotency_key_reused"
 IDEMPOTENCY_IN_PROGRESS = "idempotency_key_in_progress"
-_RESULTS = TypeAdapter(list[ItemResult])
 # How often a duplicate polls the store for the answer another process is computing.
 _POLL_S = 0.01
 _T = TypeVar("_T")
@@ -68,10 +68,10 @@ class KeyInProgress(Exception):
         self.key = key
 
 
-def request_fingerprint(transactions: Sequence[Transaction]) -> str:
+def request_fingerprint(records: Sequence[RecordBase]) -> str:
     """The body as the key names it: its transactions in order, in canonical form (so JSON
     whitespace, key order and equivalent timestamp spellings are one body)."""
-    canonical = json.dumps([tx.to_raw() for tx in transactions], sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps([tx.to_raw() for tx in records], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
@@ -117,9 +117,19 @@ class Admission:
 
 
 class IdempotencyKeys:
-    def __init__(self, engine: Engine, breaker: CircuitBreaker, *, stale_after_s: float, size: int = 100_000) -> None:
-        """`stale_after_s`: an unanswered claim older than this belongs to a process that died."""
+    def __init__(
+        self,
+        engine: Engine,
+        breaker: CircuitBreaker,
+        *,
+        results: TypeAdapter[list[ItemResult]],
+        stale_after_s: float,
+        size: int = 100_000,
+    ) -> None:
+        """`results`: the spec's item results as stored answers hold them. `stale_after_s`: an
+        unanswered claim older than this belongs to a process that died."""
         self.engine = engine
+        self.results = results
         self.breaker = breaker
         self.size = size
         self.stale_after_s = stale_after_s
@@ -137,7 +147,7 @@ class IdempotencyKeys:
             if answered_fingerprint != fingerprint:
                 raise KeyReused(key)
             self._local.move_to_end(key)
-            return Admission(_RESULTS.validate_json(answer), None, False)
+            return Admission(self.results.validate_json(answer), None, False)
         if local is not None:
             if local.fingerprint != fingerprint:
                 raise KeyReused(key)
@@ -215,7 +225,7 @@ class IdempotencyKeys:
         None when this request takes the claim over from a process that died holding it."""
         while True:
             if claim.response is not None:
-                return _RESULTS.validate_json(claim.response)
+                return self.results.validate_json(claim.response)
             if claim.created_at < utc_now() - timedelta(seconds=self.stale_after_s):
                 take_over = functools.partial(
                     take_over_idempotency_key,
@@ -275,7 +285,7 @@ class IdempotencyKeys:
         """Hand `results` to the duplicates waiting on `owner`, and keep the key (in its place)
         as its answer's JSON from now on; returns that JSON."""
         owner.answered.set_result(results)
-        answer = _RESULTS.dump_json(results)
+        answer = self.results.dump_json(results)
         if self._local.get(key) is owner:
             self._local[key] = (owner.fingerprint, answer)
         return answer

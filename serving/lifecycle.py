@@ -56,6 +56,7 @@ async def bring_up(
         backend = await asyncio.to_thread(load, tag)
         samples = await asyncio.to_thread(
             warm_up_backend,
+            scorer.spec,
             backend,
             max_batch_size=scorer.settings.max_batch_size,
             timeout_s=load_timeout_s,
@@ -270,6 +271,7 @@ class ChallengerWatcher(_PointerFollower):
             backend = await asyncio.to_thread(self.load, tag)
             await asyncio.to_thread(
                 warm_up_backend,
+                self.shadow.spec,
                 backend,
                 max_batch_size=self.shadow.limits.max_batch,
                 rounds=1,

@@ -13,14 +13,8 @@ from pydantic import TypeAdapter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inference.lineage import RecordLineage
-from serving.schemas import (
-    DEADLINE_HEADER,
-    IDEMPOTENCY_HEADER,
-    RECORD_SPEC,
-    ErrorBody,
-    ScoreRequest,
-    ScoreResponse,
-)
+from inference.spec import LoadedSpec
+from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, ErrorBody, api_models
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 
@@ -35,7 +29,8 @@ UNAUTHORIZED = {
 class Limits:
     """What a client must know before sending: each is enforced with the status named in the docs."""
 
-    max_transactions: int
+    plural: str  # what a request lists (the spec's `plural`)
+    max_records: int
     max_body_bytes: int
     default_deadline_ms: float
     max_deadline_ms: float
@@ -43,7 +38,7 @@ class Limits:
 
     def describe(self) -> str:
         return (
-            f"Limits: at most {self.max_transactions} transactions and {self.max_body_bytes:,} bytes of body per "
+            f"Limits: at most {self.max_records} {self.plural} and {self.max_body_bytes:,} bytes of body per "
             f"request (413 beyond); a request's deadline is X-Deadline-Ms (or the body's deadline_ms), "
             f"{self.default_deadline_ms:g} ms when unset and at most {self.max_deadline_ms:g} ms; a request whose "
             f"expected wait exceeds its deadline or the declared p99 of {self.p99_target_ms:g} ms is refused at "
@@ -51,9 +46,10 @@ class Limits:
         )
 
 
-def limits_of(serving: ServingSettings, security: SecuritySettings) -> Limits:
+def limits_of(spec: LoadedSpec, serving: ServingSettings, security: SecuritySettings) -> Limits:
     return Limits(
-        max_transactions=serving.max_transactions_per_request,
+        plural=spec.spec.plural,
+        max_records=serving.max_transactions_per_request,
         max_body_bytes=security.max_body_bytes,
         default_deadline_ms=min(serving.request_timeout_ms, serving.max_deadline_ms),
         max_deadline_ms=serving.max_deadline_ms,
@@ -61,11 +57,18 @@ def limits_of(serving: ServingSettings, security: SecuritySettings) -> Limits:
     )
 
 
-DESCRIPTION = (
-    "Tandem scores payment risk online: one answer per transaction, each on its own (a bad item fails only "
-    "itself), from a warm model behind a bounded queue; the same model scores every day in batch through "
-    "Dagster, and GET /lineage/{transaction_id} says which answer each path gave. "
-)
+def description(spec: LoadedSpec) -> str:
+    """The spec's own words, then what every spec's service does."""
+    own = f"{spec.spec.description} " if spec.spec.description else ""
+    return (
+        f"{own}Online, Tandem answers each {_record(spec)} on its own (a bad item fails only itself), from a "
+        "warm model behind a bounded queue; the same model scores every day in batch through "
+        f"Dagster, and GET /lineage/{{{spec.id.name}}} says which answer each path gave. "
+    )
+
+
+def _record(spec: LoadedSpec) -> str:
+    return spec.spec.record_name.lower()
 
 
 class _Components:
@@ -101,8 +104,8 @@ def _score_refusals(components: _Components, limits: Limits) -> dict[str, Any]:
         ),
         "413": error(
             ErrorBody,
-            f"body_too_large (over {limits.max_body_bytes:,} bytes) or too_many_transactions "
-            f"(over {limits.max_transactions}).",
+            f"body_too_large (over {limits.max_body_bytes:,} bytes) or too_many_{limits.plural} "
+            f"(over {limits.max_records}).",
         ),
         "422": error(
             ErrorBody,
@@ -141,19 +144,20 @@ def _score_parameters(limits: Limits) -> list[dict[str, Any]]:
     ]
 
 
-def _lineage_path(components: _Components, guarded: dict[str, Any]) -> dict[str, Any]:
+def _lineage_path(spec: LoadedSpec, components: _Components, guarded: dict[str, Any]) -> dict[str, Any]:
     error = components.body
+    record = _record(spec)
     return {
         "get": {
-            "summary": "Why does this transaction have this score",
-            "description": "Every stored answer of one transaction (path, producer, model and code version, input "
+            "summary": f"Why does this {record} have this score",
+            "description": f"Every stored answer of one {record} (path, producer, model and code version, input "
             "and history hashes, which is current) and every time it was rejected, where and why.",
             "parameters": [
                 {
-                    "name": "transaction_id",
+                    "name": spec.id.name,
                     "in": "path",
                     "required": True,
-                    "schema": {"type": "string", "minLength": 1, "maxLength": RECORD_SPEC.id.max_length},
+                    "schema": {"type": "string", "minLength": 1, "maxLength": spec.id.max_length},
                 }
             ],
             **guarded,
@@ -161,26 +165,29 @@ def _lineage_path(components: _Components, guarded: dict[str, Any]) -> dict[str,
                 "200": error(RecordLineage, "The source record's state, every answer and every rejection."),
                 "401": error(ErrorBody, "A token is configured and the request lacks it.", UNAUTHORIZED),
                 "404": error(ErrorBody, "No record, answer or rejection for this id."),
-                "422": error(ErrorBody, "Not a possible transaction id."),
+                "422": error(ErrorBody, f"Not a possible {record} id."),
                 "503": error(ErrorBody, "The result store is unreachable.", RETRY_AFTER),
             },
         }
     }
 
 
-def openapi_document(limits: Limits, *, bearer_auth: bool = False, model_version: str = "unknown") -> dict[str, Any]:
+def openapi_document(
+    spec: LoadedSpec, limits: Limits, *, bearer_auth: bool = False, model_version: str = "unknown"
+) -> dict[str, Any]:
     """OpenAPI 3.1 for every route of the service. `bearer_auth`: /score and /lineage declare the token."""
     components = _Components()
     guarded: dict[str, Any] = {"security": [{"bearer": []}]} if bearer_auth else {}
+    api, record = api_models(spec), _record(spec)
     score = {
-        "summary": "Score one or more transactions",
-        "description": "Each transaction is answered on its own: a model failure or a non-finite score fails only "
+        "summary": f"Score one or more {spec.spec.plural}",
+        "description": f"Each {record} is answered on its own: a model failure or a non-finite score fails only "
         "that item. " + limits.describe(),
         "parameters": _score_parameters(limits),
-        "requestBody": {"required": True, "content": {"application/json": {"schema": components.ref(ScoreRequest)}}},
+        "requestBody": {"required": True, "content": {"application/json": {"schema": components.ref(api.request)}}},
         **guarded,
         "responses": {
-            "200": components.body(ScoreResponse, "One result per transaction, scored or failed with a reason."),
+            "200": components.body(api.response, f"One result per {record}, scored or failed with a reason."),
             **_score_refusals(components, limits),
         },
     }
@@ -189,13 +196,13 @@ def openapi_document(limits: Limits, *, bearer_auth: bool = False, model_version
     return {
         "openapi": "3.1.0",
         "info": {
-            "title": "Tandem risk scorer",
+            "title": spec.spec.title,
             "version": model_version,
-            "description": DESCRIPTION + limits.describe(),
+            "description": description(spec) + limits.describe(),
         },
         "paths": {
             "/score": {"post": score},
-            "/lineage/{transaction_id}": _lineage_path(components, guarded),
+            f"/lineage/{{{spec.id.name}}}": _lineage_path(spec, components, guarded),
             "/livez": probe,
             "/readyz": {
                 "get": {"summary": "Readiness: model warm, the store or the outbox usable", "responses": ready}
@@ -203,25 +210,27 @@ def openapi_document(limits: Limits, *, bearer_auth: bool = False, model_version
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}},
         },
         "components": {
-            "schemas": _with_value_sets(components.schemas),
+            "schemas": _with_value_sets(spec, components.schemas),
             **({"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}} if bearer_auth else {}),
         },
     }
 
 
-def _with_value_sets(schemas: dict[str, Any]) -> dict[str, Any]:
+def _with_value_sets(spec: LoadedSpec, schemas: dict[str, Any]) -> dict[str, Any]:
     """List the training vocabularies as examples, not as an `enum`: an unseen value is accepted
     (scored through the unknown bucket), and the known ones show clients what the model knows best."""
-    properties = schemas[RECORD_SPEC.spec.record_name]["properties"]
-    for field in RECORD_SPEC.categoricals:
+    properties = schemas[spec.spec.record_name]["properties"]
+    for field in spec.categoricals:
         properties[field.name] = {**properties[field.name], "examples": list(field.vocabulary)}
     return schemas
 
 
-def service_document(serving: ServingSettings, security: SecuritySettings, model_version: str) -> dict[str, Any]:
+def service_document(
+    spec: LoadedSpec, serving: ServingSettings, security: SecuritySettings, model_version: str
+) -> dict[str, Any]:
     """The service's /openapi.json, with the limits and token it runs with."""
-    limits = limits_of(serving, security)
-    return openapi_document(limits, bearer_auth=security.auth_token is not None, model_version=model_version)
+    limits = limits_of(spec, serving, security)
+    return openapi_document(spec, limits, bearer_auth=security.auth_token is not None, model_version=model_version)
 
 
 def amend_bentoml_document(bentoml_spec: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +247,7 @@ def amend_bentoml_document(bentoml_spec: dict[str, Any], ours: dict[str, Any]) -
     responses = {code: answer for code, answer in score.get("responses", {}).items() if str(code) == "200"}
     score["responses"] = responses | {code: a for code, a in ours_score["responses"].items() if code != "200"}
     paths["/score"] = {**paths.get("/score", {}), "post": score}
-    paths["/lineage/{transaction_id}"] = ours["paths"]["/lineage/{transaction_id}"]
+    paths.update({path: answer for path, answer in ours["paths"].items() if path.startswith("/lineage/")})
     amended["paths"] = paths
     components = dict(bentoml_spec.get("components", {}))
     ours_schemas = ours["components"]["schemas"]

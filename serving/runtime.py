@@ -13,6 +13,8 @@ from concurrent.futures import Executor
 
 from sqlalchemy.engine import Engine
 
+from inference.spec import LoadedSpec
+from inference.spec.api import RecordBase
 from serving.admission import AimdLimit, BatchCostModel, Decision
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, Reservation, WorkItem
@@ -20,7 +22,7 @@ from serving.breaker import BreakerState, CircuitBreaker
 from serving.idempotency import Admission, IdempotencyKeys, KeyInProgress, KeyReused, request_fingerprint
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
-from serving.schemas import RECORD_ID, ItemResult, Transaction
+from serving.schemas import ItemResult, api_models
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
 from serving.shadow import ShadowScorer
@@ -53,6 +55,7 @@ class OnlineScorer:
     def __init__(
         self,
         *,
+        spec: LoadedSpec,
         process: ProcessFn,
         executor: Executor,
         model_version: str,
@@ -61,7 +64,10 @@ class OnlineScorer:
         outbox: Outbox,
         metrics: ServingMetrics,
     ) -> None:
-        """`process` scores a batch on `executor` (the scoring process; a thread in tests)."""
+        """`process` scores a batch of `spec`'s records on `executor` (the scoring process; a
+        thread in tests)."""
+        self.spec = spec
+        self.api = api_models(spec)
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
@@ -71,6 +77,7 @@ class OnlineScorer:
         self.cost = BatchCostModel(COST_DECAY)
         self.concurrency = AimdLimit(settings.p99_target_ms / 1000, settings.max_concurrency)
         self.writer = ResultWriter(
+            spec,
             engine,
             self.breaker,
             outbox,
@@ -81,15 +88,17 @@ class OnlineScorer:
         self.keys = IdempotencyKeys(
             engine,
             self.breaker,
+            results=self.api.results,
             # An unanswered claim outlives its request only when the process holding it died.
             stale_after_s=max(2 * settings.request_timeout_ms / 1000, 10.0),
         )
-        # Identical items being scored now, by (transaction, body): a duplicate waits for the first.
+        # Identical items being scored now, by (record, body): a duplicate waits for the first.
         self.in_flight: dict[tuple[str, str], WorkItem] = {}
         self.restore_failures = 0  # consecutive failed attempts to replace a dead scoring process
         self.batcher: AdaptiveBatcher | None = None
         # The challenger, once ChallengerWatcher installs one: offered what the champion answered.
         self.shadow = ShadowScorer(
+            spec=spec,
             engine=engine,
             settings=settings,
             metrics=metrics,
@@ -103,7 +112,9 @@ class OnlineScorer:
     # ------------------------------------------------------------------ lifecycle
     def warm_up(self, rounds: int = 3) -> list[tuple[int, float]]:
         """Run real inferences end to end and seed the cost model with their timings."""
-        samples = warm_up_backend(self.backends.serving, max_batch_size=self.settings.max_batch_size, rounds=rounds)
+        samples = warm_up_backend(
+            self.spec, self.backends.serving, max_batch_size=self.settings.max_batch_size, rounds=rounds
+        )
         self.cost.calibrate(samples)
         self.warm = True
         logger.info("warm: batch cost %.1f ms + %.3f ms/item", self.cost.fixed_s * 1000, self.cost.per_item_s * 1000)
@@ -119,6 +130,7 @@ class OnlineScorer:
             cost=self.cost,
             metrics=self.metrics,
             model_version=self.model_version,
+            results=self.api.item_result,
             on_batch=self._after_batch,
         )
         self.batcher.start()
@@ -205,7 +217,7 @@ class OnlineScorer:
 
     async def score(
         self,
-        transactions: list[Transaction],
+        records: list[RecordBase],
         *,
         request_id: str,
         idempotency_key: str | None,
@@ -219,9 +231,9 @@ class OnlineScorer:
         """
         if idempotency_key is None:
             return await self._score_items(
-                transactions, request_id=request_id, key=None, deadline=deadline, reservation=reservation
+                records, request_id=request_id, key=None, deadline=deadline, reservation=reservation
             )
-        fingerprint = request_fingerprint(transactions)
+        fingerprint = request_fingerprint(records)
         try:
             admission = await self.keys.admit(idempotency_key, fingerprint, request_id=request_id, deadline=deadline)
         except TimeoutError as error:
@@ -229,7 +241,7 @@ class OnlineScorer:
         if admission.results is not None:
             return admission.results, 0.0
         return await self._score_keyed(
-            transactions,
+            records,
             admission,
             request_id=request_id,
             key=idempotency_key,
@@ -239,7 +251,7 @@ class OnlineScorer:
 
     async def _score_keyed(
         self,
-        transactions: list[Transaction],
+        records: list[RecordBase],
         admission: Admission,
         *,
         request_id: str,
@@ -251,7 +263,7 @@ class OnlineScorer:
         request got none (shed, expired, the scoring process died), so that a retry may score."""
         try:
             results, cpu = await self._score_items(
-                transactions, request_id=request_id, key=key, deadline=deadline, reservation=reservation
+                records, request_id=request_id, key=key, deadline=deadline, reservation=reservation
             )
         except BaseException:
             self.keys.release(key, admission)
@@ -271,7 +283,7 @@ class OnlineScorer:
 
     async def _score_items(
         self,
-        transactions: list[Transaction],
+        records: list[RecordBase],
         *,
         request_id: str,
         key: str | None,
@@ -284,17 +296,21 @@ class OnlineScorer:
         fresh: list[WorkItem] = []
         now = time.monotonic()
         loop = asyncio.get_running_loop()
-        for tx in transactions:
-            raw = tx.to_raw()
-            # Only a truly identical item coalesces: same transaction, same body.
-            identity = (getattr(tx, RECORD_ID), request_fingerprint([tx]))
+        id_name = self.spec.id.name
+        for record in records:
+            raw = record.to_raw()
+            # Only a truly identical item coalesces: same record, same body.
+            identity = (raw[id_name], request_fingerprint([record]))
             running = self.in_flight.get(identity)
             # A done item leaves `in_flight` only when its callback runs: it is no answer to join.
             if running is not None and not running.abandoned and not running.future.done():
                 plan.append(running)
                 continue
             item = WorkItem(
-                ItemSpec(raw=raw, request_id=request_id, idempotency_key=key), deadline, now, loop.create_future()
+                ItemSpec(raw=raw, record_id=identity[0], request_id=request_id, idempotency_key=key),
+                deadline,
+                now,
+                loop.create_future(),
             )
             plan.append(item)
             fresh.append(item)
@@ -342,7 +358,7 @@ class OnlineScorer:
     def _record_batch(self, batch: list[WorkItem], outcome: BatchResult) -> None:
         share = outcome.cpu_seconds / max(len(batch), 1)
         finished = time.monotonic()
-        waited_ms = {item.transaction_id: (finished - item.enqueued_at) * 1000 for item in batch}
+        waited_ms = {item.record_id: (finished - item.enqueued_at) * 1000 for item in batch}
         for item, result in zip(batch, outcome.results, strict=True):
             item.cpu_share = share
             if result.error is not None:

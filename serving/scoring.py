@@ -32,7 +32,7 @@ from inference.store import (
     utc_now,
 )
 from serving.breaker import CircuitBreaker
-from serving.schemas import RECORD_SPEC, ItemError, ItemResult
+from serving.schemas import ItemError, ItemResult, api_models
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -40,9 +40,9 @@ _R = TypeVar("_R")
 # Answers this process gave, for replays that arrive before the result writer has stored them.
 _RECENT_ANSWERS = 50_000
 # A remembered answer is a tuple of these columns as a stored row holds them, so `_replayed`
-# rebuilds either: plain values, which the garbage collector stops tracking, unlike models.
+# rebuilds either: plain values, which the garbage collector stops tracking, unlike models. The
+# record's id is the answer's key.
 _REMEMBERED_FIELDS = (
-    "transaction_id",
     "score",
     "model_version",
     "path",
@@ -57,9 +57,10 @@ _REMEMBERED_FIELDS = (
 
 @dataclass(frozen=True)
 class ItemSpec:
-    """A schema-valid transaction as the scoring process sees it (plain data, no futures)."""
+    """A schema-valid record as the scoring process sees it (plain data, no futures)."""
 
     raw: dict[str, Any]
+    record_id: str  # the spec's id field of `raw`, read once where the item is made
     request_id: str
     idempotency_key: str | None = None  # the client's, for lineage; replays are decided before batching
 
@@ -87,16 +88,25 @@ def read_reconnecting(engine: Engine, read: Callable[[Connection], _R]) -> _R:
         return read(conn)
 
 
-class GuardedHistory:
-    """Entity history from the store behind the breaker; an unreachable store yields no history."""
+def reads_history(spec: LoadedSpec, history_length: int) -> bool:
+    """Whether a model reads stored history: only with an entity and K > 0."""
+    return spec.entity is not None and history_length > 0
 
-    def __init__(self, ls: LoadedSpec, engine: Engine, breaker: CircuitBreaker) -> None:
-        self.spec = ls
+
+class GuardedHistory:
+    """Entity history from the store behind the breaker; an unreachable store yields no history.
+    A model that reads none (K = 0, or a spec without an entity) reads nothing from the store."""
+
+    def __init__(self, spec: LoadedSpec, engine: Engine, breaker: CircuitBreaker) -> None:
+        self.spec = spec
         self.engine = engine
         self.breaker = breaker
         self.degraded = False
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
+        if not reads_history(self.spec, history_length):
+            # The features read no history at K = 0: an empty frame of any schema will do.
+            return pl.DataFrame(schema=record_table(self.spec).history_schema)
         if self.breaker.allow():
             try:
                 history = read_reconnecting(
@@ -115,19 +125,22 @@ class GuardedHistory:
 class ScoringCore:
     """One model version's scoring of adaptive batches, in the scoring process.
 
-    Every item is scored; an item whose (transaction, model version, input, history) was answered
+    Every item is scored; an item whose (record, model version, input, history) was answered
     before gets that earlier answer instead, so a true replay returns what the client got then and
     writes nothing, and a changed body or a changed history is always a fresh answer.
     """
 
     def __init__(
         self,
+        spec: LoadedSpec,
         predictor: Predictor,
         engine: Engine,
         breaker: CircuitBreaker,
         *,
         code_version: str,
     ) -> None:
+        self.spec = spec
+        self.results = api_models(spec).item_result
         self.predictor = predictor
         self.engine = engine
         self.breaker = breaker
@@ -143,7 +156,7 @@ class ScoringCore:
         cpu_started = time.thread_time()
         outcome = BatchResult(results=[])
         answers: list[ItemResult | None] = [None] * len(items)
-        for positions in _rounds_of_distinct_transactions(items):
+        for positions in _rounds_of_distinct_records(items):
             part = [items[i] for i in positions]
             for position, answer in zip(positions, self._score_round(part, outcome, lookup=lookup), strict=True):
                 answers[position] = answer
@@ -153,10 +166,10 @@ class ScoringCore:
         return outcome
 
     def _score_round(self, items: list[ItemSpec], outcome: BatchResult, *, lookup: bool) -> list[ItemResult]:
-        checked = validate(RECORD_SPEC, raw_frame(RECORD_SPEC, [item.raw for item in items]))
+        checked = validate(self.spec, raw_frame(self.spec, [item.raw for item in items]))
         # hstack, not with_columns: that is a polars query of its own.
-        checked = checked.hstack([hash_inputs(RECORD_SPEC, checked)])
-        history = GuardedHistory(RECORD_SPEC, self.engine, self.breaker)
+        checked = checked.hstack([hash_inputs(self.spec, checked)])
+        history = GuardedHistory(self.spec, self.engine, self.breaker)
         scored = self.predictor.predict(checked, history)
         outcome.degraded = outcome.degraded or history.degraded
         stored = self._stored_answers(items) if lookup else {}
@@ -167,7 +180,7 @@ class ScoringCore:
             # A degraded score read an empty history, not the account's: it replays nothing and is
             # provisional, so it is never replayed either.
             history_hash = None if history.degraded else row["history_hash"]
-            answer_id = (str(item.raw["transaction_id"]), answer_key(row["input_hash"], history_hash))
+            answer_id = (item.record_id, answer_key(row["input_hash"], history_hash))
             earlier = self._recall(answer_id) or stored.get(answer_id) if lookup and history_hash else None
             if earlier is not None and row["reject_reason"] is None:
                 answers.append(earlier)
@@ -179,11 +192,11 @@ class ScoringCore:
         return answers
 
     def _stored_answers(self, items: list[ItemSpec]) -> dict[tuple[str, str], ItemResult]:
-        """Online answers already stored for these transactions under this version, by answer key."""
+        """Online answers already stored for these records under this version, by answer key."""
         if not self.breaker.allow():
             return {}
         try:
-            record_ids = [str(item.raw["transaction_id"]) for item in items]
+            record_ids = [item.record_id for item in items]
             rows = read_reconnecting(
                 self.engine,
                 lambda conn: online_answers(conn, model_version=self.model_version, record_ids=record_ids),
@@ -193,11 +206,7 @@ class ScoringCore:
             logger.warning("stored-answer lookup failed; answering afresh: %s", error)
             return {}
         self.breaker.record_success()
-        # A stored row's id is `record_id`; the answer names it as the API does.
-        return {
-            (row["record_id"], row["answer_key"]): _replayed({**row, "transaction_id": row["record_id"]})
-            for row in rows
-        }
+        return {(row["record_id"], row["answer_key"]): self._replayed(row["record_id"], row) for row in rows}
 
     def _remember(self, answer_id: tuple[str, str], answer: ItemResult) -> None:
         """Only scored answers: an error is never replayed."""
@@ -212,7 +221,24 @@ class ScoringCore:
 
     def _recall(self, answer_id: tuple[str, str]) -> ItemResult | None:
         remembered = self._recent.get(answer_id)
-        return None if remembered is None else _replayed(dict(zip(_REMEMBERED_FIELDS, remembered, strict=True)))
+        if remembered is None:
+            return None
+        return self._replayed(answer_id[0], dict(zip(_REMEMBERED_FIELDS, remembered, strict=True)))
+
+    def _replayed(self, record_id: str, row: dict[str, Any]) -> ItemResult:
+        return self.results.for_record(
+            record_id,
+            status="scored",
+            score=row["score"],
+            model_version=row["model_version"],
+            path=row["path"],
+            request_id=row["request_id"],
+            batch_id=row["batch_id"],
+            produced_at=_as_utc(row["produced_at"]),
+            input_hash=row["input_hash"],
+            degraded=bool(row["degraded"]),
+            unseen_fields=[name for name in (row["unseen_fields"] or "").split(",") if name],
+        )
 
     def _answer(
         self,
@@ -223,7 +249,7 @@ class ScoringCore:
         outcome: BatchResult,
     ) -> ItemResult:
         common = {
-            "transaction_id": item.raw["transaction_id"],
+            self.spec.id.name: item.record_id,
             "model_version": self.model_version,
             "path": ResultPath.ONLINE.value,
             "request_id": item.request_id,
@@ -241,7 +267,7 @@ class ScoringCore:
                     "request_id": item.request_id,
                 }
             )
-            return ItemResult(
+            return self.results(
                 status="error", error=ItemError(reason=row["reject_reason"], detail=row["reject_detail"]), **common
             )
         outcome.rows.append(
@@ -256,7 +282,7 @@ class ScoringCore:
             )
         )
         unseen = row["unseen_fields"].split(",") if row["unseen_fields"] else []
-        return ItemResult(status="scored", score=float(row["score"]), unseen_fields=unseen, **common)
+        return self.results(status="scored", score=float(row["score"]), unseen_fields=unseen, **common)
 
 
 def answer_key(input_hash: str, history_hash: str | None) -> str:
@@ -264,8 +290,8 @@ def answer_key(input_hash: str, history_hash: str | None) -> str:
     return f"{input_hash}|{history_hash or NO_HISTORY}"
 
 
-def _rounds_of_distinct_transactions(items: list[ItemSpec]) -> Iterator[list[int]]:
-    """Positions split so that no round holds one transaction twice (two requests may send the
+def _rounds_of_distinct_records(items: list[ItemSpec]) -> Iterator[list[int]]:
+    """Positions split so that no round holds one record twice (two requests may send the
     same id with different bodies): within a frame, validation refuses a repeated id, and the
     features would read one version as the other's history."""
     pending = list(range(len(items)))
@@ -274,27 +300,11 @@ def _rounds_of_distinct_transactions(items: list[ItemSpec]) -> Iterator[list[int
         this_round: list[int] = []
         later: list[int] = []
         for position in pending:
-            transaction_id = str(items[position].raw["transaction_id"])
-            (later if transaction_id in seen else this_round).append(position)
-            seen.add(transaction_id)
+            record_id = items[position].record_id
+            (later if record_id in seen else this_round).append(position)
+            seen.add(record_id)
         yield this_round
         pending = later
-
-
-def _replayed(row: dict[str, Any]) -> ItemResult:
-    return ItemResult(
-        transaction_id=row["transaction_id"],
-        status="scored",
-        score=row["score"],
-        model_version=row["model_version"],
-        path=row["path"],
-        request_id=row["request_id"],
-        batch_id=row["batch_id"],
-        produced_at=_as_utc(row["produced_at"]),
-        input_hash=row["input_hash"],
-        degraded=bool(row["degraded"]),
-        unseen_fields=[name for name in (row["unseen_fields"] or "").split(",") if name],
-    )
 
 
 def _as_utc(moment: datetime) -> datetime:

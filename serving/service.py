@@ -31,7 +31,7 @@ from serving.metrics import ServingMetrics
 from serving.openapi import ApiDocs, service_document
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
-from serving.schemas import ScoreRequest, ScoreResponse, Transaction
+from serving.schemas import ScoreResponseBase, api_models
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from serving.shadow import SHADOW_NICE
@@ -79,12 +79,18 @@ def engine_options(url: str, serving: ServingSettings) -> dict[str, typing.Any]:
 
 def api_document() -> dict[str, typing.Any]:
     scorer = current_scorer()
-    return service_document(scorer.settings, SecuritySettings(), scorer.model_version)
+    return service_document(scorer.spec, scorer.settings, SecuritySettings(), scorer.model_version)
 
 
 def current_scorer() -> OnlineScorer:
     service: RiskScorer = get_current_service()
     return service.scorer
+
+
+# The spec the service scores: BentoML reads an API's input and output specs at class definition,
+# so the request and response models are the configured spec's from import on.
+SPEC = configured_spec()
+API = api_models(SPEC)
 
 
 # /lineage/{id}, /openapi.json and /metrics; /score is the @bentoml.api below, behind the gate.
@@ -108,12 +114,13 @@ class RiskScorer:
         settings = TandemSettings()
         serving = ServingSettings()
         SecuritySettings()  # a bad token or body limit fails the start, not the first request
-        self.spec = configured_spec()
+        self.spec = SPEC
         url = settings.resolved_database_url()
         options = engine_options(url, serving)
         engine = make_engine(url, **options)
         upgrade(engine, self.spec)
         self.worker_config = worker.WorkerConfig(
+            spec_path=self.spec.path,
             model_dir=str(self.model_ref.path),
             model_version=str(self.model_ref.tag),
             database_url=url,
@@ -126,6 +133,7 @@ class RiskScorer:
         )
         first = ScoringBackend(self.worker_config.model_version, worker.start_pool(self.worker_config), worker.score)
         self.scorer = OnlineScorer(
+            spec=self.spec,
             process=first.process,
             executor=first.executor,
             model_version=first.model_version,
@@ -177,21 +185,18 @@ class RiskScorer:
             discard=worker.discard_pool,
         )
 
-    @bentoml.api(route="/score", input_spec=ScoreRequest, output_spec=ScoreResponse)
-    async def score(
-        self,
-        transactions: list[Transaction],
-        ctx: bentoml.Context,
-        idempotency_key: str | None = None,
-        deadline_ms: float | None = None,
-    ) -> ScoreResponse:
-        """Score transactions, each answered on its own (a model failure or a non-finite score fails
+    @bentoml.api(route="/score", input_spec=API.request, output_spec=API.response)
+    async def score(self, ctx: bentoml.Context, **batch: typing.Any) -> ScoreResponseBase:
+        """Score records, each answered on its own (a model failure or a non-finite score fails
         only that item). Refusals: 401 token, 400 header, 408 a body slower than the deadline, 413
         size, 422 schema or a reused Idempotency-Key, 409 key in flight, 503 overload or no scoring
         process (Retry-After), 504 deadline. Send the key and the deadline as headers
         (Idempotency-Key, X-Deadline-Ms) or, from a BentoML client, as the fields of the same names."""
+        # BentoML passes the request's fields as keywords: the spec's list (`plural`), the key and
+        # the deadline; and the context by its parameter's name.
         call = call_in(ctx.request.scope)
-        response = await answer(call, self.scorer, transactions, idempotency_key, deadline_ms)
+        records = batch[self.spec.spec.plural]
+        response = await answer(call, self.scorer, records, batch["idempotency_key"], batch["deadline_ms"])
         # BentoML answers with the context's status, not the response's: a refusal keeps its own.
         ctx.response.status_code = response.status_code
         return response  # type: ignore[return-value]

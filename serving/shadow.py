@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
+from inference.spec import LoadedSpec
 from inference.store import ResultPath, prediction_frame, upsert_challenger_predictions
 from serving.backends import ScoringBackend
 from serving.background import BackgroundTask
@@ -33,10 +34,10 @@ _SAMPLE_SCALE = 1_000_000
 _IDLE_POLL_S = 0.005
 
 
-def sampled(transaction_id: str, share: float) -> bool:
-    """Whether the challenger shadows this transaction: by a hash of its id, so a retry of the
-    same transaction is sampled alike and the sample is the same on every worker."""
-    return zlib.crc32(transaction_id.encode()) % _SAMPLE_SCALE < share * _SAMPLE_SCALE
+def sampled(record_id: str, share: float) -> bool:
+    """Whether the challenger shadows this record: by a hash of its id, so a retry of the
+    same record is sampled alike and the sample is the same on every worker."""
+    return zlib.crc32(record_id.encode()) % _SAMPLE_SCALE < share * _SAMPLE_SCALE
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ShadowScorer:
     def __init__(
         self,
         *,
+        spec: LoadedSpec,
         engine: Engine,
         settings: ServingSettings,
         metrics: ServingMetrics,
@@ -76,6 +78,8 @@ class ShadowScorer:
         clock: Callable[[], float] = time.monotonic,
         limits: ShadowLimits = ShadowLimits(),
     ) -> None:
+        """`spec`: the records the champion scores, which the challenger's warm-up scores too."""
+        self.spec = spec
         self.engine = engine
         self.settings = settings
         self.limits = limits
@@ -113,7 +117,7 @@ class ShadowScorer:
         chosen = [
             spec
             for spec, result in zip(specs, outcome.results, strict=True)
-            if result.status == "scored" and sampled(str(spec.raw["transaction_id"]), share)
+            if result.status == "scored" and sampled(spec.record_id, share)
         ]
         if not chosen:
             return
@@ -181,7 +185,7 @@ class ShadowScorer:
                 backend.executor.shutdown(wait=False, cancel_futures=True)
             return
         finished = self.clock()
-        offered_at = {str(offered.spec.raw["transaction_id"]): offered.at for offered in batch}
+        offered_at = {offered.spec.record_id: offered.at for offered in batch}
         rows = []
         for row in outcome.rows:
             latency_s = finished - offered_at.get(row["record_id"], finished)

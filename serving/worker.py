@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import TorchPredictor
 from inference.model import load_model
-from inference.spec import load_spec
+from inference.spec import LoadedSpec, load_spec
 from inference.store import make_engine, warm_history_statements
 from serving.breaker import CircuitBreaker
-from serving.scoring import BatchResult, ItemSpec, ScoringCore
+from serving.scoring import BatchResult, ItemSpec, ScoringCore, reads_history
 from serving.scoring_process import ScoringProcess
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ _core: ScoringCore | None = None
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    # The spec's import path: the scoring process loads it itself (a LoadedSpec holds functions).
+    spec_path: str
     model_dir: str
     model_version: str
     database_url: str
@@ -50,7 +53,7 @@ def initialize(config: WorkerConfig) -> None:
         os.nice(config.nice)
     torch.set_num_threads(config.torch_threads)
     # Each version is scored with the history length it was trained with, whatever the settings say.
-    spec = load_spec()
+    spec = load_spec(config.spec_path)
     predictor = TorchPredictor(
         model=load_model(Path(config.model_dir), spec),
         model_version=config.model_version,
@@ -59,15 +62,20 @@ def initialize(config: WorkerConfig) -> None:
     )
     # No ping per checkout: a batch's reads retry once on a dropped connection (`read_reconnecting`).
     engine = make_engine(config.database_url, **{**config.engine_options, "pool_pre_ping": False})
-    try:
-        with engine.connect() as conn:
-            warm_history_statements(spec, conn, config.forward_batch_size)
-    except SQLAlchemyError as error:  # the store may be down at start: batches then score without history
-        logger.warning("could not prepare the history reads: %s", error)
+    if reads_history(spec, predictor.history_length):
+        _prepare_history_reads(spec, engine, config.forward_batch_size)
     breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
-    _core = ScoringCore(predictor, engine, breaker, code_version=config.code_version)
+    _core = ScoringCore(spec, predictor, engine, breaker, code_version=config.code_version)
     # The libraries and the model live as long as the process: full collections need not scan them.
     gc.freeze()
+
+
+def _prepare_history_reads(spec: LoadedSpec, engine: Engine, targets: int) -> None:
+    try:
+        with engine.connect() as conn:
+            warm_history_statements(spec, conn, targets)
+    except SQLAlchemyError as error:  # the store may be down at start: batches then score without history
+        logger.warning("could not prepare the history reads: %s", error)
 
 
 def score(specs: list[ItemSpec]) -> BatchResult:

@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from inference.records import raw_frame, validate
+from inference.spec import LoadedSpec
 from inference.store import (
     RejectStage,
     ResultPath,
@@ -30,7 +31,6 @@ from inference.store import (
 from serving.breaker import CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox, PartlyWritten
-from serving.schemas import RECORD_SPEC
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class ResultWriter:
 
     def __init__(
         self,
+        spec: LoadedSpec,
         engine: Engine,
         breaker: CircuitBreaker,
         outbox: Outbox,
@@ -90,6 +91,7 @@ class ResultWriter:
         drain_chunk: int = 2000,
         coalesce_s: float = 0.0,
     ) -> None:
+        self.spec = spec
         self.engine = engine
         self.coalesce_s = coalesce_s
         self.breaker = breaker
@@ -123,8 +125,8 @@ class ResultWriter:
         records = [(index, item) for index, item in enumerate(items) if isinstance(item, dict) and index in details]
         if not records:
             return
-        frame = raw_frame(RECORD_SPEC, [item for _, item in records])
-        reasons = validate(RECORD_SPEC, frame)["reject_reason"].to_list()
+        frame = raw_frame(self.spec, [item for _, item in records])
+        reasons = validate(self.spec, frame)["reject_reason"].to_list()
         rows = []
         for (index, item), reason in zip(records, reasons, strict=True):
             rows.append(
@@ -290,7 +292,7 @@ class ResultWriter:
 
     def _quarantine(self, rows: list[dict[str, Any]]) -> None:
         # Best effort: a quarantine row lost to an outage costs a diagnostic, never an answer.
-        frame = raw_frame(RECORD_SPEC, rows).with_columns(
+        frame = raw_frame(self.spec, rows).with_columns(
             reject_reason=pl.Series([row["reject_reason"] for row in rows], dtype=pl.String),
             reject_detail=pl.Series([row.get("reject_detail") for row in rows], dtype=pl.String),
         )
@@ -303,7 +305,7 @@ class ResultWriter:
             with self.engine.begin() as conn:
                 for request_id, positions in by_request.items():
                     quarantine(
-                        RECORD_SPEC,
+                        self.spec,
                         conn,
                         frame[positions],
                         path=ResultPath.ONLINE,

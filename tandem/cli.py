@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from inference.batch import FORWARD_BATCH_SIZE, BatchProducer, ChunkProgress, ingest_day, score_partition
 from inference.contract import TorchPredictor
-from inference.demo import DemoConfig, day_range, generate_day
+from inference.demo import day_range, demo_day, demo_settings
 from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.settings import TandemSettings, get_settings, settings_error
@@ -45,14 +45,12 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     ls = configured_spec()
     engine = _migrated_engine(settings, ls)
-    demo = DemoConfig(
-        seed=settings.demo_seed, rows_per_day=settings.demo_rows_per_day, poison_rate=settings.demo_poison_rate
-    )
-    days = day_range(settings.demo_start_date, settings.demo_days)
+    demo = demo_settings(settings)
+    days = day_range(demo.start, demo.days)
 
-    _say(f"[1/4] ingesting {len(days)} generated days x {demo.rows_per_day} rows into {engine.url!r}")
+    _say(f"[1/4] ingesting {len(days)} generated days into {engine.url!r}")
     for day in days:
-        ingest = ingest_day(ls, engine, generate_day(day, demo), day)
+        ingest = ingest_day(ls, engine, demo_day(ls, day, demo), day)
         _say(
             f"      {day}: {ingest.rows_stored} stored ({ingest.rows_changed} new or changed), "
             f"{ingest.rejected_at_ingest} quarantined at ingest"

@@ -8,6 +8,7 @@ from inference.records import raw_columns, raw_schema
 from inference.spec import load_spec
 from inference.spec.api import record_model
 from inference.store import record_table
+from serving.schemas import api_models
 from tandem_specs.transactions.records import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
 
 REFERENCE = load_spec()
@@ -18,6 +19,8 @@ ID_MAX_LENGTH = REFERENCE.id.max_length
 RECORDS = record_table(REFERENCE).table
 # Any: its fields exist at run time only, as the spec declares them.
 Transaction: Any = record_model(REFERENCE)
+# The reference's item result: `transaction_id`, then the fields every spec's result has.
+ItemResult: Any = api_models(REFERENCE).item_result
 
 __all__ = [
     "COUNTRIES",
@@ -28,5 +31,6 @@ __all__ = [
     "RAW_SCHEMA",
     "RECORDS",
     "REFERENCE",
+    "ItemResult",
     "Transaction",
 ]

@@ -1,21 +1,22 @@
 """Where a day's source records come from: files in a landing location, or a SQL query.
 
-Every source hands back one day as a frame in RAW_SCHEMA (plus `label_fraud` when it has one).
-Row-level problems (an amount that is not a number, a bad timestamp) stay in the frame, so
-validation quarantines those rows alone; only a problem with the whole day (no file, a missing or
-wrongly typed column, an unreadable file) raises `SourceError`, in one line naming the file, the
-column and the problem. The demo generator writes its days as CSV files into the landing location
-(`write_demo_day`), so the demo takes the same path as a user's data.
+Every source reads one spec's records (its `LoadedSpec`, the first argument) and hands back one
+day as a frame in its raw schema (plus its label when the source has it). Row-level problems (a
+numeric that is not a number, a bad timestamp) stay in the frame, so validation quarantines those
+rows alone; only a problem with the whole day (no file, a missing or wrongly typed column, an
+unreadable file) raises `SourceError`, in one line naming the file, the column and the problem.
+The spec's demo hook writes its days as CSV files into the landing location (`write_demo_day`),
+so the demo takes the same path as a user's data.
 """
 
 from __future__ import annotations
 
 from inference.sources.common import (
     DEFAULT_PATTERN,
+    RecordSource,
     SourceError,
     SourceFormat,
     SourceRead,
-    TransactionSource,
     conform,
     has_scheme,
 )
@@ -26,11 +27,11 @@ from inference.sources.sql import SqlSource, day_window
 __all__ = [
     "DEFAULT_PATTERN",
     "FileSource",
+    "RecordSource",
     "SourceError",
     "SourceFormat",
     "SourceRead",
     "SqlSource",
-    "TransactionSource",
     "conform",
     "day_window",
     "demo_path",

@@ -1,8 +1,9 @@
-"""What every source shares: the day as RAW_SCHEMA, SourceError, and the column checks that
-turn a wrong or missing column into one line naming the file, the column and the problem."""
+"""What every source shares: the day in the spec's raw schema, SourceError, and the column checks
+that turn a wrong or missing column into one line naming the file, the column and the problem."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable
@@ -12,18 +13,11 @@ from typing import Literal, Protocol
 
 import polars as pl
 
-from inference.records import RECEIVED_PREFIX, raw_columns, raw_schema
-from inference.spec import load_spec
-
-# The reference's records until sources read every spec's numerics alike (0012 step 6).
-REFERENCE_SPEC = load_spec()
-RAW_SCHEMA = raw_schema(REFERENCE_SPEC)
-RAW_COLUMNS = raw_columns(REFERENCE_SPEC)
-RECEIVED_AMOUNT = f"{RECEIVED_PREFIX}amount"
+from inference.records import RECEIVED_PREFIX, numeric_columns, raw_columns, raw_schema
+from inference.spec import LoadedSpec
 
 SourceFormat = Literal["parquet", "csv", "ndjson"]
 DEFAULT_PATTERN = "{date:%Y-%m-%d}.csv"
-LABEL = "label_fraud"
 EXTENSIONS: dict[str, SourceFormat] = {
     ".parquet": "parquet",
     ".pq": "parquet",
@@ -39,7 +33,6 @@ GZIP = ".gz"
 DATA_LOOKING = frozenset((*EXTENSIONS, ".json", ".tsv", ".avro", ".orc", ".zst", ".bz2", ".xz", ".zip", ".snappy"))
 DEMO_FILE = "demo.csv"  # the demo's file name inside a day folder (a pattern ending in "/")
 CANONICAL_EVENT_TIME = "%Y-%m-%dT%H:%M:%S.%6fZ"
-_ID_COLUMNS = ("transaction_id", "account_id")
 # The reason of a row its source could not read as written (a line that is not JSON, a JSON
 # number or boolean where text belongs); validation's reasons are the spec's codes
 # (`inference.spec.validation_order`). Such a row is quarantined at ingest with the why in its
@@ -68,10 +61,29 @@ class SourceError(Exception):
     """A whole source day cannot be read: fail that day's ingest with this message, never retry."""
 
 
-class TransactionSource(Protocol):
+class RecordSource(Protocol):
     def records_for(self, day: date) -> pl.DataFrame:
-        """One UTC day's records in RAW_SCHEMA (plus `label_fraud` Int16 when the source has it)."""
+        """One UTC day's records in the spec's raw schema (plus its label, Int16, when the source
+        has it)."""
         ...
+
+
+def label_column(ls: LoadedSpec) -> str | None:
+    """The label's column, read when a source has it; None: the spec has no label."""
+    return ls.label.name if ls.label is not None else None
+
+
+@functools.cache
+def kept_columns(ls: LoadedSpec) -> tuple[str, ...]:
+    """The columns a source keeps of what it reads: the fields and the label; others are ignored."""
+    label = label_column(ls)
+    return (*raw_columns(ls), *([label] if label else []))
+
+
+@functools.cache
+def id_columns(ls: LoadedSpec) -> tuple[str, ...]:
+    """The record id and the entity key: an integer there is taken as its digits."""
+    return (ls.id.name, *([ls.entity.name] if ls.entity else []))
 
 
 @dataclass(frozen=True)
@@ -95,13 +107,14 @@ def has_scheme(location: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Columns: RAW names required, extra columns ignored, `label_fraud` kept.
+# Columns: the fields required, extra columns ignored, the label kept.
 
 
-def _missing(columns: Iterable[str], where: str) -> None:
+def _missing(ls: LoadedSpec, columns: Iterable[str], where: str) -> None:
     names = list(columns)
     present = set(names)
-    absent = [name for name in RAW_COLUMNS if name not in present]
+    required = raw_columns(ls)
+    absent = [name for name in required if name not in present]
     if absent:
         # A header read as one column holding the separators: the file is not comma-separated.
         hint = next(
@@ -113,21 +126,21 @@ def _missing(columns: Iterable[str], where: str) -> None:
             ),
             "",
         )
-        raise SourceError(f"{where}: column {absent[0]!r}: missing (required: {', '.join(RAW_COLUMNS)}){hint}")
+        raise SourceError(f"{where}: column {absent[0]!r}: missing (required: {', '.join(required)}){hint}")
 
 
 # polars' name for the second and later columns of a CSV header that repeats a name.
 _REPEATED_CSV_NAME = re.compile(r"^(?P<name>.*)_duplicated_\d+$")
 
 
-def _named(frame: pl.DataFrame, where: str) -> pl.DataFrame:
+def _named(ls: LoadedSpec, frame: pl.DataFrame, where: str) -> pl.DataFrame:
     """Column names without surrounding blanks (`id, amount` as written by hand); a required or
     label column given twice is the file's error, since either copy could be the one meant."""
     meant = [name.strip() for name in frame.columns]
     for name in meant:
         match = _REPEATED_CSV_NAME.match(name)
         repeated = match["name"] if match is not None and match["name"] in meant else name
-        if repeated in (*RAW_COLUMNS, LABEL) and (repeated != name or meant.count(name) > 1):
+        if repeated in kept_columns(ls) and (repeated != name or meant.count(name) > 1):
             raise SourceError(f"{where}: column {repeated!r}: given more than once")
     if meant == frame.columns:
         return frame
@@ -137,70 +150,79 @@ def _named(frame: pl.DataFrame, where: str) -> pl.DataFrame:
     return frame.rename(dict(zip(frame.columns, meant, strict=True)))
 
 
-def conform(frame: pl.DataFrame, where: str, *, typed: bool) -> pl.DataFrame:
-    """`frame` in RAW_SCHEMA (+ label_fraud), or SourceError naming `where` and the column.
+def conform(ls: LoadedSpec, frame: pl.DataFrame, where: str, *, typed: bool) -> pl.DataFrame:
+    """`frame` in the spec's raw schema (+ its label), or SourceError naming `where` and the column.
 
-    `typed` False (CSV, NDJSON read as text): every column is text and amounts are parsed here, a
-    blank one to null and an unparsable one to NaN, as `raw_frame` does, its text kept in
-    RECEIVED_AMOUNT (only on a day that has one), so validation rejects that row alone and its
+    `typed` False (CSV, NDJSON read as text): every column is text and each numeric is parsed
+    here, a blank one to null and an unparsable one to NaN, as `raw_frame` does, its text kept in
+    `received_{name}` (only on a day that has one), so validation rejects that row alone and its
     quarantine keeps the text. `typed` True (Parquet): a column of the wrong type is the file's error.
     """
-    frame = _named(frame, where)
-    _missing(frame.columns, where)
-    exprs = [_column(name, frame.schema[name], where, typed) for name in RAW_COLUMNS]
-    if LABEL in frame.columns:
-        exprs.append(_label(frame.schema[LABEL], where, typed))
+    frame = _named(ls, frame, where)
+    _missing(ls, frame.columns, where)
+    exprs = [_column(ls, name, frame.schema[name], where, typed) for name in raw_columns(ls)]
+    label = label_column(ls)
+    if label is not None and label in frame.columns:
+        exprs.append(_label(label, frame.schema[label], where, typed))
     if typed:
         return frame.select(exprs)
-    text = pl.col("amount").str.strip_chars()
+    received = [_received(name) for name in numeric_columns(ls)]
+    read = frame.select(*exprs, *received)
+    unused = [column.meta.output_name() for column in received if read[column.meta.output_name()].is_null().all()]
+    return read.drop(unused)
+
+
+def _received(name: str) -> pl.Expr:
+    """A numeric's text where it is no number, else null."""
+    text = pl.col(name).str.strip_chars()
     unparsable = (text != "") & text.cast(pl.Float64, strict=False).is_null()
-    read = frame.select(*exprs, pl.when(unparsable).then(pl.col("amount")).alias(RECEIVED_AMOUNT))
-    return read if read[RECEIVED_AMOUNT].is_not_null().any() else read.drop(RECEIVED_AMOUNT)
+    return pl.when(unparsable).then(pl.col(name)).alias(f"{RECEIVED_PREFIX}{name}")
 
 
 def _wrong(where: str, name: str, expected: str, found: pl.DataType) -> SourceError:
     return SourceError(f"{where}: column {name!r}: expected {expected}, found {found}")
 
 
-def _column(name: str, dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
+def _column(ls: LoadedSpec, name: str, dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
     column = pl.col(name)
+    numeric = name in numeric_columns(ls)
     if not typed:
-        if name != "amount":
+        if not numeric:
             return column
         text = column.str.strip_chars()
         number = text.cast(pl.Float64, strict=False).fill_null(math.nan)
         return pl.when(text.is_null() | (text == "")).then(None).otherwise(number).alias(name)
     if isinstance(dtype, pl.Null):
-        return column.cast(RAW_SCHEMA[name])
-    if name == "amount":
+        return column.cast(raw_schema(ls)[name])
+    if numeric:
         if not dtype.is_numeric():
             raise _wrong(where, name, "a number", dtype)
         return column.cast(pl.Float64)
-    if name == "event_time":
-        return _event_time(dtype, where)
-    if isinstance(dtype, pl.String | pl.Categorical | pl.Enum) or (name in _ID_COLUMNS and dtype.is_integer()):
+    if name == ls.event_time.name:
+        return _event_time(name, dtype, where)
+    if isinstance(dtype, pl.String | pl.Categorical | pl.Enum) or (name in id_columns(ls) and dtype.is_integer()):
         return column.cast(pl.String)
     raise _wrong(where, name, "text", dtype)
 
 
-def _event_time(dtype: pl.DataType, where: str) -> pl.Expr:
-    column = pl.col("event_time")
+def _event_time(name: str, dtype: pl.DataType, where: str) -> pl.Expr:
+    column = pl.col(name)
     if isinstance(dtype, pl.String):
         return column
     if not isinstance(dtype, pl.Datetime):
-        raise _wrong(where, "event_time", "ISO-8601 text or a timezone-aware timestamp", dtype)
+        raise _wrong(where, name, "ISO-8601 text or a timezone-aware timestamp", dtype)
     if dtype.time_zone is None:
         raise SourceError(
-            f"{where}: column 'event_time': timestamp without a time zone; "
+            f"{where}: column {name!r}: timestamp without a time zone; "
             "store it timezone-aware or as ISO-8601 text with an offset"
         )
     return column.dt.convert_time_zone("UTC").dt.strftime(CANONICAL_EVENT_TIME)
 
 
-def _label(dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
-    column = pl.col(LABEL)
+def _label(name: str, dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
+    column = pl.col(name)
     if not typed:
         return column.str.strip_chars().cast(pl.Int16, strict=False)
     if not (dtype.is_integer() or isinstance(dtype, pl.Boolean | pl.Null)):
-        raise _wrong(where, LABEL, "0 or 1", dtype)
+        raise _wrong(where, name, "0 or 1", dtype)
     return column.cast(pl.Int16)

@@ -1,4 +1,4 @@
-"""The demo: generated days written into the landing location, then read like anyone's files."""
+"""The demo: the spec's days written into the landing location, then read like anyone's files."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import uuid
 from datetime import date
 from pathlib import Path
 
-from inference.demo import DemoConfig, generate_day
-from inference.sources.common import DEFAULT_PATTERN, DEMO_FILE, SourceError, has_scheme
+from inference.demo import NoDemo, demo_day
+from inference.records import raw_columns
+from inference.sources.common import DEFAULT_PATTERN, DEMO_FILE, SourceError, has_scheme, label_column
 from inference.sources.files import _Pattern
-
-# ---------------------------------------------------------------------------------------------
-# The demo: generated days written into the landing location, then read like anyone's files.
+from inference.spec import DemoSettings, LoadedSpec
 
 
 def demo_path(location: str | Path, day: date, pattern: str = DEFAULT_PATTERN) -> Path:
@@ -22,9 +21,10 @@ def demo_path(location: str | Path, day: date, pattern: str = DEFAULT_PATTERN) -
 
 
 def write_demo_day(
-    location: str | Path, day: date, config: DemoConfig, pattern: str = DEFAULT_PATTERN
+    ls: LoadedSpec, location: str | Path, day: date, settings: DemoSettings, pattern: str = DEFAULT_PATTERN
 ) -> tuple[Path, bool]:
-    """Write the generated day as CSV where `pattern` puts it, unless a file is already there.
+    """Write the spec's demo day as CSV where `pattern` puts it, unless a file is already there:
+    its fields, and its label when the day has one (not the hook's own columns).
 
     Returns (path, written). The data is deterministic, so an existing file is the same day; a
     file someone edited is theirs and is kept, like any user's landing file. Written to a temporary
@@ -36,7 +36,12 @@ def write_demo_day(
     if path.exists():
         return path, False
     path.parent.mkdir(parents=True, exist_ok=True)
-    frame = generate_day(day, config).drop("poison_kind")
+    try:
+        frame = demo_day(ls, day, settings)
+    except NoDemo as error:
+        raise SourceError(str(error)) from error
+    label = label_column(ls)
+    frame = frame.select(*raw_columns(ls), *([label] if label in frame.columns else []))
     # Not mkstemp: its file is private (0600); this one gets the umask's mode, like any export.
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:

@@ -21,22 +21,25 @@ from typing import Any
 import polars as pl
 from pydantic_core import from_json
 
+from inference.records import numeric_columns, raw_columns
 from inference.sources.common import (
     _DIRECTIVE_REGEX,
     DATA_LOOKING,
     DEFAULT_PATTERN,
     EXTENSIONS,
     GZIP,
-    LABEL,
     PROBLEM,
-    RAW_COLUMNS,
     SourceError,
     SourceFormat,
     SourceRead,
     _one_line,
     conform,
     has_scheme,
+    id_columns,
+    kept_columns,
+    label_column,
 )
+from inference.spec import LoadedSpec
 
 # ---------------------------------------------------------------------------------------------
 # The pattern: one file or folder per day, named by a format string over `date`.
@@ -220,12 +223,15 @@ class FileSource:
 
     `pattern` is a format string over `date` (a `datetime.date`): `{date:%Y-%m-%d}.csv`,
     `{date:%Y%m%d}.parquet`, `{date:%Y/%m/%d}/` (a folder: every file of the format in it is read,
-    in name order). `format` None means: from the file's extension.
+    in name order). `format` None means: from the file's extension. Each file holds `ls`'s records.
     """
 
     kind = "files"
 
-    def __init__(self, location: str, pattern: str = DEFAULT_PATTERN, format: SourceFormat | None = None) -> None:
+    def __init__(
+        self, ls: LoadedSpec, location: str, pattern: str = DEFAULT_PATTERN, format: SourceFormat | None = None
+    ) -> None:
+        self.spec = ls
         self.location = location
         self.pattern = _Pattern.parse(pattern)
         self.format = format
@@ -324,23 +330,23 @@ class FileSource:
                     # UTF-8) fails the whole read: read again line by line, so it is one bad row.
                     # Not `truncate_ragged_lines` or `encoding="utf8-lossy"`: they alter the row
                     # silently, and the altered row would be scored.
-                    frame, problems = _read_csv_by_line(data)
-                    return _with_problems(conform(frame, where, typed=False), problems)
+                    frame, problems = _read_csv_by_line(self.spec, data)
+                    return _with_problems(conform(self.spec, frame, where, typed=False), problems)
             elif fmt == "parquet":
                 frame = pl.read_parquet(data)
             else:
-                frame, problems = _read_ndjson(data, where)
-                return _with_problems(conform(frame, where, typed=False), problems)
+                frame, problems = _read_ndjson(self.spec, data)
+                return _with_problems(conform(self.spec, frame, where, typed=False), problems)
         except (pl.exceptions.PolarsError, OSError, EOFError, zlib.error, ValueError, csv.Error) as error:
             raise SourceError(f"{where}: cannot be read as {fmt}: {_one_line(error)}") from error
-        return conform(frame, where, typed=fmt != "csv")
+        return conform(self.spec, frame, where, typed=fmt != "csv")
 
 
 # ---------------------------------------------------------------------------------------------
 # CSV, line by line, for a file polars refuses as a whole.
 
 
-def _read_csv_by_line(data: Any) -> tuple[pl.DataFrame, list[str | None]]:
+def _read_csv_by_line(ls: LoadedSpec, data: Any) -> tuple[pl.DataFrame, list[str | None]]:
     """Every cell as text, as `pl.read_csv(infer_schema=False)` reads it (an empty cell is null, a
     short line is padded with nulls), and for each row why it could not be read as written, or
     None. A line with more cells than the header has no reliable cells: all are null. A cell that
@@ -350,6 +356,7 @@ def _read_csv_by_line(data: Any) -> tuple[pl.DataFrame, list[str | None]]:
     text = raw.decode("utf-8-sig", errors="surrogateescape")
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     header = next(reader, [])
+    fields = raw_columns(ls)
     columns: list[list[str | None]] = [[] for _ in header]
     problems: list[str | None] = []
     for cells in reader:
@@ -365,9 +372,9 @@ def _read_csv_by_line(data: Any) -> tuple[pl.DataFrame, list[str | None]]:
             for i in undecodable:
                 values[i] = None
             # In a column the record is not made of (an extra one, the label), a null costs nothing.
-            fields = ", ".join(header[i].strip() for i in undecodable if header[i].strip() in RAW_COLUMNS)
-            if fields:
-                problem = f"line {reader.line_num}: not UTF-8 in {fields}"
+            named = ", ".join(header[i].strip() for i in undecodable if header[i].strip() in fields)
+            if named:
+                problem = f"line {reader.line_num}: not UTF-8 in {named}"
         if problem is not None:
             written = ",".join(cells).encode("utf-8", errors="surrogateescape")
             problem = f"{problem}: {_excerpt(written)}"
@@ -402,8 +409,6 @@ def _unique(header: list[str]) -> list[str]:
 # `5411` among category names came back as the text "false" or "5411", which was then scored
 # (a request with the same record is refused 422). An all-String polars schema stringifies alike.
 
-_KEPT = frozenset((*RAW_COLUMNS, LABEL))
-_ID_COLUMNS = ("transaction_id", "account_id")
 _EXCERPT = 200  # characters of an unreadable line kept in its detail
 
 
@@ -415,11 +420,28 @@ def _lines(data: Any) -> Iterator[bytes]:
         yield from io.BytesIO(data)
 
 
-def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]:
-    """The file's RAW and label fields as text (conform parses them as a CSV's cells), and for
-    each row why it could not be read as written, or None. A text field that cannot be read is null
-    in the frame and an amount is its JSON text, so validation alone refuses its row too; its
-    detail keeps what was written."""
+@dataclass(frozen=True)
+class _Names:
+    """The spec's columns by what NDJSON reading does with their values."""
+
+    kept: frozenset[str]
+    numerics: frozenset[str]
+    ids: frozenset[str]
+    label: str | None
+
+    @classmethod
+    def of(cls, ls: LoadedSpec) -> _Names:
+        return cls(
+            frozenset(kept_columns(ls)), frozenset(numeric_columns(ls)), frozenset(id_columns(ls)), label_column(ls)
+        )
+
+
+def _read_ndjson(ls: LoadedSpec, data: Any) -> tuple[pl.DataFrame, list[str | None]]:
+    """The file's fields and label as text (conform parses them as a CSV's cells), and for each
+    row why it could not be read as written, or None. A text field that cannot be read is null in
+    the frame and a numeric is its JSON text, so validation alone refuses its row too; its detail
+    keeps what was written."""
+    names = _Names.of(ls)
     columns: dict[str, list[str | None]] = {}  # each kept key as written: its value on every row
     fields: dict[str, str | None] = {}  # each key seen: the field it names, or None (ignored)
     problems: list[str | None] = []
@@ -431,7 +453,7 @@ def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]
         try:
             # pydantic's Rust parser: twice as fast as `json`, and it refuses a lone surrogate
             # (`"\ud800"`), which no database text can hold. NaN, Infinity and 1e999 are read as
-            # the user's amounts, for validation to refuse.
+            # the user's numbers, for validation to refuse.
             record = from_json(line, allow_inf_nan=True)
         except ValueError as error:
             problems.append(f"line {number}: {_unreadable(line, error)}: {_excerpt(line)}")
@@ -441,17 +463,17 @@ def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]
                 for key, value in record.items():
                     name = fields.get(key, "")
                     if name == "":
-                        name = fields[key] = key.strip() if key.strip() in _KEPT else None
+                        name = fields[key] = key.strip() if key.strip() in names.kept else None
                     if name is None:
                         continue
                     column = columns.get(key)
                     if column is None:
                         column = columns[key] = [None] * len(problems)
                     filled += 1
-                    if type(value) is str and name != "amount":  # nearly every value: no call
+                    if type(value) is str and name not in names.numerics:  # nearly every value: no call
                         column.append(value)
                         continue
-                    text, expected = _as_text(name, value)
+                    text, expected = _as_text(names, name, value)
                     column.append(text)
                     if expected is not None:
                         # Each line its own row's problem, even when every line has it (epoch times):
@@ -470,21 +492,22 @@ def _read_ndjson(data: Any, where: str) -> tuple[pl.DataFrame, list[str | None]]
     return pl.DataFrame(columns, schema=dict.fromkeys(columns, pl.String())), problems
 
 
-def _as_text(name: str, value: Any) -> tuple[str | None, str | None]:
+def _as_text(names: _Names, name: str, value: Any) -> tuple[str | None, str | None]:
     """(the value as conform reads a CSV cell, or None with what was expected instead)."""
-    if value is None or (isinstance(value, str) and name != "amount"):
+    numeric = name in names.numerics
+    if value is None or (isinstance(value, str) and not numeric):
         return value, None
-    if name == LABEL and isinstance(value, bool):
+    if name == names.label and isinstance(value, bool):
         return str(int(value)), None
     number = isinstance(value, int | float) and not isinstance(value, bool)
     # Integer ids are taken as their digits, as from a Parquet integer column.
-    if number and (name in ("amount", LABEL) or (name in _ID_COLUMNS and isinstance(value, int))):
+    if number and (numeric or name == names.label or (name in names.ids and isinstance(value, int))):
         return str(value), None  # a float's str reads back exactly: "12.5", "inf", "nan"
-    if name == LABEL:
+    if name == names.label:
         return None, None  # ground truth, not an input: unknown, as a CSV's "maybe"
-    if name == "amount":
+    if numeric:
         # As written ('"12.5"', 'true'): no number to conform, so it is the received text its
-        # quarantine keeps (RECEIVED_AMOUNT).
+        # quarantine keeps (`received_{name}`).
         return json.dumps(value, ensure_ascii=False), "a number"
     return None, "text"
 
@@ -514,5 +537,5 @@ def _excerpt(line: bytes) -> str:
 
 def _with_problems(frame: pl.DataFrame, problems: list[str | None]) -> pl.DataFrame:
     if all(problem is None for problem in problems):
-        return frame  # a clean day is RAW_SCHEMA (+ label), as every source hands it
+        return frame  # a clean day is the raw schema (+ label), as every source hands it
     return frame.with_columns(pl.Series(PROBLEM, problems, dtype=pl.String))

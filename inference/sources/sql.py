@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -10,7 +11,8 @@ import polars as pl
 import sqlalchemy as sa
 
 from inference.records import format_event_time, raw_frame, received_columns
-from inference.sources.common import LABEL, REFERENCE_SPEC, SourceError, SourceRead, _missing, _one_line
+from inference.sources.common import SourceError, SourceRead, _missing, _one_line, label_column
+from inference.spec import LoadedSpec
 
 # ---------------------------------------------------------------------------------------------
 # SQL: a query over the partition's time window.
@@ -25,8 +27,10 @@ def day_window(day: date) -> tuple[datetime, datetime]:
 @dataclass(frozen=True)
 class SqlSource:
     """Rows of `query` against `url` (any SQLAlchemy URL). The query gets `:start` and `:end`
-    (UTC datetimes, [start, end)) and `:day` (the date); it must return the RAW column names."""
+    (UTC datetimes, [start, end)) and `:day` (the date); it must return the spec's field names
+    (and its label, when it has one)."""
 
+    spec: LoadedSpec
     url: str
     query: str
     kind = "sql"
@@ -68,24 +72,27 @@ class SqlSource:
                     ) from error
         finally:
             engine.dispose()
-        _missing(columns, self.where)
+        return SourceRead(self._frame(columns, rows), self.kind, (self.where,), None)
+
+    def _frame(self, columns: list[str], rows: Sequence[Any]) -> pl.DataFrame:
+        ls = self.spec
+        _missing(ls, columns, self.where)
         records = [dict(zip(columns, row, strict=True)) for row in rows]
-        labels: list[int | None] = []
+        event_time, label = ls.event_time.name, label_column(ls)
         for record in records:
-            moment = record["event_time"]
+            moment = record[event_time]
             if isinstance(moment, datetime):
                 if moment.tzinfo is None:
                     raise SourceError(
-                        f"{self.where}: column 'event_time': timestamp without a time zone; "
+                        f"{self.where}: column {event_time!r}: timestamp without a time zone; "
                         "return timestamptz or ISO-8601 text with an offset"
                     )
-                record["event_time"] = format_event_time(moment)
-            if LABEL in columns:
-                labels.append(_label_value(record[LABEL]))
-        frame = raw_frame(REFERENCE_SPEC, records).with_columns(received_columns(REFERENCE_SPEC, records))
-        if LABEL in columns:
-            frame = frame.with_columns(pl.Series(LABEL, labels, dtype=pl.Int16))
-        return SourceRead(frame, self.kind, (self.where,), None)
+                record[event_time] = format_event_time(moment)
+        frame = raw_frame(ls, records).with_columns(received_columns(ls, records))
+        if label is not None and label in columns:
+            labels = [_label_value(record[label]) for record in records]
+            frame = frame.with_columns(pl.Series(label, labels, dtype=pl.Int16))
+        return frame
 
     def records_for(self, day: date) -> pl.DataFrame:
         return self.read(day).frame

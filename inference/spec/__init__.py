@@ -3,6 +3,7 @@
 A spec author imports from here only (docs/spec.md).
 """
 
+from inference.spec.demo import POISON_REASON, DemoHook, DemoSettings, poison
 from inference.spec.fields import (
     EVENT_TIME_PATTERN,
     ID_MAX_LENGTH,
@@ -37,8 +38,11 @@ __all__ = [
     "EVENT_TIME_PATTERN",
     "GENERIC_REASONS",
     "ID_MAX_LENGTH",
+    "POISON_REASON",
     "TEXT_PATTERN",
     "Categorical",
+    "DemoHook",
+    "DemoSettings",
     "EntityKey",
     "EventTime",
     "Field",
@@ -53,6 +57,7 @@ __all__ = [
     "Timeline",
     "configured_spec",
     "load_spec",
+    "poison",
     "reason_codes",
     "role_of",
     "schema_digest",

@@ -12,6 +12,7 @@ from typing import Annotated
 
 from pydantic import StringConstraints, TypeAdapter, ValidationError
 from pydantic_core import SchemaError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.spec.fields import (
     Categorical,
@@ -121,9 +122,14 @@ def schema_digest(spec: ModelSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@functools.cache
 def load_spec(path: str = DEFAULT_SPEC_PATH) -> LoadedSpec:
-    """Import `package.module:attribute`, check the spec it names, and cache the result."""
+    """Import `package.module:attribute`, check the spec it names, and cache the result: one
+    `LoadedSpec` per path, however it is asked for (what is built from it is cached by identity)."""
+    return _load_spec(path)
+
+
+@functools.cache
+def _load_spec(path: str) -> LoadedSpec:
     try:
         spec = _import(path)
         problems = spec_problems(spec)
@@ -134,12 +140,27 @@ def load_spec(path: str = DEFAULT_SPEC_PATH) -> LoadedSpec:
     return LoadedSpec(path=path, spec=spec, digest=schema_digest(spec))
 
 
-def configured_spec() -> LoadedSpec:
-    """The spec Tandem runs: every entry point (Dagster resources, the service, the CLI) asks here.
+# As on any cached function: tests that rewrite a spec's module load it afresh.
+load_spec.cache_clear = _load_spec.cache_clear  # type: ignore[attr-defined]
 
-    The reference until the setting that picks a spec lands (0012, after step 9).
-    """
-    return load_spec()
+
+class SpecSettings(BaseSettings):
+    """Which spec Tandem runs. Read here, not in inference.settings: the spec package is what a
+    spec author imports, and must not pull in the platform's settings."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+
+    model_spec: str = DEFAULT_SPEC_PATH
+
+
+def configured_spec() -> LoadedSpec:
+    """The spec Tandem runs, named by TANDEM_MODEL_SPEC: every entry point (Dagster resources,
+    the service, the CLI, the scoring process's config) asks here."""
+    path = SpecSettings().model_spec
+    try:
+        return load_spec(path)
+    except SpecError as error:
+        raise SpecError(f"TANDEM_MODEL_SPEC: {error}") from None
 
 
 def _import(path: str) -> ModelSpec:

@@ -10,6 +10,7 @@ import numpy as np
 import polars as pl
 from torch import nn
 
+from inference.spec.demo import DemoHook
 from inference.spec.fields import Field, Label, RecordRule
 from inference.spec.timeline import Timeline
 
@@ -57,5 +58,9 @@ class ModelSpec:
     rules: tuple[RecordRule, ...] = ()
     # Validation's order of reason codes (the first broken rule names a record's reason).
     reason_order: tuple[str, ...] | None = None
+    # (the loaded spec, day, DemoSettings) -> the day's records, written to the landing location
+    # by the demo source and `tandem demo`. None: the spec has no demo, its records come from files
+    # or SQL.
+    demo: DemoHook | None = None
     title: str = "Tandem scorer"
     description: str = ""

@@ -7,6 +7,7 @@ an event time assigned here. `TANDEM_MODEL_SPEC=tandem_specs.diabetes:SPEC`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import date
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,17 @@ import polars as pl
 import torch
 from torch import nn
 
-from inference.spec import Categorical, EventTime, Label, ModelSpec, Numeric, RecordId, Timeline
+from inference.spec import (
+    Categorical,
+    DemoSettings,
+    EventTime,
+    Label,
+    LoadedSpec,
+    ModelSpec,
+    Numeric,
+    RecordId,
+    Timeline,
+)
 
 # The measurements, with the mean and standard deviation of the 442 patients (frozen: a model's
 # inputs must not move when the data it is scored on does).
@@ -78,6 +89,14 @@ def example() -> dict[str, Any]:
     }
 
 
+def demo(ls: LoadedSpec, day: date, settings: DemoSettings) -> pl.DataFrame:
+    """The demo hook (`data.demo`), imported when called: the data comes from scikit-learn, which
+    only the demo needs."""
+    from tandem_specs.diabetes.data import demo as landed
+
+    return landed(ls, day, settings)
+
+
 SPEC = ModelSpec(
     name="patients",
     model_name="progression_model",
@@ -96,6 +115,7 @@ SPEC = ModelSpec(
     model_config=model_config,
     example=example,
     label=Label("progressed"),
+    demo=demo,
     plural="patients",
     record_name="Patient",
     title="Tandem diabetes progression scorer",

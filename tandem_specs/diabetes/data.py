@@ -1,7 +1,7 @@
 """The diabetes dataset as daily landings: each patient's visit falls on one demo day.
 
-scikit-learn ships the data; loading it opens no socket. Imported only by the demo: scoring never
-needs scikit-learn.
+scikit-learn ships the data; loading it opens no socket. Imported only by the spec's demo hook:
+scoring never needs scikit-learn.
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from datetime import UTC, date, datetime, time, timedelta
 import numpy as np
 import polars as pl
 
+from inference.records import raw_columns
+from inference.spec import DemoSettings, LoadedSpec, poison
 from tandem_specs.diabetes import MEASUREMENTS
 
 # Patients who progressed: the dataset's target (a measure of progression a year on) above this.
 PROGRESSED_ABOVE = 140.0
+PROGRESSED = "progressed"
 FIRST_VISIT = time(8, 0)
 VISITING_HOURS = timedelta(hours=10)
 
@@ -31,7 +34,7 @@ def all_patients() -> pl.DataFrame:
             "patient_id": [f"patient-{i:04d}" for i in range(count)],
             **{name: columns[name].astype(np.float64) for name in MEASUREMENTS},
             "sex": [str(int(value)) for value in columns["sex"]],
-            "progressed": (data.target > PROGRESSED_ABOVE).astype(np.int16),
+            PROGRESSED: (data.target > PROGRESSED_ABOVE).astype(np.int16),
         }
     )
 
@@ -49,3 +52,12 @@ def landing_day(day: date, *, seed: int, start: date, days: int) -> pl.DataFrame
     step = VISITING_HOURS / max(len(positions), 1)
     visits = [(opening + step * i).strftime("%Y-%m-%dT%H:%M:%SZ") for i in range(len(positions))]
     return patients[order[positions].tolist()].with_columns(visit_time=pl.Series(visits, dtype=pl.String))
+
+
+def demo(ls: LoadedSpec, day: date, settings: DemoSettings) -> pl.DataFrame:
+    """The spec's demo hook: `day`'s visits in field order with the label, poisoned at the
+    settings' rate (`inference.spec.poison`, from its own seed per day). Every patient lands once
+    in the window, so the settings' rows per day do not apply."""
+    visits = landing_day(day, seed=settings.seed, start=settings.start, days=settings.days)
+    frame = visits.select(*raw_columns(ls), PROGRESSED)
+    return poison(frame, ls, np.random.default_rng([settings.seed, day.toordinal()]), settings.poison_rate)

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from inference.spec import Categorical, EntityKey, EventTime, Label, ModelSpec, Numeric, RecordId
+from tandem_specs.transactions.demo import demo
 from tandem_specs.transactions.features import encode, features
 from tandem_specs.transactions.model import ModelConfig, RiskModel, mask_to_unknown
 from tandem_specs.transactions.records import (
@@ -81,6 +82,7 @@ SPEC = ModelSpec(
     example=_example,
     label=Label("label_fraud"),
     augment_training=mask_to_unknown,
+    demo=demo,
     plural="transactions",
     record_name="Transaction",
     reason_order=REASON_ORDER,

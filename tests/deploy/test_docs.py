@@ -245,12 +245,14 @@ def _settings_classes() -> dict[str, list[type[BaseSettings]]]:
     from assets.settings import DeadlineSettings
     from inference.challenger import PromotionGate
     from inference.settings import TandemSettings
+    from inference.spec.loading import SpecSettings
     from orchestration.alerts import AlertSettings
     from orchestration.sensors import SensorSettings
     from orchestration.settings import OrchestrationSettings, PlatformSettings
 
     core: list[type[BaseSettings]] = [
         TandemSettings,
+        SpecSettings,
         OrchestrationSettings,
         PlatformSettings,
         SensorSettings,

@@ -21,7 +21,6 @@ import yaml
 from sqlalchemy.engine import Engine
 
 from assets.deadline import DEADLINE_CHECK
-from inference.demo import EXPECTED_REASON
 from inference.records import hash_inputs, validate
 from inference.store import (
     RejectStage,
@@ -33,6 +32,7 @@ from inference.store import (
 )
 from orchestration.sensors import RESCORE_JOB
 from orchestration.settings import OrchestrationSettings
+from tandem_specs.transactions.demo import EXPECTED_REASON
 from tests.e2e.deployment import (
     SENSOR_INTERVAL_SECONDS,
     Deployment,

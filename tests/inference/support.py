@@ -18,10 +18,10 @@ from sqlalchemy.engine import Engine
 
 from inference.batch import BatchProducer, IngestReport, PartitionReport, ingest_day, score_partition
 from inference.contract import Predictor, TorchPredictor
-from inference.demo import DemoConfig, generate_day
 from inference.model import LoadedModel
 from inference.records import raw_frame
 from inference.store import metadata, read_predictions, rejected_records, upsert_predictions
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tandem_specs.transactions.model import ModelConfig
 from tests.reference import REFERENCE
 from tests.shared import fresh_postgres_database, reference_model

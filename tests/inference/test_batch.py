@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 
 from inference.batch import IngestReport, ingest_day
 from inference.contract import FrameHistory, TorchPredictor
-from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, day_range, generate_day
+from inference.demo import day_range
 from inference.features import FeatureBatch
 from inference.migrate import upgrade
 from inference.model import score_batch
@@ -34,6 +34,7 @@ from inference.store import (
     upsert_records,
     utc_now,
 )
+from tandem_specs.transactions.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
 from tandem_specs.transactions.model import ModelConfig
 from tests.inference.support import (
     DAY,
@@ -212,7 +213,8 @@ def test_a_row_its_source_could_not_read_is_quarantined_at_ingest_with_why(engin
     lines[1] = json.dumps({**rows.row(1, named=True), "merchant_category": False})
     (tmp_path / f"{day}.ndjson").write_text("\n".join([*lines, "{not json"]) + "\n")
 
-    report = ingest_day(REFERENCE, engine, FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(day).frame, day)
+    frame = FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(day).frame
+    report = ingest_day(REFERENCE, engine, frame, day)
 
     assert (report.rows_received, report.rows_stored, report.rejected_at_ingest) == (4, 2, 2)
     with engine.connect() as conn:
@@ -246,13 +248,13 @@ def _day_as(kind: str, tmp_path: Path, rows: list[dict[str, str]]) -> FileSource
     """`rows` (every value text) as a user's CSV file, NDJSON file or SQL table of text columns."""
     if kind == "csv":
         pl.DataFrame(rows, schema=dict.fromkeys(RAW_COLUMNS, pl.String)).write_csv(tmp_path / f"{DAY}.csv")
-        return FileSource(str(tmp_path))
+        return FileSource(REFERENCE, str(tmp_path))
     if kind == "ndjson":
         # A JSON number where the text is one; the bad amount can only be a JSON string.
         numbers = {row["amount"]: float(row["amount"]) for row in rows if row["amount"] != AS_RECEIVED["amount"]}
         lines = [json.dumps({**row, "amount": numbers.get(row["amount"], row["amount"])}) for row in rows]
         (tmp_path / f"{DAY}.ndjson").write_text("\n".join(lines) + "\n")
-        return FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson")
+        return FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.ndjson")
     url = f"sqlite:///{tmp_path / 'source.db'}"
     source_engine = sa.create_engine(url)
     try:
@@ -263,7 +265,7 @@ def _day_as(kind: str, tmp_path: Path, rows: list[dict[str, str]]) -> FileSource
             )
     finally:
         source_engine.dispose()
-    return SqlSource(url, f"SELECT {', '.join(RAW_COLUMNS)} FROM payments")
+    return SqlSource(REFERENCE, url, f"SELECT {', '.join(RAW_COLUMNS)} FROM payments")
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,8 @@ from inference.batch import (
     PartitionReport,
 )
 from inference.contract import HistorySource, PreparedBatch, TorchPredictor
-from inference.demo import DemoConfig, day_range
+from inference.demo import day_range
+from tandem_specs.transactions.demo import DemoConfig
 from tests.inference.support import (
     DAY,
     ingest_days,

@@ -22,7 +22,6 @@ from inference.challenger import (
     AUC_NOT_WORSE,
     ENOUGH_EVIDENCE,
 )
-from inference.demo import DemoConfig, generate_day
 from inference.migrate import alembic_config, upgrade, upgrade_core
 from inference.store import (
     COMPARISON_SCHEMA,
@@ -40,6 +39,7 @@ from inference.store import (
     upsert_challenger_predictions,
     upsert_predictions,
 )
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.answers import answer
 from tests.inference.support import current_revision, schema_diffs
 from tests.reference import REFERENCE

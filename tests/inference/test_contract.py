@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from inference.contract import RESULT_SCHEMA, FrameHistory, TorchPredictor
-from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
 from inference.features import FeatureBatch, build_features
 from inference.model import LoadedModel, score_batch
 from inference.records import hash_inputs, split_valid, validate
+from tandem_specs.transactions.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
 from tests.inference.support import DAY, TINY_MODEL
 from tests.reference import REFERENCE
 from tests.shared import reference_model

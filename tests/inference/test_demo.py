@@ -1,15 +1,28 @@
-"""The demo generator is deterministic by (seed, day), so partition reruns compare like with like."""
+"""The demo is deterministic by (seed, day), so partition reruns compare like with like: the
+reference's generator, the diabetes landings, and the poison any spec's demo can use."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import hashlib
+from datetime import date, timedelta
+from typing import Any
 
+import numpy as np
 import polars as pl
 import pytest
 
-from inference.demo import BASE_FRAUD_RATE, DemoConfig, PoisonKind, day_range, generate_day, generate_days
+from inference.demo import NoDemo, day_range, demo_day
+from inference.records import raw_frame, validate
+from inference.spec import POISON_REASON, DemoSettings, LoadedSpec, load_spec, poison
+from tandem_specs.transactions.demo import BASE_FRAUD_RATE, DemoConfig, PoisonKind, generate_day, generate_days
 from tests.inference.support import DAY
-from tests.reference import RAW_COLUMNS
+from tests.reference import RAW_COLUMNS, REFERENCE
+
+DIABETES = load_spec("tandem_specs.diabetes:SPEC")
+TINY = load_spec("tests.specs.tiny:SPEC")
+# sha256 of the reference's demo day 2026-11-01 (2,000 rows, the golden test's day) as CSV,
+# `poison_kind` included: the generator moved into the spec's package without changing a value.
+REFERENCE_DAY_SHA256 = "32fac78902da56cc0cb8037ef9ad0f05cc7cd13501e6e07179a2c3ed7b49df61"
 
 CONFIG = DemoConfig(seed=11, rows_per_day=1_000, poison_rate=0.02)
 
@@ -65,3 +78,77 @@ def test_poison_count_matches_the_rate(rows: int, rate: float) -> None:
         assert counts.max() - counts.min() <= 1  # type: ignore[operator]
     # The first row is never poisoned: a duplicated id always has an earlier original.
     assert frame["poison_kind"][0] is None
+
+
+# Through the spec's hook -----------------------------------------------------------------------
+
+
+def test_the_reference_demo_day_is_the_generators_day_unchanged() -> None:
+    day = demo_day(REFERENCE, date(2026, 11, 1), DemoSettings(rows_per_day=2000))
+    assert hashlib.sha256(day.write_csv().encode()).hexdigest() == REFERENCE_DAY_SHA256
+
+
+def test_the_diabetes_demo_lands_every_patient_once_over_the_window() -> None:
+    settings = DemoSettings(seed=3, start=DAY, days=7, rows_per_day=5, poison_rate=0.0)
+    days = [demo_day(DIABETES, day, settings) for day in day_range(DAY, 7)]
+    ids = pl.concat([day["patient_id"] for day in days])
+    # rows_per_day does not apply: the 442 patients are spread over the window.
+    assert ids.len() == ids.n_unique() == 442
+    assert [day.height for day in days] == [64, 63, 63, 63, 63, 63, 63]
+    assert demo_day(DIABETES, DAY - timedelta(days=1), settings).height == 0
+    assert tuple(days[0].columns) == (*DIABETES.field_names, "progressed", POISON_REASON)
+
+
+def test_a_diabetes_demo_day_is_deterministic_and_moves_with_the_seed() -> None:
+    settings = DemoSettings(seed=7, start=DAY, days=7, poison_rate=0.1)
+    day = demo_day(DIABETES, DAY + timedelta(days=2), settings)
+    assert day.equals(demo_day(DIABETES, DAY + timedelta(days=2), settings))
+    assert not day.equals(demo_day(DIABETES, DAY + timedelta(days=2), DemoSettings(seed=8, start=DAY, poison_rate=0.1)))
+    assert validate(DIABETES, day)["reject_reason"].eq_missing(day[POISON_REASON]).all()
+
+
+def test_a_spec_without_a_demo_says_so() -> None:
+    with pytest.raises(NoDemo, match=r"spec 'tests\.specs\.tiny:SPEC' has no demo"):
+        demo_day(TINY, DAY, DemoSettings())
+
+
+def _clean(ls: LoadedSpec, rows: int) -> pl.DataFrame:
+    """`rows` valid records: the spec's example, each with an id and a minute of its own."""
+    example: dict[str, Any] = ls.spec.example()
+    records = [
+        {
+            **example,
+            ls.id.name: f"{example[ls.id.name]}-{row}",
+            ls.event_time.name: f"2026-11-03T{row // 60 % 24:02d}:{row % 60:02d}:00Z",
+        }
+        for row in range(rows)
+    ]
+    return raw_frame(ls, records)
+
+
+@pytest.mark.parametrize("ls", [REFERENCE, DIABETES, TINY], ids=lambda ls: ls.spec.name)
+@pytest.mark.parametrize(("rows", "rate"), [(200, 0.0), (200, 0.2), (37, 0.5), (2, 1.0)])
+def test_poison_breaks_rows_through_the_fields_and_says_the_reason_validation_gives(
+    ls: LoadedSpec, rows: int, rate: float
+) -> None:
+    clean = _clean(ls, rows)
+    assert validate(ls, clean)["reject_reason"].is_null().all()
+
+    poisoned = poison(clean, ls, np.random.default_rng(5), rate)
+
+    reasons = poisoned[POISON_REASON]
+    assert reasons.drop_nulls().len() == min(round(rows * rate), rows - 1)
+    assert reasons[0] is None  # a duplicated id always copies an earlier clean row
+    assert validate(ls, poisoned.drop(POISON_REASON))["reject_reason"].eq_missing(reasons).all()
+    assert poisoned.drop(POISON_REASON).schema == clean.schema
+    assert poisoned.filter(reasons.is_null()).drop(POISON_REASON).equals(clean.filter(reasons.is_null()))
+    assert poisoned.equals(poison(clean, ls, np.random.default_rng(5), rate))
+
+
+@pytest.mark.parametrize("ls", [REFERENCE, DIABETES, TINY], ids=lambda ls: ls.spec.name)
+def test_poison_deals_every_kind_the_spec_allows(ls: LoadedSpec) -> None:
+    reasons = set(poison(_clean(ls, 400), ls, np.random.default_rng(1), 0.25)[POISON_REASON].drop_nulls())
+    generic = {"missing_field", "duplicate_id", "timestamp_missing", "timestamp_unparsable", "nul_character"}
+    numerics = {numeric.not_finite_code for numeric in ls.numerics}
+    categoricals = {categorical.malformed_code for categorical in ls.categoricals}
+    assert reasons == generic | numerics | categoricals

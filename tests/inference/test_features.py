@@ -19,12 +19,13 @@ from sqlalchemy.engine import Engine
 
 from inference.batch import ingest_day
 from inference.contract import FrameHistory
-from inference.demo import UNSEEN_VALUES, DemoConfig, day_range, generate_day, generate_days
+from inference.demo import day_range
 from inference.features import FeatureBatch, build_features
 from inference.migrate import upgrade
 from inference.records import hash_inputs, split_valid
 from inference.spec import load_spec
 from inference.store import StoreHistory, make_engine, warm_history_statements
+from tandem_specs.transactions.demo import UNSEEN_VALUES, DemoConfig, generate_day, generate_days
 from tandem_specs.transactions.features import CURRENT_CATEGORICAL, CURRENT_NUMERIC, HISTORY_NUMERIC_WIDTH, USD_PER_UNIT
 from tandem_specs.transactions.model import EMBEDDING_SIZES
 from tests.inference.support import DAY, frame_of, postgres_database, record

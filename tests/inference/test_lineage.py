@@ -219,7 +219,8 @@ def _refuse_at_ingest_and_online(engine: Engine) -> None:
         online = validate(REFERENCE, frame_of(record(transaction_id=REFUSED, currency="US$")))
         quarantine(REFERENCE, conn, online, path=ResultPath.ONLINE, stage=RejectStage.SCORE, request_id="req-7")
     cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id=REFUSED).items()})
-    ingest_day(REFERENCE, engine, conform(cells.with_columns(amount=pl.lit("12,50")), "day.csv", typed=False), DAY)
+    unparsable = conform(REFERENCE, cells.with_columns(amount=pl.lit("12,50")), "day.csv", typed=False)
+    ingest_day(REFERENCE, engine, unparsable, DAY)
 
 
 def test_a_rejected_id_says_where_when_and_why(engine: Engine) -> None:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from inference.demo import DemoConfig, generate_day
 from inference.features import FeatureBatch, build_features
 from inference.model import (
     WEIGHTS_FILE,
@@ -25,6 +24,7 @@ from inference.model import (
 )
 from inference.records import split_valid
 from inference.spec import load_spec
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tandem_specs.transactions.model import ModelConfig
 from tests.inference.support import DAY, TINY_MODEL
 from tests.reference import REFERENCE

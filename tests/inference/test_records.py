@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from inference.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day, generate_days
 from inference.records import (
     format_event_time,
     has_nul,
@@ -29,6 +28,7 @@ from inference.records import (
 from inference.sources.common import conform
 from inference.spec import Categorical, load_spec, validation_order
 from inference.spec.api import record_model
+from tandem_specs.transactions.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day, generate_days
 from tests.inference.support import CLEAN_RECORD, DAY, frame_of, record
 from tests.reference import ID_MAX_LENGTH, RAW_COLUMNS, REFERENCE, Transaction
 
@@ -390,7 +390,7 @@ def test_an_amount_given_as_text_reads_as_a_csv_cell_does(text: str) -> None:
     A request's amount is a JSON number (test_transaction_model_rejects_the_same_bad_values).
     Text that is no number is `amount_unparsable` from either source, not `amount_not_finite`."""
     cells = pl.DataFrame({name: [str(value)] for name, value in record(amount=text).items()})
-    as_csv = validate(REFERENCE, conform(cells, "day.csv", typed=False))
+    as_csv = validate(REFERENCE, conform(REFERENCE, cells, "day.csv", typed=False))
     as_sql = validate(
         REFERENCE,
         raw_frame(REFERENCE, [record(amount=text)]).with_columns(received_columns(REFERENCE, [record(amount=text)])),

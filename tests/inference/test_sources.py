@@ -21,13 +21,15 @@ import polars as pl
 import pytest
 import sqlalchemy as sa
 
-from inference.demo import DemoConfig, generate_day
-from inference.records import validate
+from inference.demo import demo_day
+from inference.records import raw_frame, validate
 from inference.sources import FileSource, SourceError, SqlSource, demo_path, write_demo_day
-from inference.sources.common import LABEL
+from inference.spec import POISON_REASON, DemoSettings, LoadedSpec, load_spec
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.reference import RAW_COLUMNS, RAW_SCHEMA, REFERENCE
 
 DAY = date(2026, 11, 3)
+LABEL = "label_fraud"
 ROWS: list[dict[str, Any]] = [
     {
         "transaction_id": "u-1",
@@ -88,7 +90,7 @@ def _raises(source: FileSource, *fragments: str) -> str:
 @pytest.mark.parametrize("fmt", ["csv", "parquet", "ndjson"])
 def test_a_day_file_reads_as_raw_records_with_its_label(tmp_path: Path, fmt: str) -> None:
     WRITERS[fmt](_frame().with_columns(note=pl.lit("ignored")), tmp_path / f"2026-11-03.{fmt}")
-    source = FileSource(str(tmp_path), "{date:%Y-%m-%d}." + fmt)
+    source = FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}." + fmt)
 
     read = source.read(DAY)
 
@@ -101,7 +103,7 @@ def test_a_day_file_reads_as_raw_records_with_its_label(tmp_path: Path, fmt: str
 
 def test_without_a_label_column_only_raw_columns_come_back(tmp_path: Path) -> None:
     _write_csv(tmp_path / "2026-11-03.csv", ROWS, columns=list(RAW_COLUMNS))
-    assert FileSource(str(tmp_path)).read(DAY).frame.equals(EXPECTED.drop("label_fraud"))
+    assert FileSource(REFERENCE, str(tmp_path)).read(DAY).frame.equals(EXPECTED.drop("label_fraud"))
 
 
 def test_a_day_folder_reads_every_file_of_its_format_in_name_order(tmp_path: Path) -> None:
@@ -113,7 +115,7 @@ def test_a_day_folder_reads_every_file_of_its_format_in_name_order(tmp_path: Pat
     first.write_parquet(folder / ".part-2.parquet.tmp")  # a writer's temporary file
     (folder / "_SUCCESS").write_text("")
     (folder / "notes.txt").write_text("not data")
-    source = FileSource(str(tmp_path), "{date:%Y%m%d}/", "parquet")
+    source = FileSource(REFERENCE, str(tmp_path), "{date:%Y%m%d}/", "parquet")
 
     read = source.read(DAY)
 
@@ -131,7 +133,7 @@ def test_gzip_part_files_are_read_and_versioned_and_bookkeeping_files_passed_ove
     (folder / "part-0001.ndjson.gz").write_bytes(gzip.compress(plain.getvalue()))
     for name in ("_SUCCESS", ".part-0000.csv.crc", "README.md"):
         (folder / name).write_text("")
-    source = FileSource(str(tmp_path), "{date:%Y-%m-%d}/")
+    source = FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}/")
 
     read = source.read(DAY)
 
@@ -147,13 +149,13 @@ def test_a_data_file_of_a_kind_not_read_fails_the_day_by_name(tmp_path: Path, na
     folder = tmp_path / "2026-11-03"
     _write_csv(folder / "part-0000.csv", ROWS)
     (folder / name).write_bytes(b"\x28\xb5\x2f\xfd")
-    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}/"), str(folder / name), "does not read")
+    _raises(FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}/"), str(folder / name), "does not read")
 
 
 def test_a_truncated_gzip_file_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "2026-11-03.csv.gz"
     path.write_bytes(gzip.compress(b"transaction_id,account_id\nu-1,a-1\n" * 50)[:40])
-    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}.csv.gz"), str(path), "cannot be read as csv")
+    _raises(FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.csv.gz"), str(path), "cannot be read as csv")
 
 
 def test_a_compact_date_pattern_is_parsed_back_from_file_names(tmp_path: Path) -> None:
@@ -161,7 +163,7 @@ def test_a_compact_date_pattern_is_parsed_back_from_file_names(tmp_path: Path) -
         _write_csv(tmp_path / f"tx_{day}.csv", ROWS)
     _write_csv(tmp_path / "tx_20261399.csv", ROWS)  # no such date
     _write_csv(tmp_path / "tx_2026110.csv", ROWS)  # not the pattern
-    source = FileSource(str(tmp_path), "tx_{date:%Y%m%d}.csv")
+    source = FileSource(REFERENCE, str(tmp_path), "tx_{date:%Y%m%d}.csv")
 
     assert source.list_days() == [date(2026, 11, 1), DAY]
     assert source.read(DAY).frame.equals(EXPECTED)
@@ -169,7 +171,7 @@ def test_a_compact_date_pattern_is_parsed_back_from_file_names(tmp_path: Path) -
 
 def test_nested_date_folders(tmp_path: Path) -> None:
     _write_csv(tmp_path / "2026" / "11" / "03.csv", ROWS)
-    source = FileSource(str(tmp_path), "{date:%Y}/{date:%m}/{date:%d}.csv")
+    source = FileSource(REFERENCE, str(tmp_path), "{date:%Y}/{date:%m}/{date:%d}.csv")
     assert source.list_days() == [DAY]
     assert source.read(DAY).frame.equals(EXPECTED)
 
@@ -177,17 +179,17 @@ def test_nested_date_folders(tmp_path: Path) -> None:
 def test_a_missing_day_is_an_error_not_an_empty_day(tmp_path: Path) -> None:
     _write_csv(tmp_path / "2026-11-03.csv", ROWS)
     with pytest.raises(SourceError, match=r"^no file for 2026-11-08 at .*2026-11-08\.csv$"):
-        FileSource(str(tmp_path)).read(date(2026, 11, 8))
+        FileSource(REFERENCE, str(tmp_path)).read(date(2026, 11, 8))
     with pytest.raises(SourceError, match="no folder for 2026-11-08"):
-        FileSource(str(tmp_path), "{date:%Y-%m-%d}/").read(date(2026, 11, 8))
+        FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}/").read(date(2026, 11, 8))
     (tmp_path / "2026-11-04").mkdir()
     with pytest.raises(SourceError, match="no csv files in the folder for 2026-11-04"):
-        FileSource(str(tmp_path), "{date:%Y-%m-%d}/", "csv").read(date(2026, 11, 4))
+        FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}/", "csv").read(date(2026, 11, 4))
 
 
 def test_a_missing_column_names_the_file_and_the_column(tmp_path: Path) -> None:
     path = _write_csv(tmp_path / "2026-11-03.csv", ROWS, columns=[c for c in RAW_COLUMNS if c != "currency"])
-    _raises(FileSource(str(tmp_path)), str(path), "'currency'", "missing")
+    _raises(FileSource(REFERENCE, str(tmp_path)), str(path), "'currency'", "missing")
 
 
 def _read_as_written(folder: Path, header: list[str]) -> pl.DataFrame:
@@ -195,7 +197,7 @@ def _read_as_written(folder: Path, header: list[str]) -> pl.DataFrame:
     path = _write_csv(folder / "2026-11-03.csv", ROWS, columns=[name.strip() for name in header])
     lines = path.read_text().splitlines(keepends=True)
     path.write_text(",".join(header) + "\r\n" + "".join(lines[1:]))
-    return FileSource(str(folder)).read(DAY).frame
+    return FileSource(REFERENCE, str(folder)).read(DAY).frame
 
 
 def test_blanks_around_header_names_are_not_part_of_the_names(tmp_path: Path) -> None:
@@ -209,7 +211,7 @@ def test_blanks_around_header_names_are_not_part_of_the_names(tmp_path: Path) ->
 def test_a_required_column_given_twice_is_the_files_error(tmp_path: Path, header: str) -> None:
     """Either copy could be the one meant: reading the first would be a silent guess."""
     path = _write_csv(tmp_path / "2026-11-03.csv", ROWS, columns=[*RAW_COLUMNS, LABEL, header])
-    _raises(FileSource(str(tmp_path)), str(path), repr(header.strip()), "given more than once")
+    _raises(FileSource(REFERENCE, str(tmp_path)), str(path), repr(header.strip()), "given more than once")
 
 
 def test_two_extra_columns_of_one_name_are_ignored_like_any_extra_column(tmp_path: Path) -> None:
@@ -220,7 +222,7 @@ def test_two_extra_columns_of_one_name_are_ignored_like_any_extra_column(tmp_pat
 def test_a_file_separated_by_semicolons_says_so(tmp_path: Path) -> None:
     path = tmp_path / "2026-11-03.csv"
     path.write_text(";".join(RAW_COLUMNS) + "\n" + ";".join(str(ROWS[0][c]) for c in RAW_COLUMNS) + "\n")
-    _raises(FileSource(str(tmp_path)), str(path), "'transaction_id': missing", "looks separated by ';'")
+    _raises(FileSource(REFERENCE, str(tmp_path)), str(path), "'transaction_id': missing", "looks separated by ';'")
 
 
 @pytest.mark.parametrize(
@@ -236,13 +238,13 @@ def test_a_wrongly_typed_column_names_the_file_the_column_and_the_type(
 ) -> None:
     path = tmp_path / f"2026-11-03.{fmt}"
     WRITERS[fmt](_frame().with_columns(value.alias(column)), path)
-    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}." + fmt), str(path), repr(column), problem)
+    _raises(FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}." + fmt), str(path), repr(column), problem)
 
 
 def test_a_timezone_aware_timestamp_column_is_stored_as_canonical_utc_text(tmp_path: Path) -> None:
     moment = pl.lit(datetime(2026, 11, 3, 10, 30, tzinfo=UTC)).dt.convert_time_zone("Europe/Paris")
     _frame().with_columns(event_time=moment).write_parquet(tmp_path / "2026-11-03.parquet")
-    frame = FileSource(str(tmp_path), "{date:%Y-%m-%d}.parquet").read(DAY).frame
+    frame = FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.parquet").read(DAY).frame
     assert frame["event_time"].to_list() == ["2026-11-03T10:30:00.000000Z"] * 2
 
 
@@ -253,7 +255,7 @@ def test_a_timezone_aware_timestamp_column_is_stored_as_canonical_utc_text(tmp_p
 def test_an_unreadable_file_names_the_file_and_the_problem(tmp_path: Path, fmt: str, content: bytes) -> None:
     path = tmp_path / f"2026-11-03.{fmt}"
     path.write_bytes(content)
-    _raises(FileSource(str(tmp_path), "{date:%Y-%m-%d}." + fmt), str(path), f"cannot be read as {fmt}")
+    _raises(FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}." + fmt), str(path), f"cannot be read as {fmt}")
 
 
 def test_bad_cells_in_a_csv_are_rows_for_validation_to_reject(tmp_path: Path) -> None:
@@ -270,7 +272,7 @@ def test_bad_cells_in_a_csv_are_rows_for_validation_to_reject(tmp_path: Path) ->
     ]
     _write_csv(tmp_path / "2026-11-03.csv", rows)
 
-    checked = validate(REFERENCE, FileSource(str(tmp_path)).read(DAY).frame)
+    checked = validate(REFERENCE, FileSource(REFERENCE, str(tmp_path)).read(DAY).frame)
 
     keys = checked["account_id"] + ":" + checked["transaction_id"].fill_null("")
     reasons = dict(zip(keys, checked["reject_reason"], strict=True))
@@ -312,7 +314,7 @@ def test_an_ndjson_value_that_cannot_be_read_as_written_is_one_rows_problem(tmp_
     ]
     (tmp_path / "2026-11-03.ndjson").write_bytes(b"\n".join(lines) + b"\n")
 
-    frame = FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(DAY).frame
+    frame = FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(DAY).frame
     checked = validate(REFERENCE, frame)
 
     assert checked.height == 11  # every line but the blank one is a row
@@ -341,7 +343,7 @@ def test_an_ndjson_field_wrong_on_every_line_is_each_rows_problem(tmp_path: Path
     quarantined row in a larger file."""
     path = tmp_path / "2026-11-03.ndjson"
     path.write_text(json.dumps({**ROWS[0], "amount": "12.5", "event_time": 1_793_000_000}) + "\n")
-    checked = validate(REFERENCE, FileSource(str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(DAY).frame)
+    checked = validate(REFERENCE, FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(DAY).frame)
     assert checked["source_problem"].to_list() == [
         'line 1: amount: "12.5" is a JSON string, not a number; event_time: 1793000000 is a JSON number, not text'
     ]
@@ -361,7 +363,7 @@ def test_a_csv_line_that_cannot_be_read_as_written_is_one_rows_problem(tmp_path:
     ]
     (tmp_path / "2026-11-03.csv").write_bytes(header + b"".join(lines))
 
-    checked = validate(REFERENCE, FileSource(str(tmp_path)).read(DAY).frame)
+    checked = validate(REFERENCE, FileSource(REFERENCE, str(tmp_path)).read(DAY).frame)
 
     assert checked["source_problem"].to_list() == [
         None,
@@ -380,7 +382,7 @@ def test_a_csv_line_that_cannot_be_read_as_written_is_one_rows_problem(tmp_path:
 def test_the_version_of_a_day_changes_when_its_file_does(tmp_path: Path) -> None:
     path = _write_csv(tmp_path / "2026-11-03.csv", ROWS)
     os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
-    source = FileSource(str(tmp_path))
+    source = FileSource(REFERENCE, str(tmp_path))
     before = source.versions()
     assert before == source.versions() == {DAY: source.read(DAY).version}
 
@@ -394,7 +396,7 @@ def test_the_version_of_a_day_changes_when_its_file_does(tmp_path: Path) -> None
 
     _write_csv(tmp_path / "2026-11-04.csv", ROWS)
     assert source.versions().keys() == {DAY, date(2026, 11, 4)}
-    assert FileSource(str(tmp_path / "nowhere")).versions() == {}
+    assert FileSource(REFERENCE, str(tmp_path / "nowhere")).versions() == {}
 
 
 def test_an_object_store_url_is_read_through_fsspec() -> None:
@@ -405,7 +407,7 @@ def test_an_object_store_url_is_read_through_fsspec() -> None:
             _frame().write_csv(handle)
         with fs.open(f"{root}/2026-11-05/part-0.csv", "wb") as handle:
             _frame().write_csv(handle)
-        source = FileSource(root, "{date:%Y-%m-%d}/")
+        source = FileSource(REFERENCE, root, "{date:%Y-%m-%d}/")
 
         read = source.read(DAY)
 
@@ -431,7 +433,7 @@ def test_an_object_store_url_is_read_through_fsspec() -> None:
 )
 def test_a_pattern_that_cannot_name_a_day_is_refused(tmp_path: Path, pattern: str, problem: str) -> None:
     with pytest.raises(SourceError, match=problem):
-        FileSource(str(tmp_path), pattern)
+        FileSource(REFERENCE, str(tmp_path), pattern)
 
 
 # SQL -----------------------------------------------------------------------------------------
@@ -489,7 +491,9 @@ def test_a_sql_query_reads_the_partitions_time_window(database_url: str) -> None
         where = "event_time >= :start AND event_time < :end"
     else:  # ISO text in SQLite: compare as instants
         where = "julianday(event_time) >= julianday(:start) AND julianday(event_time) < julianday(:end)"
-    source = SqlSource(database_url, f"SELECT {COLUMNS}, internal_note FROM payments WHERE {where} ORDER BY 1")
+    source = SqlSource(
+        REFERENCE, database_url, f"SELECT {COLUMNS}, internal_note FROM payments WHERE {where} ORDER BY 1"
+    )
 
     read = source.read(DAY)
 
@@ -502,13 +506,15 @@ def test_a_sql_query_reads_the_partitions_time_window(database_url: str) -> None
 
 def test_a_sql_query_can_use_the_day(sqlite_url: str) -> None:
     _source_table(sqlite_url)
-    source = SqlSource(sqlite_url, f"SELECT {COLUMNS} FROM payments WHERE substr(event_time, 1, 10) = :day")
+    source = SqlSource(REFERENCE, sqlite_url, f"SELECT {COLUMNS} FROM payments WHERE substr(event_time, 1, 10) = :day")
     assert source.records_for(DAY)["transaction_id"].sort().to_list() == ["u-1", "u-2"]
 
 
 def test_a_sql_result_without_a_raw_column_names_it(sqlite_url: str) -> None:
     _source_table(sqlite_url)
-    source = SqlSource(sqlite_url, "SELECT transaction_id, account_id, amount, currency, country FROM payments")
+    source = SqlSource(
+        REFERENCE, sqlite_url, "SELECT transaction_id, account_id, amount, currency, country FROM payments"
+    )
     with pytest.raises(SourceError, match=r"query on sqlite:///.*: column 'merchant_category': missing"):
         source.read(DAY)
 
@@ -516,7 +522,7 @@ def test_a_sql_result_without_a_raw_column_names_it(sqlite_url: str) -> None:
 def test_a_sql_query_that_fails_is_a_source_error(sqlite_url: str) -> None:
     _source_table(sqlite_url)
     with pytest.raises(SourceError, match="the query failed"):
-        SqlSource(sqlite_url, f"SELECT {COLUMNS} FROM payments WHERE").read(DAY)
+        SqlSource(REFERENCE, sqlite_url, f"SELECT {COLUMNS} FROM payments WHERE").read(DAY)
 
 
 @pytest.mark.postgres
@@ -524,35 +530,35 @@ def test_a_sql_timestamp_without_time_zone_is_refused(postgres_url: str) -> None
     _source_table(postgres_url)
     query = f"SELECT {COLUMNS.replace('event_time', 'event_time::timestamp AS event_time')} FROM payments"
     with pytest.raises(SourceError, match="column 'event_time': timestamp without a time zone"):
-        SqlSource(postgres_url, query).read(DAY)
+        SqlSource(REFERENCE, postgres_url, query).read(DAY)
 
 
 # The demo ------------------------------------------------------------------------------------
 
 
 def test_the_demo_day_written_to_the_landing_folder_reads_back_as_generated(tmp_path: Path) -> None:
-    config = DemoConfig(seed=7, rows_per_day=600, poison_rate=0.05)
-    path, written = write_demo_day(tmp_path, DAY, config)
+    settings = DemoSettings(seed=7, rows_per_day=600, poison_rate=0.05)
+    path, written = write_demo_day(REFERENCE, tmp_path, DAY, settings)
     assert written and path == tmp_path / "2026-11-03.csv"
     stat = path.stat()
 
-    again, written_again = write_demo_day(tmp_path, DAY, config)
+    again, written_again = write_demo_day(REFERENCE, tmp_path, DAY, settings)
 
     assert (again, written_again) == (path, False)
     assert path.stat().st_mtime_ns == stat.st_mtime_ns  # untouched: its version stays the same
     assert [p.name for p in tmp_path.iterdir()] == ["2026-11-03.csv"]  # no temporary file left behind
-    generated = generate_day(DAY, config)
-    back = FileSource(str(tmp_path)).read(DAY).frame
+    generated = generate_day(DAY, DemoConfig(seed=7, rows_per_day=600, poison_rate=0.05))
+    back = FileSource(REFERENCE, str(tmp_path)).read(DAY).frame
     assert back.equals(generated.drop("poison_kind").with_columns(pl.col("label_fraud").cast(pl.Int16)))
     # Every poison row is rejected for the same reason after the round trip through CSV.
     assert validate(REFERENCE, back)["reject_reason"].equals(validate(REFERENCE, generated)["reject_reason"])
 
 
 def test_the_demo_writes_a_day_folder_when_the_pattern_names_one(tmp_path: Path) -> None:
-    config = DemoConfig(seed=3, rows_per_day=100, poison_rate=0.0)
-    path, _ = write_demo_day(tmp_path, DAY, config, "{date:%Y%m%d}/")
+    settings = DemoSettings(seed=3, rows_per_day=100, poison_rate=0.0)
+    path, _ = write_demo_day(REFERENCE, tmp_path, DAY, settings, "{date:%Y%m%d}/")
     assert path == demo_path(tmp_path, DAY, "{date:%Y%m%d}/") == tmp_path / "20261103" / "demo.csv"
-    assert FileSource(str(tmp_path), "{date:%Y%m%d}/").read(DAY).frame.height == 100
+    assert FileSource(REFERENCE, str(tmp_path), "{date:%Y%m%d}/").read(DAY).frame.height == 100
 
 
 @pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
@@ -570,7 +576,108 @@ def test_a_sql_time_no_python_datetime_holds_is_one_rows_problem(postgres_url: s
     engine.dispose()
     query = f"SELECT {COLUMNS} FROM payments WHERE transaction_id IN ('u-1', 'u-2') ORDER BY transaction_id"
 
-    checked = validate(REFERENCE, SqlSource(url, query).read(DAY).frame)
+    checked = validate(REFERENCE, SqlSource(REFERENCE, url, query).read(DAY).frame)
 
     assert checked["event_time"].to_list() == ["2026-11-03T09:30:00.000000Z", moment]
     assert checked["reject_reason"].to_list() == [None, "timestamp_unparsable"]
+
+
+# Any spec: the reference, diabetes (no entity, nine numerics) and tiny (no label) -------------
+
+DIABETES = load_spec("tandem_specs.diabetes:SPEC")
+TINY = load_spec("tests.specs.tiny:SPEC")
+SPECS = [REFERENCE, DIABETES, TINY]
+
+
+def _records(ls: LoadedSpec) -> list[dict[str, Any]]:
+    """Three of the spec's records (its example, each with an id of its own), with the label."""
+    example = ls.spec.example()
+    records = [{**example, ls.id.name: f"{example[ls.id.name]}-{row}"} for row in range(3)]
+    label = ls.label.name if ls.label else None
+    return [{**record, label: row % 2} if label else record for row, record in enumerate(records)]
+
+
+def _expected(ls: LoadedSpec, records: list[dict[str, Any]]) -> pl.DataFrame:
+    frame = raw_frame(ls, records)
+    return (
+        frame.with_columns(pl.Series(ls.label.name, [r[ls.label.name] for r in records], pl.Int16))
+        if ls.label
+        else frame
+    )
+
+
+def _sql_source(ls: LoadedSpec, url: str, records: list[dict[str, Any]], numbers: Any = sa.Float) -> SqlSource:
+    """The records as a user's table, numerics in columns of type `numbers`, read by `SELECT *`."""
+    numerics = {numeric.name for numeric in ls.numerics}
+    label = ls.label.name if ls.label else None
+    types = {name: numbers if name in numerics else sa.Integer if name == label else sa.String for name in records[0]}
+    table = sa.Table("landed", sa.MetaData(), *(sa.Column(name, kind) for name, kind in types.items()))
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        table.create(conn)
+        conn.execute(table.insert(), records)
+    engine.dispose()
+    return SqlSource(ls, url, "SELECT * FROM landed")
+
+
+@pytest.mark.parametrize("ls", SPECS, ids=lambda ls: ls.spec.name)
+def test_every_source_reads_any_specs_records_alike(ls: LoadedSpec, tmp_path: Path) -> None:
+    records = _records(ls)
+    expected = _expected(ls, records)
+    written = pl.DataFrame(records).with_columns(extra=pl.lit("ignored"))
+    for fmt in ("csv", "parquet", "ndjson"):
+        WRITERS[fmt](written, tmp_path / f"{DAY}.{fmt}")
+        read = FileSource(ls, str(tmp_path), "{date:%Y-%m-%d}." + fmt).read(DAY).frame
+        assert read.equals(expected), (fmt, read)
+    sql = _sql_source(ls, f"sqlite:///{tmp_path / 'source.db'}", records).read(DAY).frame
+    assert sql.equals(expected), sql
+
+
+@pytest.mark.parametrize("ls", SPECS, ids=lambda ls: ls.spec.name)
+def test_a_numeric_text_that_is_no_number_is_kept_as_received_for_its_row(ls: LoadedSpec, tmp_path: Path) -> None:
+    for numeric in ls.numerics:
+        records = [{**record, numeric.name: str(record[numeric.name])} for record in _records(ls)]
+        records[1][numeric.name] = "12,5"
+        _write_csv(tmp_path / numeric.name / f"{DAY}.csv", records)
+        sources = {
+            "csv": FileSource(ls, str(tmp_path / numeric.name)),
+            "sql": _sql_source(ls, f"sqlite:///{tmp_path / numeric.name / 'source.db'}", records, sa.String),
+        }
+        for kind, source in sources.items():
+            checked = validate(ls, source.read(DAY).frame)
+            received = [name for name in checked.columns if name.startswith("received_")]
+            assert received == [f"received_{numeric.name}"], (kind, received)
+            assert checked[f"received_{numeric.name}"].to_list() == [None, "12,5", None], kind
+            assert checked["reject_reason"].to_list() == [None, numeric.unparsable_code, None], kind
+
+
+def test_the_label_column_is_the_specs_own_and_a_spec_without_one_reads_none(tmp_path: Path) -> None:
+    written = [{**record, "label_fraud": 1, "progressed": 1} for record in _records(TINY)]
+    _write_csv(tmp_path / f"{DAY}.csv", written)
+    assert FileSource(TINY, str(tmp_path)).read(DAY).frame.columns == list(TINY.field_names)
+    _write_csv(tmp_path / "reference" / f"{DAY}.csv", [{**r, "progressed": 1} for r in _records(REFERENCE)])
+    read = FileSource(REFERENCE, str(tmp_path / "reference")).read(DAY).frame
+    assert read.columns == [*RAW_COLUMNS, LABEL]
+
+
+def test_a_typed_column_is_checked_against_the_specs_field(tmp_path: Path) -> None:
+    frame = pl.DataFrame(_records(DIABETES)).with_columns(pl.col("bmi").cast(pl.String))
+    frame.write_parquet(tmp_path / f"{DAY}.parquet")
+    _raises(FileSource(DIABETES, str(tmp_path), "{date:%Y-%m-%d}.parquet"), "'bmi'", "expected a number, found String")
+
+
+def test_the_diabetes_demo_day_reads_back_through_csv_with_its_poison(tmp_path: Path) -> None:
+    settings = DemoSettings(seed=7, start=DAY, days=7, poison_rate=0.2)
+    path, written = write_demo_day(DIABETES, tmp_path, DAY, settings)
+    assert written and path == tmp_path / f"{DAY}.csv"
+    generated = demo_day(DIABETES, DAY, settings)
+
+    back = FileSource(DIABETES, str(tmp_path)).read(DAY).frame
+
+    assert back.equals(generated.drop(POISON_REASON))
+    assert validate(DIABETES, back)["reject_reason"].eq_missing(generated[POISON_REASON]).all()
+
+
+def test_the_demo_of_a_spec_without_one_is_a_source_error(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="has no demo"):
+        write_demo_day(TINY, tmp_path, DAY, DemoSettings())

@@ -15,7 +15,6 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from inference.demo import DemoConfig, generate_day
 from inference.migrate import upgrade
 from inference.records import validate
 from inference.store import (
@@ -30,6 +29,7 @@ from inference.store import (
     stream_partition_rows,
     upsert_records,
 )
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.answers import answer, write_answers
 from tests.inference.store_worker import PRODUCED_AT, prediction_rows, upsert_repeatedly
 from tests.inference.support import DAY, IDS, frame_of, predictions_of, record, write

@@ -7,9 +7,9 @@ import functools
 import numpy as np
 import pytest
 
-from inference.demo import DemoConfig, generate_day
 from inference.features import FeatureBatch, build_features
 from inference.records import split_valid
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tandem_specs.transactions.features import CURRENT_CATEGORICAL
 from tandem_specs.transactions.model import EMBEDDING_SIZES, UNKNOWN_MASK_SHARE, mask_to_unknown
 from tests.inference.support import DAY

@@ -12,7 +12,7 @@ import pytest
 from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, ExecuteInProcessResult
 
 from assets.resources import ModelStoreResource
-from inference.demo import EXPECTED_REASON, PoisonKind, generate_day
+from inference.demo import demo_day
 from inference.features import build_features
 from inference.migrate import upgrade
 from inference.model import score_batch
@@ -20,6 +20,7 @@ from inference.records import split_valid
 from inference.spec import load_spec
 from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows
 from tandem import modelstore
+from tandem_specs.transactions.demo import EXPECTED_REASON, PoisonKind
 from tandem_specs.transactions.model import ModelConfig
 from tests.orchestration.support import (
     PARTITION,
@@ -105,7 +106,7 @@ def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
 ) -> None:
     resources = batch_resources(database_url, rows_per_day=3000, poison_rate=0.01)
     # The generator's own frame: it knows which rows it poisoned (the landing CSV does not say).
-    source = generate_day(date.fromisoformat(PARTITION), resources["source"].demo_config())
+    source = demo_day(REFERENCE, date.fromisoformat(PARTITION), resources["source"].demo_settings())
     poison = source.filter(pl.col("poison_kind").is_not_null())
     assert set(poison["poison_kind"]) == {kind.value for kind in PoisonKind}, "every kind of poison is exercised"
     duplicates = poison.filter(pl.col("poison_kind") == PoisonKind.DUPLICATE_ID.value)
@@ -159,7 +160,7 @@ def test_unseen_vocabulary_is_reported_and_warned_about_without_blocking(
     assets: list[AssetsDefinition], production_tag: str, instance: DagsterInstance, database_url: str
 ) -> None:
     resources = batch_resources(database_url, rows_per_day=2000)
-    source = generate_day(date.fromisoformat(PARTITION), resources["source"].demo_config())
+    source = demo_day(REFERENCE, date.fromisoformat(PARTITION), resources["source"].demo_settings())
     clean = source.filter(pl.col("poison_kind").is_null())
     vocabularies = {"country": COUNTRIES, "currency": CURRENCIES, "merchant_category": MERCHANT_CATEGORIES}
     expected = {name: clean.filter(~pl.col(name).is_in(list(known))).height for name, known in vocabularies.items()}

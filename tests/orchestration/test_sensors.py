@@ -28,7 +28,6 @@ from dagster import (
 
 from assets.model import NO_CHALLENGER
 from assets.resources import DatabaseResource, ModelStoreResource
-from inference.demo import DemoConfig, generate_day
 from inference.migrate import upgrade
 from inference.records import EVENT_TS_DTYPE, validate
 from inference.store import (
@@ -51,6 +50,7 @@ from orchestration.sensors import (
 )
 from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.orchestration.support import (
     DEMO_SEED,
     PARTITIONED,

@@ -39,7 +39,7 @@ from tests.orchestration.support import (
     predictions_config,
     run_partition,
 )
-from tests.reference import RAW_COLUMNS, RECORDS
+from tests.reference import RAW_COLUMNS, RECORDS, REFERENCE
 
 FOLDER_PATTERN = "{date:%Y-%m-%d}/"
 CATEGORIES = ("grocery", "restaurant", "fuel", "pharmacy", "travel")
@@ -106,7 +106,7 @@ def test_a_folder_of_a_users_csv_files_is_ingested_and_scored(
     metadata = {key: value.value for key, value in ingested.metadata.items()}
     assert metadata["source_kind"] == "files"
     assert metadata["source_paths"] == [str(tmp_path / PARTITION / f"export-{n}.csv") for n in (1, 2)]
-    source = FileSource(str(tmp_path), FOLDER_PATTERN)
+    source = FileSource(REFERENCE, str(tmp_path), FOLDER_PATTERN)
     assert metadata["source_version"] == source.versions()[date.fromisoformat(PARTITION)]
     # The decimal comma is no number: quarantined at ingest with its text, as the row without an id.
     assert (metadata["rows_received"], metadata["rows_stored"], metadata["rejected_at_ingest"]) == (120, 118, 2)
@@ -238,7 +238,7 @@ def _tick(
 
 
 def _version(landing: Path, day: str) -> str:
-    return FileSource(str(landing)).versions()[date.fromisoformat(day)]
+    return FileSource(REFERENCE, str(landing)).versions()[date.fromisoformat(day)]
 
 
 def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:

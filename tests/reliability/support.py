@@ -23,7 +23,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from inference.demo import DemoConfig, generate_day
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.orchestration.support import DEMO_SEED, SETTINGS, prediction_rows, predictions_config, rejection_rows
 from tests.serving.support import DemoServer, serve_demo
 from tests.shared import migrate_and_ingest

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from dagster import DagsterEventType, DagsterInstance
 
-from inference.demo import EXPECTED_REASON, PoisonKind
+from tandem_specs.transactions.demo import EXPECTED_REASON, PoisonKind
 from tests.orchestration.support import batch_assets, batch_resources, run_partition
 from tests.reliability.support import (
     DAY,

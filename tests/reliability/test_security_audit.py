@@ -238,9 +238,13 @@ def test_token_is_secret_compared_in_constant_time_and_resolved_at_first_use(
     # the environment only when the first request arrives.
     from starlette.testclient import TestClient
 
+    from serving.schemas import api_models
+    from tests.reference import REFERENCE
     from tests.serving.score_route import with_score_route
 
     class Stub:
+        spec = REFERENCE
+        api = api_models(REFERENCE)
         metrics = ServingMetrics()
         settings = ServingSettings()
         model_version = "risk_model:stub"  # named in /openapi.json

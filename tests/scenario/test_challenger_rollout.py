@@ -32,12 +32,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.contract import TorchPredictor
-from inference.demo import DemoConfig, day_range, generate_day
+from inference.demo import day_range
 from inference.records import validate
 from inference.store import StoreHistory, challenger_predictions, latest_challenger_report, make_engine, predictions
 from orchestration.definitions import build_definitions
 from orchestration.settings import OrchestrationSettings
 from tandem import cli, modelstore
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.orchestration.support import select_rows
 from tests.reference import RAW_COLUMNS, REFERENCE
 from tests.serving.support import LiveServer, serve

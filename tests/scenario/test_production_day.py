@@ -47,14 +47,14 @@ from dagster import (
 
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.agreement import Cause, summarize
-from inference.demo import DemoConfig, generate_day
 from inference.records import validate
-from inference.sources import demo_path, write_demo_day
+from inference.sources import demo_path
 from inference.store import answer_pairs, make_engine, predictions
 from orchestration.definitions import build_definitions
 from orchestration.sensors import DAILY_JOB, INGEST_JOB, RESCORE_JOB
 from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.orchestration.support import select_rows
 from tests.reference import RAW_COLUMNS, RECORDS, REFERENCE
 from tests.serving.support import LiveServer, serve
@@ -167,6 +167,7 @@ def assert_every_check_passed(result: ExecuteInProcessResult) -> None:
 
 def write_day(landing: Path, day: date, frame: pl.DataFrame) -> None:
     path = demo_path(landing, day)
+    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
     frame.drop("poison_kind", strict=False).write_csv(temporary)
     temporary.replace(path)
@@ -192,7 +193,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
     # 1. History lands, is ingested and scored; the first model is trained and promoted.
     for history_day in HISTORY:
-        write_demo_day(landing, history_day, DEMO)
+        write_day(landing, history_day, generate_day(history_day, DEMO))
     requests = day.tick("landing_sensor")
     assert sorted((r.job_name, r.partition_key) for r in requests) == [(DAILY_JOB, d.isoformat()) for d in HISTORY]
     # Ingest every day first: a day's features read the days before it.

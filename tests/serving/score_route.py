@@ -12,7 +12,6 @@ from starlette.responses import Response
 from serving.app import answer, build_app
 from serving.gate import ScoreGate, call_in
 from serving.runtime import OnlineScorer
-from serving.schemas import ScoreRequest
 from serving.security import SecuritySettings
 
 
@@ -22,10 +21,10 @@ def with_score_route(get_scorer: Callable[[], OnlineScorer], *, security: Securi
 
     async def score(request: Request) -> Response:
         # The body the gate validated, parsed again as BentoML's API method would.
-        parsed = ScoreRequest.model_validate_json(await request.body())
-        return await answer(
-            call_in(request.scope), get_scorer(), parsed.transactions, parsed.idempotency_key, parsed.deadline_ms
-        )
+        scorer = get_scorer()
+        parsed = scorer.api.request.model_validate_json(await request.body())
+        records = getattr(parsed, scorer.spec.spec.plural)
+        return await answer(call_in(request.scope), scorer, records, parsed.idempotency_key, parsed.deadline_ms)
 
     app.add_route("/score", score, methods=["POST"])
     app.add_middleware(ScoreGate, get_scorer=get_scorer, security=security)

@@ -29,15 +29,14 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
-from inference.demo import DemoConfig, generate_day
 from inference.store import utc_now
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
-from serving.schemas import ItemResult
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
-from tests.reference import RAW_COLUMNS, Transaction
+from tandem_specs.transactions.demo import DemoConfig, generate_day
+from tests.reference import RAW_COLUMNS, REFERENCE, ItemResult, Transaction
 from tests.shared import free_port, migrate_and_ingest, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -262,6 +261,7 @@ async def started_scorer(
     calibrated and marked warm as if warm-up had run; results go to `engine`, spills to `outbox`.
     `settings`, or the defaults with `overrides`."""
     scorer = OnlineScorer(
+        spec=REFERENCE,
         process=process,
         executor=ThreadPoolExecutor(max_workers=1),
         model_version=model_version,
@@ -342,7 +342,7 @@ def scored_batch(
     """Every item of the batch scored: `score` with input hash "h", or the (score, input hash)
     `grade` gives the item. Its answers and its rows."""
     now = utc_now()
-    graded = [(str(spec.raw["transaction_id"]), spec, *(grade(spec) if grade else (score, "h"))) for spec in specs]
+    graded = [(spec.record_id, spec, *(grade(spec) if grade else (score, "h"))) for spec in specs]
     results = [
         ItemResult(
             transaction_id=tx,

@@ -12,7 +12,7 @@ from serving.batcher import AdaptiveBatcher, Reservation
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.scoring import GuardedHistory
-from tests.reference import REFERENCE
+from tests.reference import REFERENCE, ItemResult
 from tests.serving.support import FakeClock
 
 # Roughly what warm-up measures here: 12 ms fixed per batch, 0.3 ms per item.
@@ -152,6 +152,7 @@ def batcher_with(cost: BatchCostModel, clock: FakeClock) -> AdaptiveBatcher:
         cost=cost,
         metrics=ServingMetrics(code_version="test"),
         model_version="v1",
+        results=ItemResult,
         clock=clock,
     )
 

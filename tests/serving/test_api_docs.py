@@ -15,9 +15,10 @@ from starlette.testclient import TestClient
 from serving.openapi import ApiDocs, Limits, amend_bentoml_document, limits_of, openapi_document
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
+from tests.reference import REFERENCE
 
 EVERY_SCORE_ANSWER = {"200", "400", "401", "408", "409", "413", "422", "503", "504"}
-LIMITS = limits_of(ServingSettings.model_construct(), SecuritySettings.model_construct())
+LIMITS = limits_of(REFERENCE, ServingSettings.model_construct(), SecuritySettings.model_construct())
 
 
 def bentoml_like_spec() -> dict[str, Any]:
@@ -45,7 +46,8 @@ def bentoml_like_spec() -> dict[str, Any]:
 def test_the_limits_are_the_services_own_defaults() -> None:
     assert (
         Limits(
-            max_transactions=256,
+            plural="transactions",
+            max_records=256,
             max_body_bytes=1024 * 1024,
             default_deadline_ms=2000.0,
             max_deadline_ms=9000.0,
@@ -58,7 +60,7 @@ def test_the_limits_are_the_services_own_defaults() -> None:
 
 
 def test_openapi_lists_every_answer_of_score_with_an_error_body() -> None:
-    document = openapi_document(LIMITS, model_version="risk_model:abc")
+    document = openapi_document(REFERENCE, LIMITS, model_version="risk_model:abc")
     responses = document["paths"]["/score"]["post"]["responses"]
     assert set(responses) == EVERY_SCORE_ANSWER
     for status in EVERY_SCORE_ANSWER - {"200"}:
@@ -70,7 +72,7 @@ def test_openapi_lists_every_answer_of_score_with_an_error_body() -> None:
 
 
 def test_bentomls_document_gets_tandems_answers_description_and_version() -> None:
-    ours = openapi_document(LIMITS, model_version="risk_model:abc")
+    ours = openapi_document(REFERENCE, LIMITS, model_version="risk_model:abc")
     amended = amend_bentoml_document(bentoml_like_spec(), ours)
     assert amended["info"]["title"] == "Tandem risk scorer"
     assert "created with BentoML" not in amended["info"]["description"]
@@ -92,7 +94,7 @@ def test_the_middleware_amends_docs_json_and_passes_everything_else() -> None:
         return JSONResponse({"untouched": True})
 
     app = Starlette(routes=[Route("/docs.json", docs), Route("/other", other)])
-    wrapped = ApiDocs(app, document=lambda: openapi_document(LIMITS, model_version="v9"))
+    wrapped = ApiDocs(app, document=lambda: openapi_document(REFERENCE, LIMITS, model_version="v9"))
     with TestClient(wrapped) as client:
         answer = client.get("/docs.json")
         assert answer.status_code == 200

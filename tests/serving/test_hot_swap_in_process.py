@@ -29,11 +29,12 @@ from serving.lifecycle import ModelWatcher
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
-from serving.schemas import ItemError, ItemResult
+from serving.schemas import ItemError
 from serving.scoring import BatchResult, ItemSpec
 from serving.scoring_process import ScoringProcess
 from serving.settings import ServingSettings
 from serving.worker import discard_pool
+from tests.reference import REFERENCE, ItemResult
 from tests.serving.support import FakeClock, scored_batch, transaction
 from tests.shared import WAIT_S, until_async
 
@@ -60,7 +61,7 @@ class FakeVersion:
         self.entered = threading.Event()  # a real (not warm-up) batch has started
 
     def __call__(self, specs: list[ItemSpec]) -> BatchResult:
-        ids = [str(spec.raw["transaction_id"]) for spec in specs]
+        ids = [spec.record_id for spec in specs]
         self.batches.append(ids)
         if all(tx.startswith("warm-up-") for tx in ids):
             self.warm_up_gate.wait(WAIT_S)
@@ -134,6 +135,7 @@ async def serving(store: FakeStore, engine: Engine, tmp_path: Path) -> OnlineSco
     """A started scorer on v1, warmed up through its fake like the service does."""
     first = store.load("v1")
     scorer = OnlineScorer(
+        spec=REFERENCE,
         process=first.process,
         executor=first.executor,
         model_version=first.model_version,

@@ -18,9 +18,9 @@ from inference.store import idempotency_keys, read_predictions
 from serving.breaker import CircuitBreaker
 from serving.idempotency import IdempotencyKeys
 from serving.runtime import DeadlineExceeded, KeyInProgress, KeyReused, OnlineScorer, Shed
-from serving.schemas import ItemResult
+from serving.schemas import ItemResult, api_models
 from serving.scoring import BatchResult, ItemSpec
-from tests.reference import Transaction
+from tests.reference import REFERENCE, Transaction
 from tests.serving.support import DUPLICATES, check_one_answer_per_key, scored_batch, started_scorer, transaction
 from tests.shared import until_async
 
@@ -379,7 +379,7 @@ def test_an_outcome_the_store_did_not_take_is_written_with_the_next_one(engine: 
     """The breaker was open when the first answer was to be stored: left unwritten, its claim stayed
     unanswered, and another process told every retry 409 until it went stale, then scored again."""
     breaker = CircuitBreaker(failure_threshold=1, reset_s=60.0)
-    keys = IdempotencyKeys(engine, breaker, size=100, stale_after_s=10.0)
+    keys = IdempotencyKeys(engine, breaker, results=api_models(REFERENCE).results, size=100, stale_after_s=10.0)
 
     async def claim(key: str, request_id: str) -> None:
         admission = await keys.admit(key, f"body-{key}", request_id=request_id, deadline=time.monotonic() + 5)

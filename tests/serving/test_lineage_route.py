@@ -17,9 +17,10 @@ from tests.reference import REFERENCE
 
 
 class _Scorer:
-    """What the lineage route reads of the scorer: the store and the production version."""
+    """What the lineage route reads of the scorer: the spec, the store and the production version."""
 
     def __init__(self, engine: Engine) -> None:
+        self.spec = REFERENCE
         self.engine = engine
         self.model_version = "risk:v1"
 
@@ -32,9 +33,8 @@ def client(sqlite_engine: Engine) -> TestClient:
 
 def test_a_rejected_id_is_answered_with_where_and_why(client: TestClient, sqlite_engine: Engine) -> None:
     cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id="tx-bad").items()})
-    ingest_day(
-        REFERENCE, sqlite_engine, conform(cells.with_columns(amount=pl.lit("12;50")), "day.csv", typed=False), DAY
-    )
+    unparsable = conform(REFERENCE, cells.with_columns(amount=pl.lit("12;50")), "day.csv", typed=False)
+    ingest_day(REFERENCE, sqlite_engine, unparsable, DAY)
 
     answer = client.get("/lineage/tx-bad")
 

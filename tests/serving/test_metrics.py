@@ -23,11 +23,11 @@ from serving.admission import Decision
 from serving.batcher import Reservation
 from serving.metrics import ITEM_OUTCOMES, SCORE_BUCKETS, ServingMetrics, latency_buckets
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
-from serving.schemas import ItemError, ItemResult
+from serving.schemas import ItemError, api_models
 from serving.scoring import BatchResult, ItemSpec
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
-from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES
+from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, REFERENCE, ItemResult
 from tests.serving.score_route import with_score_route
 from tests.serving.support import started_scorer
 
@@ -124,7 +124,7 @@ class OutcomeScoring:
         now = utc_now()
         results = []
         for spec in specs:
-            tx_id = str(spec.raw["transaction_id"])
+            tx_id = spec.record_id
             common: dict[str, Any] = {
                 "transaction_id": tx_id,
                 "model_version": MODEL,
@@ -262,6 +262,8 @@ class ScriptedScorer:
         target_ms: float = 50,
         refusal: Decision | None = None,
     ) -> None:
+        self.spec = REFERENCE
+        self.api = api_models(REFERENCE)
         self.settings = ServingSettings(p99_target_ms=target_ms)
         self.metrics = ServingMetrics(settings=self.settings)
         self._script = script

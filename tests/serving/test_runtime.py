@@ -33,7 +33,7 @@ from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, O
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
 from tandem_specs.transactions.model import ModelConfig
-from tests.reference import Transaction
+from tests.reference import REFERENCE, Transaction
 from tests.serving.support import scored_batch, started_scorer, transaction
 from tests.shared import reference_model, until_async
 
@@ -352,7 +352,7 @@ def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_ro
     torch.manual_seed(0)
     config = ModelConfig(history_length=4, embedding_dim=4, history_dim=16, hidden_dim=32, head_tail_dim=8)
     predictor = TorchPredictor(model=reference_model(config), model_version=MODEL)
-    core = ScoringCore(predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
+    core = ScoringCore(REFERENCE, predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
 
     def drifted(tx: str, **changes: str) -> Transaction:
         return transaction(tx).model_copy(update=changes)
@@ -399,12 +399,12 @@ def test_an_answer_replayed_from_the_scoring_process_memory_is_the_one_given_and
     torch.manual_seed(0)
     config = ModelConfig(history_length=4, embedding_dim=4, history_dim=16, hidden_dim=32, head_tail_dim=8)
     predictor = TorchPredictor(model=reference_model(config), model_version=MODEL)
-    core = ScoringCore(predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
+    core = ScoringCore(REFERENCE, predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
     drifted = transaction("drifted").model_copy(update={"country": "KR", "currency": "KRW"})
     sent = [transaction("known"), drifted]
 
-    first = core.score([ItemSpec(raw=tx.to_raw(), request_id="first") for tx in sent])
-    again = core.score([ItemSpec(raw=tx.to_raw(), request_id="again") for tx in sent])
+    first = core.score([ItemSpec(raw=tx.to_raw(), record_id=tx.transaction_id, request_id="first") for tx in sent])
+    again = core.score([ItemSpec(raw=tx.to_raw(), record_id=tx.transaction_id, request_id="again") for tx in sent])
 
     assert [r.status for r in first.results] == ["scored", "scored"]
     assert first.results[1].unseen_fields == ["country", "currency"]

@@ -32,6 +32,7 @@ from serving.scoring import BatchResult, ItemSpec
 from serving.scoring_process import ScoringProcess
 from serving.settings import ServingSettings
 from serving.shadow import ShadowLimits, ShadowScorer, sampled
+from tests.reference import REFERENCE
 from tests.serving.support import scored_batch, started_scorer, transaction
 from tests.shared import until_async
 
@@ -254,6 +255,7 @@ def test_an_overloaded_champion_drops_shadow_work_first(sqlite_engine: Engine) -
     clock = {"now": 100.0}
     metrics = ServingMetrics()
     shadow = ShadowScorer(
+        spec=REFERENCE,
         engine=sqlite_engine,
         settings=ServingSettings(shadow_sample=1.0, max_batch_size=8),
         metrics=metrics,
@@ -265,7 +267,7 @@ def test_an_overloaded_champion_drops_shadow_work_first(sqlite_engine: Engine) -
 
     async def scenario() -> None:
         shadow.set_backend(ScoringBackend(CHALLENGER, ThreadPoolExecutor(max_workers=1), ChallengerStep()))
-        specs = [ItemSpec(raw=transaction(f"o-{i}").to_raw(), request_id="r") for i in range(3)]
+        specs = [ItemSpec(raw=transaction(f"o-{i}").to_raw(), record_id=f"o-{i}", request_id="r") for i in range(3)]
         champion.queued = 8
         shadow.offer(specs, champion_step(specs))
         assert metric(metrics, "tandem_shadow_dropped_total", reason="overload") == 3
@@ -326,7 +328,9 @@ def test_shadow_rows_never_reach_predictions(sqlite_engine: Engine) -> None:
     """The table split the design relies on: a shadow row in predictions is refused by the schema."""
     row = {
         **scored_batch(
-            [ItemSpec(raw=transaction("x").to_raw(), request_id="r")], model_version=CHALLENGER, batch_id="b"
+            [ItemSpec(raw=transaction("x").to_raw(), record_id="x", request_id="r")],
+            model_version=CHALLENGER,
+            batch_id="b",
         ).rows[0],
         "path": "shadow",
         "answer_key": "h|nohistory",
@@ -343,6 +347,7 @@ def test_samples_gather_into_one_challenger_batch_while_the_champion_is_idle(sql
     metrics = ServingMetrics()
     step = ChallengerStep()
     shadow = ShadowScorer(
+        spec=REFERENCE,
         engine=sqlite_engine,
         settings=ServingSettings(shadow_sample=1.0),
         metrics=metrics,
@@ -356,7 +361,7 @@ def test_samples_gather_into_one_challenger_batch_while_the_champion_is_idle(sql
         shadow.set_backend(ScoringBackend(CHALLENGER, ThreadPoolExecutor(max_workers=1), step))
         shadow.start()
         for batch in range(3):
-            specs = [ItemSpec(raw=transaction(f"g-{batch}").to_raw(), request_id="r")]
+            specs = [ItemSpec(raw=transaction(f"g-{batch}").to_raw(), record_id=f"g-{batch}", request_id="r")]
             shadow.offer(specs, champion_step(specs))
         champion.in_flight = True  # a champion batch in flight past the linger: the shadow waits
         clock["now"] += 0.3

@@ -18,6 +18,7 @@ from serving.breaker import BreakerState, CircuitBreaker
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.writer import ResultWriter
+from tests.reference import REFERENCE
 from tests.serving.support import FakeClock
 from tests.shared import unreachable_database_url, until
 
@@ -51,7 +52,14 @@ def writer_for(engine: Engine, tmp_path: Path, drain_chunk: int = 50, coalesce_s
     breaker = CircuitBreaker(failure_threshold=1, reset_s=0.01)
     outbox = Outbox(tmp_path / "outbox.sqlite3")
     return ResultWriter(
-        engine, breaker, outbox, ServingMetrics(), drain_interval_s=0.01, drain_chunk=drain_chunk, coalesce_s=coalesce_s
+        REFERENCE,
+        engine,
+        breaker,
+        outbox,
+        ServingMetrics(),
+        drain_interval_s=0.01,
+        drain_chunk=drain_chunk,
+        coalesce_s=coalesce_s,
     )
 
 
@@ -161,7 +169,7 @@ def spilled_writer(engine: Engine, tmp_path: Path, breaker: CircuitBreaker) -> R
     """Seven rows in the outbox, the writer thread never started: nothing drains but close()."""
     outbox = Outbox(tmp_path / "outbox.sqlite3")
     outbox.append(rows(7))
-    return ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=3)
+    return ResultWriter(REFERENCE, engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=3)
 
 
 def test_close_drains_the_outbox_into_the_database(engine: Engine, tmp_path: Path) -> None:
@@ -232,7 +240,7 @@ def test_a_drain_that_fails_on_the_outbox_file_neither_stops_the_writer_nor_the_
     outbox.append(rows(1))  # left behind by an earlier outage
     outbox.fail_next_drain = True
     writer = ResultWriter(
-        engine, CircuitBreaker(2, 0.05), outbox, ServingMetrics(), drain_interval_s=0.01, drain_chunk=10
+        REFERENCE, engine, CircuitBreaker(2, 0.05), outbox, ServingMetrics(), drain_interval_s=0.01, drain_chunk=10
     )
     writer.start()
     until(lambda: not outbox.fail_next_drain, message="the idle writer never drained")
@@ -252,7 +260,7 @@ def test_a_drain_that_fails_on_the_outbox_file_does_not_hold_the_breakers_probe_
     clock = FakeClock()
     breaker = CircuitBreaker(1, 1.0, clock=clock)
     outbox = FlakyOutbox(tmp_path / "outbox.sqlite3")
-    writer = ResultWriter(engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=10)
+    writer = ResultWriter(REFERENCE, engine, breaker, outbox, ServingMetrics(), drain_interval_s=60, drain_chunk=10)
     breaker.record_failure()  # an outage: the breaker is open and a batch goes to the outbox
     writer._write(rows(1))
     clock.now = 2.0  # half-open: the next caller probes

@@ -37,13 +37,13 @@ import pytest
 import torch
 
 from inference.contract import FrameHistory, TorchPredictor
-from inference.demo import DemoConfig, generate_day
 from inference.features import FeatureBatch
 from inference.records import hash_inputs, raw_columns, raw_frame, validate
 from inference.spec import load_spec
 from serving.openapi import service_document
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.shared import reference_model
 
 REFERENCE = load_spec()
@@ -179,7 +179,7 @@ def online_section(predictor: TorchPredictor, stored: pl.DataFrame, next_day: pl
 
 def score_schemas() -> dict[str, Any]:
     """The component schemas /score's request body and responses reach, by $ref, verbatim."""
-    document = service_document(ServingSettings(), SecuritySettings(), "golden")
+    document = service_document(REFERENCE, ServingSettings(), SecuritySettings(), "golden")
     schemas = document["components"]["schemas"]
     score = document["paths"]["/score"]["post"]
     pending = _refs({"request": score["requestBody"], "responses": score["responses"]})

@@ -18,11 +18,11 @@ import torch
 from bentoml._internal.configuration.containers import BentoMLContainer
 from bentoml.exceptions import NotFound
 
-from inference.demo import DemoConfig, generate_day
 from inference.features import build_features
 from inference.model import LoadedModel, TrainingReport, score_batch
 from inference.records import split_valid
 from tandem import modelstore
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.inference.support import DAY, TINY_MODEL
 from tests.reference import REFERENCE
 from tests.shared import reference_model

@@ -20,6 +20,7 @@ from inference.spec import (
     RecordId,
     RecordRule,
     SpecError,
+    configured_spec,
     load_spec,
 )
 from tests.specs import tiny
@@ -70,6 +71,19 @@ def test_a_path_that_names_no_spec_is_refused_in_one_line() -> None:
         load_spec("tests.specs.tiny:NOPE")
     with pytest.raises(SpecError, match=r"COLOURS is a tuple, not an inference.spec.ModelSpec$"):
         load_spec("tests.specs.tiny:COLOURS")
+
+
+def test_tandem_model_spec_picks_the_spec_and_names_itself_when_it_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_MODEL_SPEC", raising=False)
+    assert configured_spec() is load_spec()
+    monkeypatch.setenv("TANDEM_MODEL_SPEC", "tests.specs.tiny:SPEC")
+    assert configured_spec() is load_spec("tests.specs.tiny:SPEC")
+    monkeypatch.setenv("TANDEM_MODEL_SPEC", "tests.specs.tiny:COLOURS")
+    refusal = (
+        r"^TANDEM_MODEL_SPEC: spec 'tests.specs.tiny:COLOURS': COLOURS is a tuple, not an inference.spec.ModelSpec$"
+    )
+    with pytest.raises(SpecError, match=refusal):
+        configured_spec()
 
 
 def test_a_module_that_fails_on_import_is_named_with_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
