@@ -84,7 +84,7 @@ def build_agreement_assets(partitions: DailyPartitionsDefinition) -> list[Assets
     ) -> MaterializeResult:
         day = partition_day(context)
         with retry_only_transient_errors(), database.engine.connect() as conn:
-            pairs = answer_pairs(conn, day)
+            pairs = answer_pairs(database.spec, conn, day)
         report = summarize(pairs, config.decision_threshold)
         by_cause = {cause.value: count for cause, count in report.by_cause.items()}
         return MaterializeResult(

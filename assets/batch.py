@@ -49,10 +49,15 @@ from inference.model import IncompatibleModelError, LoadedModel, TrainingReport
 from inference.parity import PARITY_TOLERANCE, ParityReport, check_parity
 from inference.records import input_hash_expr
 from inference.sources import SourceError
-from inference.store import PartitionCounts, batch_scores, partition_counts, stored_partition_dates
+from inference.spec import LoadedSpec
+from inference.store import (
+    PartitionCounts,
+    batch_scores,
+    partition_counts,
+    record_table,
+    stored_partition_dates,
+)
 from inference.store import predictions as predictions_table
-from inference.store import transactions as transactions_table
-from inference.store.schema import REFERENCE_SPEC
 from inference.training import evaluate_auc, train_from_store
 from tandem import modelstore
 from tandem.version import code_version
@@ -119,11 +124,11 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def content_version(frame: pl.DataFrame) -> DataVersion:
+def content_version(ls: LoadedSpec, frame: pl.DataFrame) -> DataVersion:
     """A day's data version: the digest of its records as received, in any order. Re-ingesting the
     same records keeps it (nothing downstream turns stale); a corrected record changes it."""
     digest = hashlib.sha256()
-    canonical = frame.select(input_hash_expr(REFERENCE_SPEC).alias("record")).sort("record")
+    canonical = frame.select(input_hash_expr(ls).alias("record")).sort("record")
     for chunk in canonical.iter_slices(65_536):
         digest.update("\n".join(chunk["record"].fill_null("").to_list()).encode())
     return DataVersion(digest.hexdigest()[:16])
@@ -144,27 +149,28 @@ def _model_for_scoring(context: AssetExecutionContext, model_store: ModelStoreRe
 
 
 def build_batch_assets(
-    partitions: DailyPartitionsDefinition, history_length: int, *, rescore_days: int = 7
+    ls: LoadedSpec, partitions: DailyPartitionsDefinition, history_length: int, *, rescore_days: int = 7
 ) -> list[AssetsDefinition]:
-    """The batch path's assets over the code location's `partitions`: `history_length` is the K
-    risk_model trains with, `rescore_days` how many scored days a promotion rescores.
+    """The batch path's assets over the code location's `partitions` for the spec `ls`:
+    `history_length` is the K risk_model trains with, `rescore_days` how many scored days a
+    promotion rescores.
 
     Built by factories because those three are settings read when the definitions load; each
     asset's body is a module-level function of its own."""
     return [
-        transactions_asset(partitions),
+        transactions_asset(ls, partitions),
         risk_model_asset(history_length),
         build_production_model(),
         predictions_asset(partitions, rescore_days),
     ]
 
 
-def transactions_asset(partitions: DailyPartitionsDefinition) -> AssetsDefinition:
+def transactions_asset(ls: LoadedSpec, partitions: DailyPartitionsDefinition) -> AssetsDefinition:
     return asset(
         name="transactions",
         **daily_database_step(partitions),
         code_version=TRANSACTIONS_CODE_VERSION,
-        metadata={"dagster/column_schema": table_schema(transactions_table)},
+        metadata={"dagster/column_schema": table_schema(record_table(ls).table)},
         group_name="batch",
         kinds={"polars", "sql"},
         description="Source transactions of one UTC day, stored as received (poison included).",
@@ -187,11 +193,11 @@ def ingest_transactions(
         # fail this partition alone with the reason. A lost database connection is not caught.
         raise Failure(description=str(error), allow_retries=False) from error
     with retry_only_transient_errors():
-        report = ingest_day(database.engine, read.frame, day, run_id=context.run.run_id)
+        report = ingest_day(database.spec, database.engine, read.frame, day, run_id=context.run.run_id)
     return MaterializeResult(
-        data_version=content_version(read.frame),
+        data_version=content_version(database.spec, read.frame),
         metadata={
-            **table_metadata(table_schema(transactions_table), report.rows_stored),
+            **table_metadata(table_schema(record_table(database.spec).table), report.rows_stored),
             "rows_received": report.rows_received,
             "rows_stored": report.rows_stored,
             "rows_new_or_changed": report.rows_changed,
@@ -245,16 +251,16 @@ def _train_and_register(
     history_length: int,
 ) -> _Trained:
     with database.engine.connect() as conn:
-        days = stored_partition_dates(conn)[-config.training_days :]
+        days = stored_partition_dates(database.spec, conn)[-config.training_days :]
     if len(days) < 2:
         raise ValueError(f"need at least two stored days of transactions to train, found {len(days)}")
     first, holdout = days[0], days[-1]
     model, report = train_from_store(
         database.engine,
-        REFERENCE_SPEC,
+        database.spec,
         first_day=first,
         holdout_day=holdout,
-        config=REFERENCE_SPEC.spec.model_config(history_length),
+        config=database.spec.spec.model_config(history_length),
         seed=config.seed,
         epochs=config.epochs,
         max_train_rows=config.max_train_rows,
@@ -263,9 +269,7 @@ def _train_and_register(
     current = model_store.production_tag()
     try:
         current_auc = (
-            evaluate_auc(
-                database.engine, REFERENCE_SPEC, modelstore.load(current), first_day=first, holdout_day=holdout
-            )
+            evaluate_auc(database.engine, database.spec, modelstore.load(current), first_day=first, holdout_day=holdout)
             if current
             else None
         )
@@ -386,10 +390,12 @@ def _score_and_count(
     report, predictor = score_day(context, day, database, loaded, config, on_chunk=progress)
     cpu_seconds = time.process_time() - cpu_started
     with database.engine.connect() as conn:
-        counts = partition_counts(conn, partition_date=day, partition_key=context.partition_key, model_version=version)
+        counts = partition_counts(
+            database.spec, conn, partition_date=day, partition_key=context.partition_key, model_version=version
+        )
         scores = batch_scores(conn, partition_key=context.partition_key, model_version=version)
     parity = check_parity(
-        database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
+        database.spec, database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
     )
     return _Scored(report, counts, scores, parity, cpu_seconds)
 

@@ -47,6 +47,7 @@ from assets.scoring import (
     transactions_with_history,
 )
 from inference.challenger import BLOCKING_CHECKS, Comparison, PromotionGate, compare
+from inference.spec import LoadedSpec
 from inference.store import (
     COMPARISON_SCHEMA,
     challenger_predictions,
@@ -163,6 +164,7 @@ class _Compared:
 
 
 def _compare_replayed_days(
+    ls: LoadedSpec,
     conn: Connection,
     config: ChallengerReportConfig,
     gate: PromotionGate,
@@ -179,6 +181,7 @@ def _compare_replayed_days(
         )
     first_day = last_day - timedelta(days=config.days - 1)
     pairs = champion_challenger_pairs(
+        ls,
         conn,
         champion=champion,
         challenger=challenger,
@@ -228,7 +231,7 @@ def challenger_report(
     same_history_length = model_store.history_length(champion) == model_store.history_length(challenger)
     started = time.perf_counter()
     with retry_only_transient_errors(), database.engine.connect() as conn:
-        compared = _compare_replayed_days(conn, config, gate, champion, challenger, same_history_length)
+        compared = _compare_replayed_days(database.spec, conn, config, gate, champion, challenger, same_history_length)
     comparison, window = compared.comparison, f"{compared.first_day} .. {compared.last_day}"
     metrics = {
         **comparison.metrics,

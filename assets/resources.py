@@ -20,13 +20,14 @@ from inference.migrate import upgrade
 from inference.model import LoadedModel
 from inference.settings import DemoPoisonRate, DemoRowsPerDay, TandemSettings
 from inference.sources import FileSource, SourceError, SourceFormat, SourceRead, SqlSource, write_demo_day
-from inference.spec import DemoSettings, configured_spec
+from inference.spec import DemoSettings, LoadedSpec, configured_spec
 from inference.store import make_engine
 from tandem import modelstore
 
 
 class DatabaseResource(ConfigurableResource):
-    """The result store. One engine per run, created at setup and disposed at teardown.
+    """The result store. One engine per run, created at setup and disposed at teardown, and the
+    spec whose records it holds (`inference.spec.configured_spec`), read once per run.
 
     `url` unset means DATABASE_URL, read when the run starts, or else the embedded default (a
     SQLite file under TANDEM_DATA_DIR). The pool is
@@ -38,6 +39,7 @@ class DatabaseResource(ConfigurableResource):
 
     _engine: Engine | None = PrivateAttr(default=None)
     _migrated: bool = PrivateAttr(default=False)
+    _spec: LoadedSpec | None = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         url = self.url or TandemSettings().resolved_database_url()
@@ -47,6 +49,7 @@ class DatabaseResource(ConfigurableResource):
         # relaunch at once, without backoff. At first use it is a step's transient error.
         self._engine = make_engine(url, **kwargs)
         self._migrated = False
+        self._spec = configured_spec()
 
     def teardown_after_execution(self, context: InitResourceContext) -> None:
         if self._engine is not None:
@@ -58,9 +61,16 @@ class DatabaseResource(ConfigurableResource):
         if self._engine is None:
             raise RuntimeError("DatabaseResource used outside a run (setup_for_execution not called)")
         if not self._migrated:
-            upgrade(self._engine)
+            upgrade(self._engine, self.spec)
             self._migrated = True
         return self._engine
+
+    @property
+    def spec(self) -> LoadedSpec:
+        """The spec Tandem runs: its record table is the one this store reads and writes."""
+        if self._spec is None:
+            self._spec = configured_spec()
+        return self._spec
 
 
 class ModelStoreResource(ConfigurableResource):

@@ -32,7 +32,6 @@ from inference.batch import (
 )
 from inference.contract import TorchPredictor
 from inference.model import LoadedModel
-from inference.spec import load_spec
 from tandem.version import code_version
 
 # Concurrency pool shared by every asset that holds database connections (limit: dagster.yaml).
@@ -133,12 +132,13 @@ def score_day(
     model, version = loaded
     # Scored with the K the model was trained with (predictor.history_length), not a setting.
     predictor = TorchPredictor(
-        model=model, model_version=version, spec=load_spec(), forward_batch_size=config.forward_batch_size
+        model=model, model_version=version, spec=database.spec, forward_batch_size=config.forward_batch_size
     )
     producer = BatchProducer(
         run_id=context.run.run_id, partition_key=context.partition_key, code_version=code_version()
     )
     report = score_partition(
+        database.spec,
         database.engine,
         predictor,
         day,

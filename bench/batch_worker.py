@@ -14,7 +14,7 @@ import torch
 from bench.precision import PRECISIONS, forward_in
 from inference.batch import FORWARD_BATCH_SIZE, MODEL_WORKERS, BatchProducer, score_partition
 from inference.contract import TorchPredictor
-from inference.spec import load_spec
+from inference.spec import configured_spec
 from inference.store import make_engine
 from tandem import modelstore
 
@@ -43,10 +43,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     model, version = modelstore.load_production(args.model_name)
+    spec = configured_spec()
     predictor = TorchPredictor(
         model=model,
         model_version=version,
-        spec=load_spec(),
+        spec=spec,
         forward_batch_size=args.forward_batch,
         # fp32 is the predictor's own forward, exactly as production scores.
         forward=None if args.precision == "fp32" else forward_in(args.precision, model),
@@ -55,6 +56,7 @@ def main() -> None:
     before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     report = score_partition(
+        spec,
         engine,
         predictor,
         date.fromisoformat(args.day),

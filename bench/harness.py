@@ -88,12 +88,12 @@ def seed_history(database_url: str, rows_per_day: int, days: int) -> None:
     from inference.spec import DemoSettings, configured_spec
     from inference.store import make_engine
 
+    spec = configured_spec()
     engine = make_engine(database_url)
-    upgrade(engine)
-    ls = configured_spec()
+    upgrade(engine, spec)
     demo = DemoSettings(rows_per_day=rows_per_day, poison_rate=0.01)  # as bench.run.prepare_environment's
     for day in day_range(START_DAY, days):
-        ingest_day(engine, demo_day(ls, day, demo), day)
+        ingest_day(spec, engine, demo_day(spec, day, demo), day)
     engine.dispose()
 
 

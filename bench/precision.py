@@ -325,9 +325,9 @@ def model_stage(model: LoadedModel, day: FeatureBatch, plan: PrecisionPlan, forw
     from inference.contract import PreparedBatch, TorchPredictor
 
     chunk = _tiled(day, CHUNK_ROWS)
-    ids = pl.Series("transaction_id", [f"t{i}" for i in range(CHUNK_ROWS)])
+    ids = pl.Series("record_id", [f"t{i}" for i in range(CHUNK_ROWS)])
     prepared = PreparedBatch(
-        transaction_ids=ids,
+        record_ids=ids,
         input_hashes=pl.Series("input_hash", [f"h{i}" for i in range(CHUNK_ROWS)]),
         reasons=[None] * CHUNK_ROWS,
         details=[None] * CHUNK_ROWS,
@@ -385,18 +385,20 @@ def scored_day(database_url: str, day: date, rows: int, history_length: int) -> 
     from inference.batch import ingest_day
     from inference.demo import demo_day
     from inference.features import build_features
-    from inference.spec import DemoSettings, configured_spec, load_spec
+    from inference.spec import DemoSettings, configured_spec
     from inference.store import make_engine, valid_rows_between
 
+    spec = configured_spec()
     engine = make_engine(database_url)
     try:
-        ingest_day(engine, demo_day(configured_spec(), day, DemoSettings(rows_per_day=rows, poison_rate=0.01)), day)
+        ingest_day(spec, engine, demo_day(spec, day, DemoSettings(rows_per_day=rows, poison_rate=0.01)), day)
         with engine.connect() as conn:
-            rows_frame = valid_rows_between(conn, START_DAY, day + timedelta(days=1))
+            rows_frame = valid_rows_between(spec, conn, START_DAY, day + timedelta(days=1))
     finally:
         engine.dispose()
-    rows_frame = rows_frame.sort(["account_id", "event_ts", "transaction_id"])
-    features = build_features(load_spec(), rows_frame, rows_frame, history_length)
+    entity = [spec.entity.name] if spec.entity else []
+    rows_frame = rows_frame.sort([*entity, "event_ts", spec.id.name])
+    features = build_features(spec, rows_frame, rows_frame, history_length)
     return features.take(np.flatnonzero((rows_frame["partition_date"] == day).to_numpy()))
 
 
@@ -410,7 +412,7 @@ def stored_scores(database_url: str, day: date) -> dict[str, float]:
     try:
         with engine.connect() as conn:
             rows = conn.execute(
-                sa.text("SELECT transaction_id, score FROM predictions WHERE partition_key = :key AND path = 'batch'"),
+                sa.text("SELECT record_id, score FROM predictions WHERE partition_key = :key AND path = 'batch'"),
                 {"key": day.isoformat()},
             ).all()
     finally:
@@ -560,7 +562,7 @@ def bench_precision(
 
         engine = make_engine(database_url)
         demo = DemoSettings(rows_per_day=plan.partition_rows, poison_rate=0.01)
-        ingest_day(engine, demo_day(configured_spec(), partition, demo), partition)
+        ingest_day(configured_spec(), engine, demo_day(configured_spec(), partition, demo), partition)
         engine.dispose()
         e2e = end_to_end(
             database_url, partition, score, FORWARD_BATCH_SIZE, bf16_best, plan.e2e_rounds, DECISION_THRESHOLD

@@ -178,20 +178,21 @@ def prepare_environment(rows_per_day: int, days: int) -> BenchEnv:
     from inference.demo import day_range, demo_day
     from inference.migrate import upgrade
     from inference.model import default_model, untrained_report
-    from inference.spec import DemoSettings, configured_spec, load_spec
+    from inference.spec import DemoSettings, configured_spec
     from inference.store import make_engine
     from tandem import modelstore
 
+    spec = configured_spec()
     engine = make_engine(database_url)
-    upgrade(engine)
+    upgrade(engine, spec)
     demo = DemoSettings(rows_per_day=rows_per_day, poison_rate=0.01)
     for day in day_range(START_DAY, days):
-        ingest_day(engine, demo_day(configured_spec(), day, demo), day)
+        ingest_day(spec, engine, demo_day(spec, day, demo), day)
     engine.dispose()
     import torch
 
     torch.manual_seed(0)
-    model = default_model(load_spec())
+    model = default_model(spec)
     modelstore.promote(modelstore.register(model, untrained_report(model), name="risk_model", code_version="bench"))
     return BenchEnv(root, database_url, dict(os.environ), drop)
 
@@ -257,6 +258,7 @@ def bench_batch_path(
     from inference.spec import DemoSettings, configured_spec
     from inference.store import make_engine
 
+    spec = configured_spec()
     engine = make_engine(bench.database_url)
     runs, sequential, sweep = {}, {}, {}
 
@@ -265,7 +267,7 @@ def bench_batch_path(
 
     for offset, rows in enumerate(partition_rows):
         day = START_DAY + timedelta(days=30 + offset)
-        ingest_day(engine, demo_day(configured_spec(), day, DemoSettings(rows_per_day=rows, poison_rate=0.01)), day)
+        ingest_day(spec, engine, demo_day(spec, day, DemoSettings(rows_per_day=rows, poison_rate=0.01)), day)
         # Side by side on the same partition: the pipeline, then the same steps one chunk at a time.
         runs[str(rows)] = score(day)
         say(f"batch partition {rows:,} rows, pipelined: {runs[str(rows)]}")
@@ -371,7 +373,7 @@ def _bench_upsert(engine: Any, rows: int = 100_000) -> dict[str, Any]:
 
     frame = pl.DataFrame(
         {
-            "transaction_id": [f"bench-{i}" for i in range(rows)],
+            "record_id": [f"bench-{i}" for i in range(rows)],
             "model_version": "bench:upsert",
             "score": np.random.default_rng(0).random(rows),
             "path": "batch",

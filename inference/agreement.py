@@ -62,7 +62,7 @@ class DifferenceStats:
 
 @dataclass(frozen=True)
 class AgreementReport:
-    """How one day's online answers compare with the batch answers to the same transactions."""
+    """How one day's online answers compare with the batch answers to the same records."""
 
     pairs: int  # online answers with a batch answer to compare with
     online_without_batch: int  # online answers whose transaction has no batch answer (yet)
@@ -110,7 +110,7 @@ def summarize(pairs: pl.DataFrame, threshold: float = DECISION_THRESHOLD) -> Agr
         cause = cause_of(_side("online", row), _side("batch", row))
         by_cause[cause] += 1
         if cause is Cause.UNEXPLAINED and len(unexplained) < UNEXPLAINED_LISTED:
-            unexplained.append(str(row["transaction_id"]))
+            unexplained.append(str(row["record_id"]))
     differences = both["difference"]
     stats = None
     if both.height:

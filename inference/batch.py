@@ -23,11 +23,10 @@ from sqlalchemy.engine import Connection, Engine
 
 from inference.contract import FrameHistory, Predictor, StagedPredictor
 from inference.pipeline import END, Aborted, Channel, End, Pipeline
-from inference.records import RECEIVED_PREFIX, raw_columns, strip_text_fields, stripped_columns, validate
+from inference.records import RECEIVED_PREFIX, strip_text_fields, stripped_columns, validate
 from inference.sources.common import MALFORMED_ROW, PROBLEM
-from inference.spec import GenericReason
+from inference.spec import GenericReason, LoadedSpec
 from inference.store import (
-    HISTORY_SCHEMA,
     BatchProducer,
     RejectStage,
     ResultPath,
@@ -38,6 +37,7 @@ from inference.store import (
     predictions,
     prior_history,
     quarantine,
+    record_table,
     resolve_rescored_rejections,
     resolve_superseded_rejections,
     resolve_unsent_ingest_rejections,
@@ -45,24 +45,22 @@ from inference.store import (
     stream_partition_rows,
     upsert_challenger_predictions,
     upsert_predictions,
-    upsert_transactions,
+    upsert_records,
     utc_now,
 )
-from inference.store.schema import REFERENCE_SPEC
 
-# The record table's spec (the reference's until the store follows the spec, 0012 step 5).
-RAW_COLUMNS = raw_columns(REFERENCE_SPEC)
 
-# Rows that cannot be stored as a source record at all (no key, the key already taken in this
-# batch, text PostgreSQL cannot hold, an amount text the number column cannot hold) are
-# quarantined at ingest, with the fields as received; everything else is stored as received
-# and judged at scoring.
-INGEST_REJECTIONS = {
-    GenericReason.NUL_CHARACTER.value,
-    GenericReason.MISSING_FIELD.value,
-    GenericReason.DUPLICATE_ID.value,
-    *(numeric.unparsable_code for numeric in REFERENCE_SPEC.numerics),
-}
+def ingest_rejections(ls: LoadedSpec) -> set[str]:
+    """Reasons a row cannot be stored as a source record at all (no key, the key already taken in
+    this batch, text PostgreSQL cannot hold, a numeric's text the number column cannot hold): such
+    rows are quarantined at ingest, with the fields as received; everything else is stored as
+    received and judged at scoring."""
+    return {
+        GenericReason.NUL_CHARACTER.value,
+        GenericReason.MISSING_FIELD.value,
+        GenericReason.DUPLICATE_ID.value,
+        *(numeric.unparsable_code for numeric in ls.numerics),
+    }
 
 
 @dataclass(frozen=True)
@@ -73,17 +71,19 @@ class IngestReport:
     rejected_at_ingest: int
 
 
-def ingest_day(engine: Engine, frame: pl.DataFrame, day: date, *, run_id: str | None = None) -> IngestReport:
+def ingest_day(
+    ls: LoadedSpec, engine: Engine, frame: pl.DataFrame, day: date, *, run_id: str | None = None
+) -> IngestReport:
     """Store one source day idempotently; identical re-sends change nothing. `run_id`: the Dagster
     run ingesting it, named by the rows it quarantines (their lineage)."""
     # The text fields as received ride along, for the quarantine payload of a row refused here
     # (a source that strips them itself hands them over as received already).
     received = frame.with_columns(
         pl.col(name).alias(f"{RECEIVED_PREFIX}{name}")
-        for name in stripped_columns(REFERENCE_SPEC)
+        for name in stripped_columns(ls)
         if f"{RECEIVED_PREFIX}{name}" not in frame.columns
     )
-    checked = validate(REFERENCE_SPEC, strip_text_fields(REFERENCE_SPEC, received))
+    checked = validate(ls, strip_text_fields(ls, received))
     if PROBLEM in checked.columns:
         # A row its source could not read as written (see `sources.PROBLEM`) is quarantined as that,
         # with the why, whatever its values would say: they are not what the user wrote.
@@ -93,26 +93,27 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date, *, run_id: str | 
             .otherwise(pl.col("reject_reason")),
             reject_detail=pl.col(PROBLEM),
         )
+    id_name = ls.id.name
     unstorable = (
-        checked["reject_reason"].is_in([*INGEST_REJECTIONS, MALFORMED_ROW]).fill_null(False)
-        | checked["transaction_id"].is_null()
+        checked["reject_reason"].is_in([*ingest_rejections(ls), MALFORMED_ROW]).fill_null(False)
+        | checked[id_name].is_null()
     )
     # Only refused rows need the received text: the stored rows, nearly all, are filtered without it.
     as_received = [name for name in checked.columns if name.startswith(RECEIVED_PREFIX)]
     storable, rejected = checked.drop(as_received).filter(~unstorable), checked.filter(unstorable)
     started = utc_now()
     with engine.begin() as conn:
-        changed = upsert_transactions(conn, storable, day)
+        changed = upsert_records(ls, conn, storable, day)
         # An id another day holds is not this day's record: stored, it vanished (the same content,
         # a no-op) or moved the record out of its day (other content), without a word. The upsert
         # leaves such a row alone; asked after it, this also sees a day ingested at the same time
         # that took the id first (the upsert waited for it to commit). Corrections of a day land
         # in that day's source.
-        elsewhere = stored_elsewhere(conn, storable["transaction_id"].to_list(), day)
+        elsewhere = stored_elsewhere(ls, conn, storable[id_name].to_list(), day)
         if elsewhere:
-            taken = pl.col("transaction_id").is_in(list(elsewhere))
-            stored_on = pl.col("transaction_id").replace_strict(
-                {transaction_id: str(stored) for transaction_id, stored in elsewhere.items()}, default=None
+            taken = pl.col(id_name).is_in(list(elsewhere))
+            stored_on = pl.col(id_name).replace_strict(
+                {record_id: str(stored) for record_id, stored in elsewhere.items()}, default=None
             )
             rejected = pl.concat(
                 [
@@ -126,7 +127,9 @@ def ingest_day(engine: Engine, frame: pl.DataFrame, day: date, *, run_id: str | 
             )
             storable = storable.filter(~taken)
         key = day.isoformat()
-        quarantine(conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=key, run_id=run_id)
+        quarantine(
+            ls, conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=key, run_id=run_id
+        )
         resolve_unsent_ingest_rejections(conn, partition_key=key, before=started)
     return IngestReport(frame.height, storable.height, changed, rejected.height)
 
@@ -174,6 +177,7 @@ FORWARD_BATCH_SIZE = 128
 
 
 def score_partition(
+    ls: LoadedSpec,
     engine: Engine,
     predictor: Predictor,
     partition_date: date,
@@ -209,6 +213,7 @@ def score_partition(
     the pipeline is measured and tested against).
     """
     scoring = _PartitionScoring(
+        ls,
         engine,
         predictor,
         partition_date,
@@ -238,6 +243,7 @@ class _PartitionScoring:
 
     def __init__(
         self,
+        ls: LoadedSpec,
         engine: Engine,
         predictor: Predictor,
         partition_date: date,
@@ -248,6 +254,8 @@ class _PartitionScoring:
         on_chunk: Callable[[ChunkProgress], None] | None,
         as_challenger: bool,
     ) -> None:
+        self.spec = ls
+        self.records = record_table(ls)
         self.engine = engine
         self.predictor = predictor
         self.staged = predictor if isinstance(predictor, StagedPredictor) else None
@@ -260,15 +268,15 @@ class _PartitionScoring:
         self.report = PartitionReport()
         self.pipeline = Pipeline(QUEUE_DEPTH)
         self.started = time.perf_counter()
-        # The latest rows of the account the previous chunk ended with: part of the next one's history.
-        self.carry = pl.DataFrame(schema=HISTORY_SCHEMA)
+        # The latest rows of the entity the previous chunk ended with: part of the next one's history.
+        self.carry = pl.DataFrame(schema=self.records.history_schema)
         # Read once, in the write transaction, so each chunk resolves only what is open instead of
         # running an UPDATE over every id it scored (a partition rejects a few percent of its rows).
         self.open_rejections: set[str] | None = None
 
     def chunks(self) -> Generator[tuple[pl.DataFrame, pl.DataFrame]]:
-        """The partition's stored rows in chunks, each with its accounts' rows from earlier days."""
-        chunks = stream_partition_rows(self.engine, self.partition_date, self.chunk_rows)
+        """The partition's stored rows in chunks, each with its entities' rows from earlier days."""
+        chunks = stream_partition_rows(self.spec, self.engine, self.partition_date, self.chunk_rows)
         try:
             while True:
                 began = time.perf_counter()
@@ -285,32 +293,38 @@ class _PartitionScoring:
                 close()
 
     def _earlier_days(self, chunk: pl.DataFrame) -> pl.DataFrame:
-        earliest = chunk.group_by("account_id").agg(pl.col("event_ts").min())
+        entity = self.records.entity
+        if entity is None or self.history_length < 1:
+            return pl.DataFrame(schema=self.records.history_schema)
+        earliest = chunk.group_by(entity).agg(pl.col("event_ts").min())
         with self.engine.connect() as conn:
-            return prior_history(conn, earliest, self.partition_date, self.history_length)
+            return prior_history(self.spec, conn, earliest, self.partition_date, self.history_length)
 
     def featurise(self, chunk: pl.DataFrame, before: pl.DataFrame) -> Any:
         """The chunk validated, with its history, ready for `score` (a StagedPredictor's prepared batch)."""
         # The chunk is validated once, for both its roles (the rows scored and part of their own
         # history), and keeps the input_hash stored with it: validating twice and hashing again
         # were 40% of this stage (bench/findings.md).
-        checked = validate(REFERENCE_SPEC, chunk.select(RAW_COLUMNS)).with_columns(chunk["input_hash"])
+        ls, records = self.spec, self.records
+        checked = validate(ls, chunk.select(records.raw_columns)).with_columns(chunk["input_hash"])
         earlier = pl.concat([before, self.carry])
         history = FrameHistory(
             pl.concat(
                 [
-                    validate(REFERENCE_SPEC, earlier.select(RAW_COLUMNS)).with_columns(earlier["input_hash"]),
+                    validate(ls, earlier.select(records.raw_columns)).with_columns(earlier["input_hash"]),
                     checked,
                 ]
-            )
+            ),
+            spec=ls,
         )
         work = self.staged.prepare(checked, history) if self.staged is not None else (checked, history)
-        # The last account may go on in the next chunk: its latest rows are that chunk's history.
-        self.carry = (
-            history.valid_rows.select(*HISTORY_SCHEMA)
-            .filter(pl.col("account_id") == chunk["account_id"][-1])
-            .tail(self.history_length)
-        )
+        if records.entity is not None and self.history_length > 0:
+            # The last entity may go on in the next chunk: its latest rows are that chunk's history.
+            self.carry = (
+                history.valid_rows.select(*records.history_schema)
+                .filter(pl.col(records.entity) == chunk[records.entity][-1])
+                .tail(self.history_length)
+            )
         return work
 
     def score(self, work: Any) -> pl.DataFrame:
@@ -324,6 +338,7 @@ class _PartitionScoring:
                 set() if self.as_challenger else open_score_rejections(conn, partition_key=self.producer.partition_key)
             )
         _write_chunk(
+            self.spec,
             conn,
             chunk,
             results,
@@ -343,7 +358,7 @@ class _PartitionScoring:
         """After the last chunk, in the same transaction: rejections that no longer hold are resolved."""
         if not self.as_challenger:
             self.pipeline.timing(
-                "write", resolve_superseded_rejections, conn, partition_key=self.producer.partition_key
+                "write", resolve_superseded_rejections, self.spec, conn, partition_key=self.producer.partition_key
             )
 
     def finished(self) -> PartitionReport:
@@ -445,6 +460,7 @@ def _in_stream_order(
 
 
 def _write_chunk(
+    ls: LoadedSpec,
     write: Connection,
     chunk: pl.DataFrame,
     results: pl.DataFrame,
@@ -459,7 +475,7 @@ def _write_chunk(
     `open_rejections`: the partition's records with an open scoring rejection, less those resolved."""
     scored = results.filter(pl.col("reject_reason").is_null())
     rejected = (
-        chunk.select(RAW_COLUMNS)
+        chunk.select(record_table(ls).raw_columns)
         .with_columns(results["reject_reason"], results["reject_detail"])
         .filter(pl.col("reject_reason").is_not_null())
     )
@@ -469,6 +485,7 @@ def _write_chunk(
     else:
         report.rows_written += upsert_predictions(write, rows)
         quarantine(
+            ls,
             write,
             rejected,
             path=ResultPath.BATCH,
@@ -478,15 +495,15 @@ def _write_chunk(
         )
         # A record another model version (or the record's earlier contents) was refused for is
         # scored now: its rejection is over, or it counts as scored and rejected at once.
-        rescored = [tid for tid in scored["transaction_id"].to_list() if tid in open_rejections]
+        rescored = [rid for rid in scored["record_id"].to_list() if rid in open_rejections]
         if rescored:
-            resolve_rescored_rejections(write, partition_key=producer.partition_key, transaction_ids=rescored)
+            resolve_rescored_rejections(write, partition_key=producer.partition_key, record_ids=rescored)
             open_rejections.difference_update(rescored)
     delete_batch_predictions(
         write,
         partition_key=producer.partition_key,
         model_version=predictor.model_version,
-        transaction_ids=rejected["transaction_id"].drop_nulls().to_list(),
+        record_ids=rejected[ls.id.name].drop_nulls().to_list(),
         table=challenger_predictions if as_challenger else predictions,
     )
     report.rows_in += chunk.height

@@ -87,8 +87,8 @@ def compare(pairs: pl.DataFrame, latencies: pl.DataFrame, gate: PromotionGate) -
         "decision_flip_share": (flips_up + flips_down) / pairs.height if pairs.height else None,
     }
 
-    labelled = pairs.filter(pl.col("label_fraud").is_not_null())
-    labels = labelled["label_fraud"].to_numpy().astype(np.int8)
+    labelled = pairs.filter(pl.col("label").is_not_null())
+    labels = labelled["label"].to_numpy().astype(np.int8)
     frauds = int(labels.sum())
     metrics |= {"labelled_pairs": labelled.height, "labelled_frauds": frauds, "alert_rate": gate.alert_rate}
     failures: dict[str, str] = {}

@@ -21,7 +21,8 @@ from inference.spec import GenericReason, LoadedSpec, load_spec
 
 # One row per input row, in input order.
 RESULT_SCHEMA: dict[str, pl.DataType] = {
-    "transaction_id": pl.String(),
+    # The spec's record id, under the name the core tables key it by.
+    "record_id": pl.String(),
     "score": pl.Float64(),
     "reject_reason": pl.String(),
     "reject_detail": pl.String(),
@@ -81,7 +82,7 @@ ForwardFn = Callable[[FeatureBatch], np.ndarray]
 class PreparedBatch:
     """A frame validated, hashed and featurised, not yet through the model (`TorchPredictor.prepare`)."""
 
-    transaction_ids: pl.Series
+    record_ids: pl.Series
     input_hashes: pl.Series
     reasons: list[str | None]  # validation reasons, one per input row
     details: list[str | None]
@@ -173,7 +174,7 @@ class TorchPredictor:
                 history_hashes[position] = digest
                 unseen[position] = fields
         return PreparedBatch(
-            transaction_ids=checked[self.spec.id.name],
+            record_ids=checked[self.spec.id.name],
             input_hashes=checked["input_hash"],
             reasons=reasons,
             details=details,
@@ -203,7 +204,7 @@ class TorchPredictor:
         scores[np.array(failed, dtype=bool)] = np.nan
         return pl.DataFrame(
             {
-                "transaction_id": prepared.transaction_ids,
+                "record_id": prepared.record_ids,
                 "score": pl.Series(scores, nan_to_null=True),
                 "reject_reason": pl.Series(reasons, dtype=pl.String),
                 "reject_detail": pl.Series(details, dtype=pl.String),

@@ -1,4 +1,4 @@
-"""Why does transaction X have score Y: every answer each path gave, which one is current, its
+"""Why does record X have score Y: every answer each path gave, which one is current, its
 producer, model and code version, input and history hashes, and why the paths differ if they do;
 every time a path refused it (quarantined: where, when and why); and apart, the challenger's
 answers (replays and shadows), which no client ever received."""
@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from inference.agreement import cause_of
+from inference.spec import LoadedSpec
 from inference.store import ResultPath, challenger_lineage_rows, lineage_rows, rejection_rows
 
 
@@ -32,7 +33,7 @@ class ResultLineage:
     degraded: bool
     unseen_fields: list[str]
     produced_at: str
-    current: bool  # the answer that stands for this transaction now (see `explain`)
+    current: bool  # the answer that stands for this record now (see `explain`)
     # Online answers: how the batch answer compares (the same version's, else the newest; None: none yet).
     batch_score: float | None
     versus_batch: str | None  # an inference.agreement.Cause
@@ -40,7 +41,7 @@ class ResultLineage:
 
 @dataclass(frozen=True)
 class RejectionLineage:
-    """A time a path refused the transaction (`rejected_records`): where, when and why."""
+    """A time a path refused the record (`rejected_records`): where, when and why."""
 
     rejection_id: int
     reason: str  # a validation reason code of the spec, or a source's or the store's reason
@@ -61,8 +62,8 @@ class RejectionLineage:
 
 
 @dataclass(frozen=True)
-class TransactionLineage:
-    transaction_id: str
+class RecordLineage:
+    record_id: str
     source_found: bool
     partition_date: str | None
     current_input_hash: str | None
@@ -101,14 +102,14 @@ def _current_index(rows: list[dict[str, Any]], current_hash: str | None, product
 
 
 def explain(
-    engine: Engine, transaction_id: str, *, dagster_ui_url: str, production_version: str | None = None
-) -> TransactionLineage:
+    ls: LoadedSpec, engine: Engine, record_id: str, *, dagster_ui_url: str, production_version: str | None = None
+) -> RecordLineage:
     """`production_version`: the model version in production now (None: unknown), whose answer is
     the current one where several versions answered."""
     with engine.connect() as conn:
-        source, rows = lineage_rows(conn, transaction_id)
-        challenger_rows = challenger_lineage_rows(conn, transaction_id)
-        rejected = rejection_rows(conn, transaction_id)
+        source, rows = lineage_rows(ls, conn, record_id)
+        challenger_rows = challenger_lineage_rows(conn, record_id)
+        rejected = rejection_rows(conn, record_id)
     current_hash = source["input_hash"] if source else None
     current = _current_index(rows, current_hash, production_version)
     batch_rows = [row for row in rows if row["path"] == ResultPath.BATCH.value]
@@ -123,8 +124,8 @@ def explain(
             else batch_by_version.get(row["model_version"], batch_rows[-1] if batch_rows else None)
         )
         results.append(_result(row, current_hash, dagster_ui_url, current=index == current, paired=paired))
-    return TransactionLineage(
-        transaction_id=transaction_id,
+    return RecordLineage(
+        record_id=record_id,
         source_found=source is not None,
         partition_date=str(source["partition_date"]) if source else None,
         current_input_hash=current_hash,

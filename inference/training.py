@@ -43,7 +43,7 @@ def train_from_store(
             "`tandem models register DIR`"
         )
     with engine.connect() as conn:
-        rows = valid_rows_between(conn, first_day, holdout_day + timedelta(days=1))
+        rows = valid_rows_between(spec, conn, first_day, holdout_day + timedelta(days=1))
     if rows.is_empty():
         raise ValueError(f"no valid {spec.spec.plural} between {first_day} and {holdout_day}")
     rows = rows.sort(_timeline_order(spec))
@@ -86,7 +86,7 @@ def evaluate_auc(engine: Engine, spec: LoadedSpec, model: LoadedModel, *, first_
     """AUC of `model` on `holdout_day`, with history from the days before it (to compare versions)."""
     assert spec.label is not None, "train_from_store refuses a spec without a label first"
     with engine.connect() as conn:
-        rows = valid_rows_between(conn, first_day, holdout_day + timedelta(days=1))
+        rows = valid_rows_between(spec, conn, first_day, holdout_day + timedelta(days=1))
     rows = rows.sort(_timeline_order(spec))
     holdout = rows.filter(rows["partition_date"] == holdout_day)
     features = build_features(spec, holdout, rows, model.history_length)

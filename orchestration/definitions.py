@@ -22,6 +22,7 @@ from assets.batch import build_batch_assets
 from assets.challenger import build_challenger_assets
 from assets.deadline import build_deadline_check
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from inference.spec import configured_spec
 from orchestration.alerts import build_run_failure_alert
 from orchestration.deadline import build_deadline_sensor
 from orchestration.sensors import (
@@ -75,7 +76,10 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
     partitions = DailyPartitionsDefinition(start_date=settings.partitions_start.isoformat(), timezone="UTC")
     sensor_settings = SensorSettings()
     batch_assets = build_batch_assets(
-        partitions, settings.history_length, rescore_days=sensor_settings.promotion_rescore_partitions
+        configured_spec(),
+        partitions,
+        settings.history_length,
+        rescore_days=sensor_settings.promotion_rescore_partitions,
     )
     agreement_assets = build_agreement_assets(partitions)
     deadline_check = build_deadline_check(partitions)

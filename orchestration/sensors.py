@@ -165,7 +165,10 @@ def build_sensors(settings: SensorSettings, *, partitions: PartitionsDefinition)
         with database.engine.connect() as conn:
             # The production model's own K: the rescore runs with it, so its reach is what changed.
             changes = stale_scored_partitions(
-                conn, changed_after=_look_back_from(context.cursor), history_length=model_store.history_length(version)
+                database.spec,
+                conn,
+                changed_after=_look_back_from(context.cursor),
+                history_length=model_store.history_length(version),
             )
         if not changes:
             return SkipReason("no changed records in scored partitions")

@@ -92,6 +92,7 @@ async def _lineage(request: Request, request_id: str, edge: _Edge, scorer: Onlin
         # A blocking query: off the event loop, which keeps answering /score meanwhile.
         found = await asyncio.to_thread(
             explain,
+            scorer.spec,
             scorer.engine,
             record_id,
             dagster_ui_url=edge.dagster_ui_url,

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from inference.lineage import TransactionLineage
+from inference.lineage import RecordLineage
 from inference.spec import LoadedSpec
 from serving.schemas import DEADLINE_HEADER, IDEMPOTENCY_HEADER, ErrorBody, api_models
 from serving.security import SecuritySettings
@@ -162,7 +162,7 @@ def _lineage_path(spec: LoadedSpec, components: _Components, guarded: dict[str, 
             ],
             **guarded,
             "responses": {
-                "200": error(TransactionLineage, "The source record's state, every answer and every rejection."),
+                "200": error(RecordLineage, "The source record's state, every answer and every rejection."),
                 "401": error(ErrorBody, "A token is configured and the request lacks it.", UNAUTHORIZED),
                 "404": error(ErrorBody, "No record, answer or rejection for this id."),
                 "422": error(ErrorBody, f"Not a possible {record} id."),

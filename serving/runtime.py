@@ -366,7 +366,7 @@ class OnlineScorer:
             if result.degraded:
                 self.metrics.degraded.inc()
         for row in outcome.rows:
-            row["latency_ms"] = waited_ms.get(row["transaction_id"])
+            row["latency_ms"] = waited_ms.get(row["record_id"])
         self.writer.submit_rows(outcome.rows)
         self.writer.submit_rejections(outcome.rejected)
         self.shadow.offer([item.spec for item in batch], outcome)

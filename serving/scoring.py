@@ -22,13 +22,13 @@ from inference.contract import Predictor
 from inference.records import hash_inputs, raw_frame, validate
 from inference.spec import LoadedSpec
 from inference.store import (
-    HISTORY_SCHEMA,
     NO_HISTORY,
     OnlineProducer,
     ResultPath,
     fetch_history,
     online_answers,
     prediction_rows,
+    record_table,
     utc_now,
 )
 from serving.breaker import CircuitBreaker
@@ -106,10 +106,12 @@ class GuardedHistory:
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         if not reads_history(self.spec, history_length):
             # The features read no history at K = 0: an empty frame of any schema will do.
-            return pl.DataFrame(schema=HISTORY_SCHEMA)
+            return pl.DataFrame(schema=record_table(self.spec).history_schema)
         if self.breaker.allow():
             try:
-                history = read_reconnecting(self.engine, lambda conn: fetch_history(conn, targets, history_length))
+                history = read_reconnecting(
+                    self.engine, lambda conn: fetch_history(self.spec, conn, targets, history_length)
+                )
             except SQLAlchemyError as error:
                 self.breaker.record_failure()
                 logger.warning("history read failed, scoring without history: %s", error)
@@ -117,7 +119,7 @@ class GuardedHistory:
                 self.breaker.record_success()
                 return history
         self.degraded = True
-        return pl.DataFrame(schema=HISTORY_SCHEMA)
+        return pl.DataFrame(schema=record_table(self.spec).history_schema)
 
 
 class ScoringCore:
@@ -194,17 +196,17 @@ class ScoringCore:
         if not self.breaker.allow():
             return {}
         try:
-            transaction_ids = [item.record_id for item in items]
+            record_ids = [item.record_id for item in items]
             rows = read_reconnecting(
                 self.engine,
-                lambda conn: online_answers(conn, model_version=self.model_version, transaction_ids=transaction_ids),
+                lambda conn: online_answers(conn, model_version=self.model_version, record_ids=record_ids),
             )
         except SQLAlchemyError as error:
             self.breaker.record_failure()
             logger.warning("stored-answer lookup failed; answering afresh: %s", error)
             return {}
         self.breaker.record_success()
-        return {(row["transaction_id"], row["answer_key"]): self._replayed(row["transaction_id"], row) for row in rows}
+        return {(row["record_id"], row["answer_key"]): self._replayed(row["record_id"], row) for row in rows}
 
     def _remember(self, answer_id: tuple[str, str], answer: ItemResult) -> None:
         """Only scored answers: an error is never replayed."""

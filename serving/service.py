@@ -118,7 +118,7 @@ class RiskScorer:
         url = settings.resolved_database_url()
         options = engine_options(url, serving)
         engine = make_engine(url, **options)
-        upgrade(engine)
+        upgrade(engine, self.spec)
         self.worker_config = worker.WorkerConfig(
             spec_path=self.spec.path,
             model_dir=str(self.model_ref.path),

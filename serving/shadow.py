@@ -188,7 +188,7 @@ class ShadowScorer:
         offered_at = {offered.spec.record_id: offered.at for offered in batch}
         rows = []
         for row in outcome.rows:
-            latency_s = finished - offered_at.get(row["transaction_id"], finished)
+            latency_s = finished - offered_at.get(row["record_id"], finished)
             rows.append({**row, "path": ResultPath.SHADOW.value, "latency_ms": latency_s * 1000})
             self.metrics.shadow_latency.observe(latency_s)
         scored = sum(1 for result in outcome.results if result.status == "scored")

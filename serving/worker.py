@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import TorchPredictor
 from inference.model import load_model
-from inference.spec import load_spec
+from inference.spec import LoadedSpec, load_spec
 from inference.store import make_engine, warm_history_statements
 from serving.breaker import CircuitBreaker
 from serving.scoring import BatchResult, ItemSpec, ScoringCore, reads_history
@@ -63,17 +63,17 @@ def initialize(config: WorkerConfig) -> None:
     # No ping per checkout: a batch's reads retry once on a dropped connection (`read_reconnecting`).
     engine = make_engine(config.database_url, **{**config.engine_options, "pool_pre_ping": False})
     if reads_history(spec, predictor.history_length):
-        _prepare_history_reads(engine, config.forward_batch_size)
+        _prepare_history_reads(spec, engine, config.forward_batch_size)
     breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
     _core = ScoringCore(spec, predictor, engine, breaker, code_version=config.code_version)
     # The libraries and the model live as long as the process: full collections need not scan them.
     gc.freeze()
 
 
-def _prepare_history_reads(engine: Engine, targets: int) -> None:
+def _prepare_history_reads(spec: LoadedSpec, engine: Engine, targets: int) -> None:
     try:
         with engine.connect() as conn:
-            warm_history_statements(conn, targets)
+            warm_history_statements(spec, conn, targets)
     except SQLAlchemyError as error:  # the store may be down at start: batches then score without history
         logger.warning("could not prepare the history reads: %s", error)
 

@@ -56,9 +56,7 @@ def _first_per_answer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     first = []
     for row in rows:
         # .get: a malformed row must reach the write (and its quarantine), not fail the gathering.
-        answer = tuple(
-            row.get(name) for name in ("transaction_id", "model_version", "path", "input_hash", "history_hash")
-        )
+        answer = tuple(row.get(name) for name in ("record_id", "model_version", "path", "input_hash", "history_hash"))
         if answer not in seen:
             seen.add(answer)
             first.append(row)
@@ -272,11 +270,9 @@ class ResultWriter:
             if is_transient_db_error(second) or is_missing_schema(second):
                 raise StoreOutage([row]) from second
             # Nothing storable is left of it; dropping it beats holding back every later row.
-            logger.error(
-                "dropped an unwritable result row for %r: %s; then %s", row.get("transaction_id"), detail, second
-            )
+            logger.error("dropped an unwritable result row for %r: %s; then %s", row.get("record_id"), detail, second)
             return
-        logger.error("quarantined an unwritable result row for %r: %s", row.get("transaction_id"), detail)
+        logger.error("quarantined an unwritable result row for %r: %s", row.get("record_id"), detail)
 
     def drain(self) -> int:
         if not self._outbox_depth or not self.breaker.allow():
@@ -309,6 +305,7 @@ class ResultWriter:
             with self.engine.begin() as conn:
                 for request_id, positions in by_request.items():
                     quarantine(
+                        self.spec,
                         conn,
                         frame[positions],
                         path=ResultPath.ONLINE,

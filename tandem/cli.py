@@ -13,6 +13,7 @@ import bentoml
 import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine, make_url
 
 from inference.batch import FORWARD_BATCH_SIZE, BatchProducer, ChunkProgress, ingest_day, score_partition
@@ -22,7 +23,13 @@ from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.settings import TandemSettings, get_settings, settings_error
 from inference.spec import DEFAULT_SPEC_PATH, Categorical, Label, LoadedSpec, configured_spec, load_spec, role_of
-from inference.store import latest_challenger_report, make_engine, mark_rejections_fixed, rejected_records
+from inference.store import (
+    latest_challenger_report,
+    make_engine,
+    mark_rejections_fixed,
+    record_table_ddl,
+    rejected_records,
+)
 from inference.training import train_from_store
 from tandem import modelstore
 from tandem.version import code_version
@@ -36,14 +43,14 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     """generate -> ingest -> train + register -> score the last day -> upsert -> summary."""
     started = time.perf_counter()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    engine = _migrated_engine(settings)
     ls = configured_spec()
+    engine = _migrated_engine(settings, ls)
     demo = demo_settings(settings)
     days = day_range(demo.start, demo.days)
 
     _say(f"[1/4] ingesting {len(days)} generated days into {engine.url!r}")
     for day in days:
-        ingest = ingest_day(engine, demo_day(ls, day, demo), day)
+        ingest = ingest_day(ls, engine, demo_day(ls, day, demo), day)
         _say(
             f"      {day}: {ingest.rows_stored} stored ({ingest.rows_changed} new or changed), "
             f"{ingest.rejected_at_ingest} quarantined at ingest"
@@ -72,7 +79,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
         run_id=f"cli-{uuid.uuid4().hex[:12]}", partition_key=days[-1].isoformat(), code_version=code_version()
     )
     scored = score_partition(
-        engine, predictor, days[-1], producer=producer, history_length=predictor.history_length, on_chunk=progress
+        ls, engine, predictor, days[-1], producer=producer, history_length=predictor.history_length, on_chunk=progress
     )
     summary = {
         "partition": days[-1].isoformat(),
@@ -107,7 +114,7 @@ def _rejection_id(text: str) -> int:
     return rejection_id
 
 
-def _migrated_engine(settings: TandemSettings) -> Engine:
+def _migrated_engine(settings: TandemSettings, ls: LoadedSpec) -> Engine:
     url = settings.resolved_database_url()
     try:
         engine = make_engine(url)
@@ -117,15 +124,17 @@ def _migrated_engine(settings: TandemSettings) -> Engine:
         # The SQLite file's folder could not be made: a file stands in its path, or no permission.
         where = make_url(url).render_as_string(hide_password=True)
         raise OSError(unusable.errno, f"{unusable.strerror} (the folder of {where})", unusable.filename) from unusable
-    upgrade(engine)
+    upgrade(engine, ls)
     return engine
 
 
-def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bool) -> int:
-    engine = _migrated_engine(settings)
+def _print_lineage(settings: TandemSettings, record_id: str, *, as_json: bool) -> int:
+    ls = configured_spec()
+    engine = _migrated_engine(settings, ls)
     report = explain(
+        ls,
         engine,
-        transaction_id,
+        record_id,
         dagster_ui_url=settings.dagster_ui_url,
         production_version=modelstore.production_tag(settings.model_name),
     )
@@ -133,12 +142,12 @@ def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bo
         _say(json.dumps(report.to_dict(), indent=2, default=str))
         return 0 if report.found else 1
     if not report.found:
-        _say(f"{transaction_id}: no such transaction, no results and no rejections")
+        _say(f"{record_id}: no such record, no results and no rejections")
         return 1
     if report.source_found:
-        _say(f"{transaction_id}: partition {report.partition_date}, current input hash {report.current_input_hash}")
+        _say(f"{record_id}: partition {report.partition_date}, current input hash {report.current_input_hash}")
     else:
-        _say(f"{transaction_id}: no stored record")
+        _say(f"{record_id}: no stored record")
     for rejection in report.rejections:
         state = f"resolved ({rejection.resolution})" if rejection.resolved else "open"
         why = f"{rejection.reason}: {rejection.detail}" if rejection.detail else rejection.reason
@@ -172,6 +181,23 @@ def _print_lineage(settings: TandemSettings, transaction_id: str, *, as_json: bo
             f"input {result.input_hash}, at {result.produced_at} (never returned to a client)"
         )
     return 0
+
+
+def _print_ddl(settings: TandemSettings, dialect_name: str | None) -> None:
+    """The record table's statements, for a user who creates or alters it by hand."""
+    dialects = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect}
+    name = dialect_name
+    if name is None:
+        try:
+            name = make_url(settings.resolved_database_url()).get_backend_name()
+        except sa_exc.ArgumentError:
+            # Not echoed: a URL that does not parse may still hold a password.
+            raise ValueError("DATABASE_URL: not a database URL; --dialect names the SQL to print") from None
+    if name not in dialects:
+        raise ValueError(f"DATABASE_URL: a {name} database; Tandem's store is PostgreSQL or SQLite")
+    dialect = dialects[name]()
+    for statement in record_table_ddl(configured_spec(), dialect):
+        _say(f"{statement};")
 
 
 def _print_spec(loaded: LoadedSpec) -> None:
@@ -213,9 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     challenged.add_argument("--clear", action="store_true", help="empty the challenger slot")
     spec = commands.add_parser("spec", help="check a model spec and print its fields, roles and digest")
     spec.add_argument("path", nargs="?", default=DEFAULT_SPEC_PATH, help="package.module:attribute (the reference)")
-    lineage = commands.add_parser("lineage", help="why does a transaction have its score")
-    lineage.add_argument("transaction_id")
+    lineage = commands.add_parser("lineage", help="why does a record have its score")
+    lineage.add_argument("record_id")
     lineage.add_argument("--json", action="store_true", help="machine-readable output")
+    store = commands.add_parser("store", help="the configured spec's record table")
+    store_commands = store.add_subparsers(dest="action", required=True)
+    ddl = store_commands.add_parser("ddl", help="print the CREATE statements of the record table")
+    ddl.add_argument("--dialect", choices=("postgresql", "sqlite"), help="SQL dialect (default: that of DATABASE_URL)")
     rejects = commands.add_parser("rejects", help="quarantined records")
     reject_commands = rejects.add_subparsers(dest="action", required=True)
     fixed = reject_commands.add_parser("fixed", help="mark rejections fixed upstream (the sensor reruns their days)")
@@ -255,9 +285,11 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
     if args.command == "demo":
         run_demo(settings)
     elif args.command == "lineage":
-        return _print_lineage(settings, args.transaction_id, as_json=args.json)
+        return _print_lineage(settings, args.record_id, as_json=args.json)
     elif args.command == "spec":
         _print_spec(load_spec(args.path))
+    elif args.command == "store":
+        _print_ddl(settings, args.dialect)
     elif args.command == "rejects":
         _mark_fixed(settings, sorted(set(args.rejection_ids)))
     elif args.action == "list":
@@ -316,7 +348,7 @@ def _version_of(settings: TandemSettings, tag: str, *, refused: str) -> str:
 def _mark_fixed(settings: TandemSettings, rejection_ids: list[int]) -> None:
     """All of them or none: an id that names no rejection is a typo, and marking the others would
     leave the user to work out which of their list took effect."""
-    engine = _migrated_engine(settings)
+    engine = _migrated_engine(settings, configured_spec())
     try:
         with engine.begin() as conn:
             marked = mark_rejections_fixed(conn, rejection_ids)
@@ -344,7 +376,7 @@ def _promote_challenger(settings: TandemSettings, spec: LoadedSpec, *, force: bo
     champion = modelstore.production_tag(settings.model_name)
     if challenger is None:
         raise PromotionRefused("no challenger to promote: `tandem models challenge TAG` sets one")
-    engine = _migrated_engine(settings)
+    engine = _migrated_engine(settings, spec)
     try:
         with engine.connect() as conn:
             report = latest_challenger_report(conn, challenger=challenger, champion=champion or "")

@@ -32,7 +32,7 @@ def answer(
     """One answer as its path writes it; a degraded online answer has no history hash."""
     batch = path == "batch"
     return {
-        "transaction_id": transaction_id,
+        "record_id": transaction_id,
         "model_version": model_version,
         "score": score,
         "path": path,

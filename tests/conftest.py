@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.reference import REFERENCE
+
 _SESSION_ROOT = Path(tempfile.mkdtemp(prefix="tandem-tests-"))
 os.environ["BENTOML_HOME"] = str(_SESSION_ROOT / "bentoml")
 os.environ["DAGSTER_HOME"] = str(_SESSION_ROOT / "dagster")
@@ -78,7 +80,7 @@ def database_url(request: pytest.FixtureRequest) -> str:
 @contextmanager
 def _migrated(url: str) -> Iterator[Engine]:
     migrated = make_engine(url)
-    upgrade(migrated)
+    upgrade(migrated, REFERENCE)
     try:
         yield migrated
     finally:

@@ -33,6 +33,7 @@ from inference.spec import load_spec
 from inference.store import make_engine
 from tandem import modelstore
 from tandem_specs.transactions.model import ModelConfig
+from tests.reference import REFERENCE
 
 T = TypeVar("T")
 # How long a test waits for something that normally takes milliseconds (a row written, a queue
@@ -144,8 +145,8 @@ def migrate_and_ingest(url: str, frame: pl.DataFrame, day: date) -> None:
     """Brings the database at `url` to the latest schema, then stores `frame` as `day`'s records."""
     engine = make_engine(url)
     try:
-        upgrade(engine)
-        ingest_day(engine, frame, day)
+        upgrade(engine, REFERENCE)
+        ingest_day(REFERENCE, engine, frame, day)
     finally:
         engine.dispose()
 

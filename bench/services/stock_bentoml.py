@@ -36,7 +36,7 @@ class StockScorer:
         self.model = load_model(Path(self.model_ref.path), RECORD_SPEC)
         self.version = str(self.model_ref.tag)
         self.engine = make_engine(_SETTINGS.resolved_database_url())
-        self.history = StoreHistory(self.engine)
+        self.history = StoreHistory(RECORD_SPEC, self.engine)
 
     @bentoml.api(batchable=True)
     def score(self, transactions: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -50,7 +50,7 @@ class StockScorer:
         request_id = uuid.uuid4().hex
         rows = pl.DataFrame(
             {
-                "transaction_id": checked["transaction_id"],
+                "record_id": checked["transaction_id"],
                 "model_version": self.version,
                 "score": scores,
                 "path": ResultPath.ONLINE.value,

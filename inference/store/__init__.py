@@ -1,19 +1,21 @@
 """The result store: Tandem's tables in SQLAlchemy Core and every statement run on them.
 
-This package is the only place that speaks SQL on Tandem's tables (`transactions`, `predictions`,
-`rejected_records`, `idempotency_keys`, `challenger_predictions`, `challenger_reports`); the
-service's local outbox file (serving/outbox.py) is the one exception, and it is not one of these
-tables. All statements are built with SQLAlchemy (parameterised). Writes are idempotent upserts
-keyed by the data contract's keys, never blind appends, so a retried or replayed write changes nothing.
+This package is the only place that speaks SQL on Tandem's tables (the spec's record table,
+`predictions`, `rejected_records`, `idempotency_keys`, `challenger_predictions`,
+`challenger_reports`, `tandem_spec`); the service's local outbox file (serving/outbox.py) is the
+one exception, and it is not one of these tables. All statements are built with SQLAlchemy
+(parameterised). Writes are idempotent upserts keyed by the data contract's keys, never blind
+appends, so a retried or replayed write changes nothing.
 
-Modules, by concern: `schema` (tables, enums, row schemas), `engine` (engines, the clock, which
-errors are transient), `merge` (the upsert machinery), `source_rows` (`transactions`: source rows
-and history), `answers` (`predictions`: the row builder, upserts, reads of answers), `rejections`
-(quarantine and its resolution), `checks` (what the batch asset checks read back), `watch` (what
-the sensors watch), `idempotency` (idempotency keys), `challenger` (a challenger's answers and the
-reports that gate its promotion). Import from the package: `from
-inference.store import X`. No module is named after a table, so `inference.store.predictions`
-stays the table even after a submodule import.
+Modules, by concern: `schema` (core tables, enums, row schemas), `record_table` (the spec's record
+table, generated), `engine` (engines, the clock, which errors are transient), `merge` (the upsert
+machinery), `source_rows` (the record table: source rows and history), `answers` (`predictions`:
+the row builder, upserts, reads of answers), `rejections` (quarantine and its resolution),
+`checks` (what the batch asset checks read back), `watch` (what the sensors watch),
+`idempotency` (idempotency keys), `challenger` (a challenger's answers and the reports that gate
+its promotion). Every function that reads or writes the record table takes the spec first. Import
+from the package: `from inference.store import X`. No module is named after a table, so
+`inference.store.predictions` stays the table even after a submodule import.
 """
 
 from inference.store.answers import (
@@ -54,6 +56,7 @@ from inference.store.idempotency import (
     take_over_idempotency_key,
 )
 from inference.store.merge import ConflictPolicy
+from inference.store.record_table import RecordTable, record_table, record_table_ddl
 from inference.store.rejections import (
     count_rejected,
     mark_rejections_fixed,
@@ -66,7 +69,6 @@ from inference.store.rejections import (
     resolve_unsent_ingest_rejections,
 )
 from inference.store.schema import (
-    HISTORY_SCHEMA,
     NO_HISTORY,
     PREDICTION_COLUMNS,
     PREDICTION_SCHEMA,
@@ -80,7 +82,7 @@ from inference.store.schema import (
     metadata,
     predictions,
     rejected_records,
-    transactions,
+    tandem_spec,
 )
 from inference.store.source_rows import (
     StoreHistory,
@@ -90,7 +92,7 @@ from inference.store.source_rows import (
     stored_elsewhere,
     stored_partition_dates,
     stream_partition_rows,
-    upsert_transactions,
+    upsert_records,
     valid_rows_between,
     warm_history_statements,
 )
@@ -105,7 +107,6 @@ from inference.store.watch import (
 __all__ = [
     "ANSWER_PAIR_SCHEMA",
     "COMPARISON_SCHEMA",
-    "HISTORY_SCHEMA",
     "NO_HISTORY",
     "PARITY_TOLERANCE",
     "PREDICTION_COLUMNS",
@@ -120,6 +121,7 @@ __all__ = [
     "OnlineProducer",
     "PartitionChange",
     "PartitionCounts",
+    "RecordTable",
     "RejectStage",
     "Resolution",
     "ResultPath",
@@ -161,6 +163,8 @@ __all__ = [
     "read_partition_rows",
     "read_predictions",
     "record_challenger_report",
+    "record_table",
+    "record_table_ddl",
     "rejected_records",
     "rejection_rows",
     "release_idempotency_key",
@@ -173,10 +177,10 @@ __all__ = [
     "stored_partition_dates",
     "stream_partition_rows",
     "take_over_idempotency_key",
-    "transactions",
+    "tandem_spec",
     "upsert_challenger_predictions",
     "upsert_predictions",
-    "upsert_transactions",
+    "upsert_records",
     "utc_now",
     "valid_rows_between",
     "warm_history_statements",

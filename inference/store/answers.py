@@ -15,15 +15,16 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from inference.records import EVENT_TS_DTYPE, run_query
+from inference.spec import LoadedSpec
 from inference.store.engine import _as_utc, _chunks, _frame_from_rows
 from inference.store.merge import _merge
+from inference.store.record_table import record_table
 from inference.store.schema import (
     NO_HISTORY,
     PREDICTION_COLUMNS,
     PREDICTION_SCHEMA,
     ResultPath,
     predictions,
-    transactions,
 )
 
 # Columns a writer may leave out: the merge derives answer_key, and the rest default.
@@ -55,7 +56,7 @@ class OnlineProducer:
 
 
 # What a row copies from the Predictor's result (contract.RESULT_SCHEMA) as it is.
-_FROM_RESULT = ("transaction_id", "score", "input_hash", "history_hash", "unseen_fields")
+_FROM_RESULT = ("record_id", "score", "input_hash", "history_hash", "unseen_fields")
 # Every column a builder fills: all of them but answer_key, which the upsert derives.
 ROW_COLUMNS: tuple[str, ...] = tuple(name for name in PREDICTION_COLUMNS if name != "answer_key")
 
@@ -128,7 +129,7 @@ def prediction_rows(
         columns |= {name: pl.lit(value, dtype=PREDICTION_SCHEMA[name]).alias(name) for name, value in lineage.items()}
         return scored.select(*(columns[name] for name in ROW_COLUMNS))
     return {
-        "transaction_id": scored["transaction_id"],
+        "record_id": scored["record_id"],
         "score": float(scored["score"]),
         "input_hash": scored["input_hash"],
         "history_hash": None if degraded else scored["history_hash"],
@@ -158,7 +159,7 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame, *, table: sa.Table 
     """Write prediction rows idempotently; returns rows inserted or changed. `table` is
     `predictions`, or `challenger_predictions`, which has the same columns and rules.
 
-    Keyed by (transaction_id, model_version, path, answer_key), so one path never touches what the
+    Keyed by (record_id, model_version, path, answer_key), so one path never touches what the
     other recorded:
     - a batch answer is rewritten when the record or the history it read changed (a correction,
       a late earlier record), or when the score did (the same model under changed feature or
@@ -179,9 +180,9 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame, *, table: sa.Table 
         .with_columns(*missing)
         .with_columns(answer_key_expr(), pl.col("degraded").cast(pl.Boolean).fill_null(False))
         .select(PREDICTION_COLUMNS)
-        .unique(["transaction_id", "model_version", "path", "answer_key"], keep="last")
+        .unique(["record_id", "model_version", "path", "answer_key"], keep="last")
     )
-    key = ["transaction_id", "model_version", "path", "answer_key"]
+    key = ["record_id", "model_version", "path", "answer_key"]
     return _merge(conn, table, frame, key, functools.partial(_prediction_conflict, table))
 
 
@@ -195,7 +196,7 @@ def _prediction_conflict(table: sa.Table, excluded: Any) -> tuple[dict[str, Any]
         p.history_hash.is_distinct_from(excluded.history_hash),
         sa.func.abs(p.score - excluded.score) > PARITY_TOLERANCE,
     )
-    key = ("transaction_id", "model_version", "path", "answer_key")
+    key = ("record_id", "model_version", "path", "answer_key")
     set_ = {name: excluded[name] for name in PREDICTION_COLUMNS if name not in key}
     return set_, sa.and_(excluded.path == ResultPath.BATCH.value, changed)
 
@@ -205,18 +206,18 @@ def delete_batch_predictions(
     *,
     partition_key: str,
     model_version: str,
-    transaction_ids: list[str],
+    record_ids: list[str],
     table: sa.Table = predictions,
 ) -> int:
     """Drop batch predictions of records that a rerun now rejects (a correction made them invalid)."""
     deleted = 0
-    for chunk in _chunks(transaction_ids, 1000):
+    for chunk in _chunks(record_ids, 1000):
         deleted += conn.execute(
             sa.delete(table).where(
                 table.c.partition_key == partition_key,
                 table.c.model_version == model_version,
                 table.c.path == ResultPath.BATCH.value,
-                table.c.transaction_id.in_(chunk),
+                table.c.record_id.in_(chunk),
             )
         ).rowcount
     return deleted
@@ -225,7 +226,7 @@ def delete_batch_predictions(
 # ------------------------------------------------------------------ reads
 def read_predictions(conn: Connection, **equal_to: Any) -> pl.DataFrame:
     stmt = sa.select(predictions).order_by(
-        predictions.c.transaction_id, predictions.c.model_version, predictions.c.path, predictions.c.produced_at
+        predictions.c.record_id, predictions.c.model_version, predictions.c.path, predictions.c.produced_at
     )
     for name, value in equal_to.items():
         stmt = stmt.where(predictions.c[name] == value)
@@ -233,9 +234,9 @@ def read_predictions(conn: Connection, **equal_to: Any) -> pl.DataFrame:
     return frame.with_columns(_as_utc(pl.col("produced_at")))
 
 
-def online_answers(conn: Connection, *, model_version: str, transaction_ids: Sequence[str]) -> list[dict[str, Any]]:
-    """Stored online answers of these transactions under one model version (for replays)."""
-    parameters = {"model_version": model_version, "transaction_ids": list(transaction_ids)}
+def online_answers(conn: Connection, *, model_version: str, record_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """Stored online answers of these records under one model version (for replays)."""
+    parameters = {"model_version": model_version, "record_ids": list(record_ids)}
     return [dict(row._mapping) for row in conn.execute(_online_answers_statement(), parameters)]
 
 
@@ -246,24 +247,25 @@ def _online_answers_statement() -> sa.Select[Any]:
     return sa.select(predictions).where(
         p.model_version == sa.bindparam("model_version", type_=p.model_version.type),
         p.path == ResultPath.ONLINE.value,
-        p.transaction_id.in_(sa.bindparam("transaction_ids", expanding=True, type_=p.transaction_id.type)),
+        p.record_id.in_(sa.bindparam("record_ids", expanding=True, type_=p.record_id.type)),
     )
 
 
-def lineage_rows(conn: Connection, transaction_id: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """The stored source record (or None) and every prediction row of one transaction."""
-    source = (
-        conn.execute(sa.select(transactions).where(transactions.c.transaction_id == transaction_id)).mappings().first()
-    )
+def lineage_rows(
+    ls: LoadedSpec, conn: Connection, record_id: str
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The stored source record (or None) and every prediction row of one record."""
+    rt = record_table(ls)
+    source = conn.execute(sa.select(rt.table).where(rt.c[rt.id] == record_id)).mappings().first()
     results = conn.execute(
-        sa.select(predictions).where(predictions.c.transaction_id == transaction_id).order_by(predictions.c.produced_at)
+        sa.select(predictions).where(predictions.c.record_id == record_id).order_by(predictions.c.produced_at)
     ).mappings()
     return (dict(source) if source else None), [dict(row) for row in results]
 
 
 # ------------------------------------------------------------------ path agreement
 ANSWER_PAIR_SCHEMA: dict[str, pl.DataType] = {
-    "transaction_id": pl.String(),
+    "record_id": pl.String(),
     "online_model_version": pl.String(),
     "online_answer_key": pl.String(),
     "online_score": pl.Float64(),
@@ -272,7 +274,7 @@ ANSWER_PAIR_SCHEMA: dict[str, pl.DataType] = {
     "online_degraded": pl.Boolean(),
     "online_request_id": pl.String(),
     "online_produced_at": EVENT_TS_DTYPE,
-    # Null when the transaction has no batch answer (yet): not scored, or rejected by batch.
+    # Null when the record has no batch answer (yet): not scored, or rejected by batch.
     "batch_model_version": pl.String(),
     "batch_score": pl.Float64(),
     "batch_input_hash": pl.String(),
@@ -282,15 +284,16 @@ ANSWER_PAIR_SCHEMA: dict[str, pl.DataType] = {
 }
 
 
-def answer_pairs(conn: Connection, partition_date: date) -> pl.DataFrame:
-    """Every online answer to a transaction stored in `partition_date`, beside the batch answer it
+def answer_pairs(ls: LoadedSpec, conn: Connection, partition_date: date) -> pl.DataFrame:
+    """Every online answer to a record stored in `partition_date`, beside the batch answer it
     is compared with (ANSWER_PAIR_SCHEMA): the batch answer under the same model version if there
-    is one, else the transaction's newest batch answer. Several online answers to one transaction
+    is one, else the record's newest batch answer. Several online answers to one record
     (retries with a changed body, other model versions) are several pairs."""
-    t = transactions.c
+    rt = record_table(ls)
+    t = rt.c
     online, batch, candidate = predictions.alias("online"), predictions.alias("batch"), predictions.alias("candidate")
     o, b, c = online.c, batch.c, candidate.c
-    is_batch = sa.and_(c.transaction_id == o.transaction_id, c.path == ResultPath.BATCH.value)
+    is_batch = sa.and_(c.record_id == o.record_id, c.path == ResultPath.BATCH.value)
     same_version = sa.select(c.model_version).where(is_batch, c.model_version == o.model_version).scalar_subquery()
     newest = (
         sa.select(c.model_version)
@@ -300,14 +303,14 @@ def answer_pairs(conn: Connection, partition_date: date) -> pl.DataFrame:
         .scalar_subquery()
     )
     paired = sa.and_(
-        b.transaction_id == o.transaction_id,
+        b.record_id == o.record_id,
         b.path == ResultPath.BATCH.value,
         b.answer_key == "",
         b.model_version == sa.func.coalesce(same_version, newest),
     )
     stmt = (
         sa.select(
-            o.transaction_id,
+            o.record_id,
             o.model_version,
             o.answer_key,
             o.score,
@@ -323,9 +326,9 @@ def answer_pairs(conn: Connection, partition_date: date) -> pl.DataFrame:
             b.run_id,
             b.produced_at,
         )
-        .select_from(online.join(transactions, t.transaction_id == o.transaction_id).outerjoin(batch, paired))
+        .select_from(online.join(rt.table, t[rt.id] == o.record_id).outerjoin(batch, paired))
         .where(t.partition_date == partition_date, o.path == ResultPath.ONLINE.value)
-        .order_by(o.transaction_id, o.produced_at, o.model_version, o.answer_key)
+        .order_by(o.record_id, o.produced_at, o.model_version, o.answer_key)
     )
     frame = _frame_from_rows(conn.execute(stmt).all(), ANSWER_PAIR_SCHEMA)
     return frame.with_columns(_as_utc(pl.col("online_produced_at")), _as_utc(pl.col("batch_produced_at")))

@@ -13,14 +13,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from inference.records import EVENT_TS_DTYPE
+from inference.spec import LoadedSpec
 from inference.store.answers import upsert_predictions
 from inference.store.engine import _as_utc, _aware, _frame_from_rows
+from inference.store.record_table import record_table
 from inference.store.schema import (
     ResultPath,
     challenger_predictions,
     challenger_reports,
     predictions,
-    transactions,
 )
 
 _CHALLENGER_PATHS = {ResultPath.BATCH.value, ResultPath.SHADOW.value}
@@ -36,15 +37,17 @@ def upsert_challenger_predictions(conn: Connection, rows: pl.DataFrame) -> int:
 
 
 COMPARISON_SCHEMA: dict[str, pl.DataType] = {
-    "transaction_id": pl.String(),
+    "record_id": pl.String(),
     "partition_key": pl.String(),
-    "label_fraud": pl.Int64(),
+    # The spec's label where known; null throughout for a spec without one.
+    "label": pl.Int64(),
     "champion_score": pl.Float64(),
     "challenger_score": pl.Float64(),
 }
 
 
 def champion_challenger_pairs(
+    ls: LoadedSpec,
     conn: Connection,
     *,
     champion: str,
@@ -53,21 +56,23 @@ def champion_challenger_pairs(
     last_day: date,
     same_history_length: bool = True,
 ) -> pl.DataFrame:
-    """The batch answers of both versions to the same transactions of [first_day, last_day]
+    """The batch answers of both versions to the same records of [first_day, last_day]
     (COMPARISON_SCHEMA), with the label where it is known. Only answers to the same inputs pair
-    up: a transaction either version has not scored (a day not replayed yet, a record one version
+    up: a record either version has not scored (a day not replayed yet, a record one version
     rejected), or that was corrected, or whose history changed, since the challenger replayed it
     (the champion's rescore read other inputs) is left out until the replay is run again.
 
     `same_history_length`: both versions read the same K records of history, so their history
     digests must match too; versions of different K digest different records, and only the
     record itself can be matched."""
-    champ, chall, t = predictions.alias("champion"), challenger_predictions.alias("challenger"), transactions.c
+    rt = record_table(ls)
+    champ, chall, t = predictions.alias("champion"), challenger_predictions.alias("challenger"), rt.c
+    label = t[rt.label] if rt.label is not None else sa.null()
     stmt = (
         sa.select(
-            chall.c.transaction_id,
+            chall.c.record_id,
             chall.c.partition_key,
-            t.label_fraud,
+            label,
             champ.c.score,
             chall.c.score,
         )
@@ -75,7 +80,7 @@ def champion_challenger_pairs(
             chall.join(
                 champ,
                 sa.and_(
-                    champ.c.transaction_id == chall.c.transaction_id,
+                    champ.c.record_id == chall.c.record_id,
                     champ.c.model_version == champion,
                     champ.c.path == ResultPath.BATCH.value,
                     champ.c.answer_key == "",
@@ -84,20 +89,20 @@ def champion_challenger_pairs(
                     if same_history_length
                     else sa.true(),
                 ),
-            ).join(transactions, t.transaction_id == chall.c.transaction_id)
+            ).join(rt.table, t[rt.id] == chall.c.record_id)
         )
         .where(
             chall.c.model_version == challenger,
             chall.c.path == ResultPath.BATCH.value,
             t.partition_date.between(first_day, last_day),
         )
-        .order_by(chall.c.transaction_id)
+        .order_by(chall.c.record_id)
     )
     return _frame_from_rows(conn.execute(stmt).all(), COMPARISON_SCHEMA)
 
 
 SHADOW_SCHEMA: dict[str, pl.DataType] = {
-    "transaction_id": pl.String(),
+    "record_id": pl.String(),
     "champion_latency_ms": pl.Float64(),
     "shadowed": pl.Boolean(),
     "shadow_latency_ms": pl.Float64(),
@@ -110,16 +115,16 @@ def online_latencies(conn: Connection, *, champion: str, challenger: str, since:
     challenger shadowed it (and how long that took): what shadowing costs the clients' answers."""
     online, shadow = predictions.alias("online"), challenger_predictions.alias("shadow")
     shadow_match = sa.and_(
-        shadow.c.transaction_id == online.c.transaction_id,
+        shadow.c.record_id == online.c.record_id,
         shadow.c.request_id == online.c.request_id,
         shadow.c.model_version == challenger,
         shadow.c.path == ResultPath.SHADOW.value,
     )
     stmt = (
         sa.select(
-            online.c.transaction_id,
+            online.c.record_id,
             online.c.latency_ms,
-            shadow.c.transaction_id.is_not(None),
+            shadow.c.record_id.is_not(None),
             shadow.c.latency_ms,
             online.c.produced_at,
         )
@@ -129,7 +134,7 @@ def online_latencies(conn: Connection, *, champion: str, challenger: str, since:
             online.c.path == ResultPath.ONLINE.value,
             online.c.produced_at >= since,
         )
-        .order_by(online.c.produced_at, online.c.transaction_id)
+        .order_by(online.c.produced_at, online.c.record_id)
     )
     frame = _frame_from_rows(conn.execute(stmt).all(), SHADOW_SCHEMA)
     return frame.with_columns(_as_utc(pl.col("produced_at")))
@@ -208,10 +213,10 @@ def latest_challenger_report(conn: Connection, *, challenger: str, champion: str
     )
 
 
-def challenger_lineage_rows(conn: Connection, transaction_id: str) -> list[dict[str, Any]]:
-    """Every challenger answer to one transaction, replays and shadows."""
+def challenger_lineage_rows(conn: Connection, record_id: str) -> list[dict[str, Any]]:
+    """Every challenger answer to one record, replays and shadows."""
     c = challenger_predictions.c
     rows = conn.execute(
-        sa.select(challenger_predictions).where(c.transaction_id == transaction_id).order_by(c.produced_at)
+        sa.select(challenger_predictions).where(c.record_id == record_id).order_by(c.produced_at)
     ).mappings()
     return [dict(row) for row in rows]

@@ -11,16 +11,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from inference.records import EVENT_TS_DTYPE
+from inference.spec import LoadedSpec
 from inference.store.engine import _frame_from_rows
-from inference.store.schema import (
-    RAW_COLUMNS,
-    RAW_SCHEMA,
-    RejectStage,
-    ResultPath,
-    predictions,
-    rejected_records,
-    transactions,
-)
+from inference.store.record_table import record_table
+from inference.store.schema import RejectStage, ResultPath, predictions, rejected_records
 
 
 @dataclass(frozen=True)
@@ -45,16 +39,17 @@ class PartitionCounts:
 
 
 def partition_counts(
-    conn: Connection, *, partition_date: date, partition_key: str, model_version: str
+    ls: LoadedSpec, conn: Connection, *, partition_date: date, partition_key: str, model_version: str
 ) -> PartitionCounts:
-    p, r, t = predictions.c, rejected_records.c, transactions.c
+    rt = record_table(ls)
+    p, r, t = predictions.c, rejected_records.c, rt.c
     batch_rows = sa.and_(
         p.partition_key == partition_key, p.model_version == model_version, p.path == ResultPath.BATCH.value
     )
     input_rows = conn.execute(sa.select(sa.func.count()).where(t.partition_date == partition_date)).scalar_one()
     scored = conn.execute(sa.select(sa.func.count()).select_from(predictions).where(batch_rows)).scalar_one()
     rejected = conn.execute(
-        sa.select(sa.func.count(sa.distinct(r.transaction_id))).where(
+        sa.select(sa.func.count(sa.distinct(r.record_id))).where(
             r.partition_key == partition_key, r.stage == RejectStage.SCORE.value, r.resolved.is_(False)
         )
     ).scalar_one()
@@ -71,12 +66,12 @@ def partition_counts(
     ).scalar_one()
     stale = conn.execute(
         sa.select(sa.func.count())
-        .select_from(predictions.join(transactions, p.transaction_id == t.transaction_id, isouter=True))
+        .select_from(predictions.join(rt.table, p.record_id == t[rt.id], isouter=True))
         .where(batch_rows, sa.or_(t.input_hash.is_(None), t.input_hash != p.input_hash))
     ).scalar_one()
     answered_online = conn.execute(
-        sa.select(sa.func.count(sa.distinct(t.transaction_id)))
-        .select_from(transactions.join(predictions, p.transaction_id == t.transaction_id))
+        sa.select(sa.func.count(sa.distinct(t[rt.id])))
+        .select_from(rt.table.join(predictions, p.record_id == t[rt.id]))
         .where(t.partition_date == partition_date, p.path == ResultPath.ONLINE.value)
     ).scalar_one()
     return PartitionCounts(
@@ -90,18 +85,21 @@ def partition_counts(
     )
 
 
-def sample_batch_predictions(conn: Connection, *, partition_key: str, model_version: str, size: int) -> pl.DataFrame:
+def sample_batch_predictions(
+    ls: LoadedSpec, conn: Connection, *, partition_key: str, model_version: str, size: int
+) -> pl.DataFrame:
     """A deterministic pseudo-random sample (ordered by input hash) of a partition's batch scores,
     with the stored source rows they came from (RAW columns + event_ts + score)."""
-    p, t = predictions.c, transactions.c
+    rt = record_table(ls)
+    p, t = predictions.c, rt.c
     stmt = (
-        sa.select(*(t[name] for name in RAW_COLUMNS), t.event_ts, p.score)
-        .join_from(predictions, transactions, p.transaction_id == t.transaction_id)
+        sa.select(*(t[name] for name in rt.raw_columns), t.event_ts, p.score)
+        .join_from(predictions, rt.table, p.record_id == t[rt.id])
         .where(p.partition_key == partition_key, p.model_version == model_version, p.path == ResultPath.BATCH.value)
         .order_by(p.input_hash)
         .limit(size)
     )
-    schema = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "score": pl.Float64()}
+    schema = {**rt.raw_schema, "event_ts": EVENT_TS_DTYPE, "score": pl.Float64()}
     return _frame_from_rows(conn.execute(stmt).all(), schema)
 
 

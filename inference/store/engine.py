@@ -148,7 +148,7 @@ def _aware(moment: Any) -> datetime:
 # ------------------------------------------------------------------ text in byte order
 class ByteOrder(sa.sql.expression.ColumnElement[str]):
     """A text column compared and ordered by its bytes, as polars orders strings. Which of two
-    payments of one account at the same second came first is decided by transaction_id, in SQL for
+    records of one entity at the same second came first is decided by the record id, in SQL for
     the history a request reads and in polars for a partition's rows: under a linguistic collation
     (en_US, PostgreSQL's usual default) `a-1` sorts before `B-2` in SQL and after it in polars, and
     the two paths scored the same record with different histories. SQLite compares bytes already."""

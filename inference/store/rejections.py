@@ -14,18 +14,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from inference.records import RECEIVED_PREFIX, hash_inputs
+from inference.spec import LoadedSpec
 from inference.store.engine import _chunks, utc_now
 from inference.store.merge import _SQLITE_ROWS_PER_STATEMENT, _insert_for
-from inference.store.schema import (
-    RAW_COLUMNS,
-    REFERENCE_SPEC,
-    UNWRITABLE_RESULT,
-    RejectStage,
-    Resolution,
-    ResultPath,
-    rejected_records,
-    transactions,
-)
+from inference.store.record_table import record_table
+from inference.store.schema import UNWRITABLE_RESULT, RejectStage, Resolution, ResultPath, rejected_records
 
 
 # ------------------------------------------------------------------ quarantine
@@ -41,15 +34,15 @@ def quarantine_unwritable_result(conn: Connection, row: dict[str, Any], error: s
 
     # json.dumps writes NUL as the six characters \u0000, which text columns hold.
     payload = json.dumps(row, sort_keys=True, default=str, allow_nan=True)
-    transaction_id = _storable(row.get("transaction_id"))
+    record_id = _storable(row.get("record_id"))
     digest = hashlib.sha256(payload.encode()).hexdigest()[:32]
-    key = "|".join([path.value, RejectStage.WRITE.value, str(transaction_id), digest])
+    key = "|".join([path.value, RejectStage.WRITE.value, str(record_id), digest])
     now = utc_now()
     insert = _insert_for(conn, rejected_records)
     conn.execute(
         insert.values(
             rejection_key=hashlib.sha256(key.encode()).hexdigest()[:40],
-            transaction_id=transaction_id,
+            record_id=record_id,
             path=path.value,
             stage=RejectStage.WRITE.value,
             request_id=_storable(row.get("request_id")),
@@ -68,14 +61,16 @@ def quarantine_unwritable_result(conn: Connection, row: dict[str, Any], error: s
     )
 
 
-def _as_received(rejected: pl.DataFrame, raw_rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def _as_received(
+    columns: tuple[str, ...], rejected: pl.DataFrame, raw_rows: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Each row's payload with every field as received where a source handed it beside the value
     read (`RECEIVED_PREFIX`: "12;50" rather than no amount, " US$ " rather than "US$"), and the
     received texts the RAW values do not hold ("12;50" and "12;5O" both read as no amount), which
     key the rejection too, so that a changed record is a new rejection."""
     payloads = [dict(raw) for raw in raw_rows]
     as_received = [""] * rejected.height
-    for name in RAW_COLUMNS:
+    for name in columns:
         if f"{RECEIVED_PREFIX}{name}" in rejected.columns:
             values = rejected[f"{RECEIVED_PREFIX}{name}"].to_list()
             for row, (payload, value) in enumerate(zip(payloads, values, strict=True)):
@@ -86,6 +81,7 @@ def _as_received(rejected: pl.DataFrame, raw_rows: list[dict[str, Any]]) -> tupl
 
 
 def quarantine(
+    ls: LoadedSpec,
     conn: Connection,
     rejected: pl.DataFrame,
     *,
@@ -107,21 +103,22 @@ def quarantine(
     if rejected.is_empty():
         return 0
     now = utc_now()
-    hashes = hash_inputs(REFERENCE_SPEC, rejected)
+    rt = record_table(ls)
+    hashes = hash_inputs(ls, rejected)
     details = rejected["reject_detail"].to_list() if "reject_detail" in rejected.columns else [None] * rejected.height
     records = []
-    raw_rows = rejected.select(RAW_COLUMNS).to_dicts()
-    payloads, as_received = _as_received(rejected, raw_rows)
+    raw_rows = rejected.select(rt.raw_columns).to_dicts()
+    payloads, as_received = _as_received(rt.raw_columns, rejected, raw_rows)
     for raw, payload, reason, detail, digest, received in zip(
         raw_rows, payloads, rejected["reject_reason"].to_list(), details, hashes.to_list(), as_received, strict=True
     ):
-        key = "|".join([path.value, stage.value, str(raw["transaction_id"]), str(reason), digest]) + received
+        key = "|".join([path.value, stage.value, str(raw[rt.id]), str(reason), digest]) + received
         records.append(
             {
                 "rejection_key": hashlib.sha256(key.encode()).hexdigest()[:40],
                 # A record refused for a NUL (`nul_character`) must still land: PostgreSQL text
                 # cannot hold one. The payload's json.dumps writes it as \u0000 already.
-                "transaction_id": _storable(raw["transaction_id"]),
+                "record_id": _storable(raw[rt.id]),
                 "path": path.value,
                 "stage": stage.value,
                 "partition_key": partition_key,
@@ -168,14 +165,10 @@ def count_rejected(conn: Connection, *, partition_key: str, stage: RejectStage |
     return int(conn.execute(stmt).scalar_one())
 
 
-def rejection_rows(conn: Connection, transaction_id: str) -> list[dict[str, Any]]:
-    """Every quarantine row of one transaction, oldest first (the id as `quarantine` stores it)."""
+def rejection_rows(conn: Connection, record_id: str) -> list[dict[str, Any]]:
+    """Every quarantine row of one record, oldest first (the id as `quarantine` stores it)."""
     r = rejected_records.c
-    stmt = (
-        sa.select(rejected_records)
-        .where(r.transaction_id == _storable(transaction_id))
-        .order_by(r.first_seen, r.rejection_id)
-    )
+    stmt = sa.select(rejected_records).where(r.record_id == _storable(record_id)).order_by(r.first_seen, r.rejection_id)
     return [dict(row) for row in conn.execute(stmt).mappings()]
 
 
@@ -207,11 +200,12 @@ def _superseded() -> dict[str, Any]:
     return {"resolved": True, "resolved_at": utc_now(), "resolution": Resolution.SUPERSEDED.value}
 
 
-def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> int:
+def resolve_superseded_rejections(ls: LoadedSpec, conn: Connection, *, partition_key: str) -> int:
     """Mark a partition's scoring rejections resolved once their record has changed (a correction):
     the quarantined input no longer exists, so it no longer counts against the partition."""
-    r, t = rejected_records.c, transactions.c
-    changed = sa.select(t.transaction_id).where(t.transaction_id == r.transaction_id, t.input_hash != r.input_hash)
+    rt = record_table(ls)
+    r, t = rejected_records.c, rt.c
+    changed = sa.select(t[rt.id]).where(t[rt.id] == r.record_id, t.input_hash != r.input_hash)
     stmt = (
         sa.update(rejected_records)
         .where(_open_score_rejection(partition_key), changed.exists())
@@ -221,23 +215,23 @@ def resolve_superseded_rejections(conn: Connection, *, partition_key: str) -> in
 
 
 def open_score_rejections(conn: Connection, *, partition_key: str) -> set[str]:
-    """Transaction ids of a partition's open scoring rejections."""
+    """Record ids of a partition's open scoring rejections."""
     r = rejected_records.c
-    stmt = sa.select(r.transaction_id).where(_open_score_rejection(partition_key), r.transaction_id.is_not(None))
+    stmt = sa.select(r.record_id).where(_open_score_rejection(partition_key), r.record_id.is_not(None))
     return set(conn.execute(stmt).scalars())
 
 
-def resolve_rescored_rejections(conn: Connection, *, partition_key: str, transaction_ids: Sequence[str]) -> int:
+def resolve_rescored_rejections(conn: Connection, *, partition_key: str, record_ids: Sequence[str]) -> int:
     """Mark a partition's open scoring rejections resolved for records a production run has just
     scored: a model that refused a record (a non-finite score) is replaced by one that scores it,
     or a correction is scored, and the record's answer is now its score. Left open, the record
     counted as scored AND rejected (scored + rejected > input) and kept the reject rate up."""
     r = rejected_records.c
     resolved = 0
-    for chunk in _chunks(transaction_ids, 1000):
+    for chunk in _chunks(record_ids, 1000):
         stmt = (
             sa.update(rejected_records)
-            .where(_open_score_rejection(partition_key), r.transaction_id.in_(chunk))
+            .where(_open_score_rejection(partition_key), r.record_id.in_(chunk))
             .values(**_superseded())
         )
         resolved += int(conn.execute(stmt).rowcount)

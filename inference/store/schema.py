@@ -1,4 +1,5 @@
-"""The data contract in SQLAlchemy Core: the tables, their enums, and the polars schemas of their rows.
+"""The data contract in SQLAlchemy Core: the core tables, their enums, and the polars schemas of
+their rows. The record table is the spec's own (`inference.store.record_table`).
 
 Alembic's migrations are generated against `metadata`; names here are part of the product
 (extend, do not rename).
@@ -12,13 +13,7 @@ from typing import Any
 import polars as pl
 import sqlalchemy as sa
 
-from inference.records import EVENT_TS_DTYPE, raw_columns, raw_schema
-from inference.spec import load_spec
-
-# The record table is the reference's until it is generated from the spec (0012 step 5).
-REFERENCE_SPEC = load_spec()
-RAW_SCHEMA = raw_schema(REFERENCE_SPEC)
-RAW_COLUMNS = raw_columns(REFERENCE_SPEC)
+from inference.records import EVENT_TS_DTYPE
 
 metadata = sa.MetaData()
 
@@ -51,46 +46,10 @@ UNWRITABLE_RESULT = "unwritable_result"
 
 
 # ------------------------------------------------------------------ tables
-transactions = sa.Table(
-    "transactions",
-    metadata,
-    sa.Column("transaction_id", sa.Text, primary_key=True),
-    sa.Column("account_id", sa.Text, nullable=True),
-    sa.Column("amount", sa.Float(precision=53), nullable=True),
-    sa.Column("currency", sa.Text, nullable=True),
-    sa.Column("merchant_category", sa.Text, nullable=True),
-    sa.Column("country", sa.Text, nullable=True),
-    sa.Column("event_time", sa.Text, nullable=True, comment="as received from the source"),
-    sa.Column("event_ts", sa.DateTime(timezone=True), nullable=True, comment="event_time parsed, UTC"),
-    sa.Column("partition_date", sa.Date, nullable=False, comment="the source day; the Dagster partition"),
-    sa.Column("reject_reason", sa.Text, nullable=True, comment="validation result at ingest; null = valid"),
-    sa.Column("label_fraud", sa.SmallInteger, nullable=True, comment="ground truth where known (demo data)"),
-    sa.Column("input_hash", sa.Text, nullable=False),
-    sa.Column("ingested_at", sa.DateTime(timezone=True), nullable=False),
-    # Where the record stood before its last correction: the records that followed it there read it
-    # as history, and are stale once it moved (another account, another time) as much as those at
-    # its new place (migration 0007).
-    sa.Column(
-        "previous_account_id",
-        sa.Text,
-        nullable=True,
-        comment="before the last correction of this record; null = never corrected",
-    ),
-    sa.Column(
-        "previous_event_ts",
-        sa.DateTime(timezone=True),
-        nullable=True,
-        comment="before the last correction of this record; null = never corrected",
-    ),
-    sa.Index("ix_transactions_partition_date", "partition_date"),
-    sa.Index("ix_transactions_account_event", "account_id", "event_ts", "transaction_id"),
-    sa.Index("ix_transactions_ingested_at", "ingested_at"),
-)
-
 predictions = sa.Table(
     "predictions",
     metadata,
-    sa.Column("transaction_id", sa.Text, primary_key=True),
+    sa.Column("record_id", sa.Text, primary_key=True),
     sa.Column("model_version", sa.Text, primary_key=True),
     sa.Column("path", sa.Text, primary_key=True),
     # Both paths' answers are kept side by side (docs/decisions/0002): a version's batch answer is
@@ -190,7 +149,7 @@ rejected_records = sa.Table(
     metadata,
     sa.Column("rejection_id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("rejection_key", sa.Text, nullable=False, unique=True),
-    sa.Column("transaction_id", sa.Text, nullable=True),
+    sa.Column("record_id", sa.Text, nullable=True),
     sa.Column("path", sa.Text, nullable=False),
     sa.Column("stage", sa.Text, nullable=False),
     sa.Column("partition_key", sa.Text, nullable=True),
@@ -210,10 +169,18 @@ rejected_records = sa.Table(
     sa.Index("ix_rejected_records_partition", "partition_key", "stage"),
 )
 
-# ------------------------------------------------------------------ frame schemas and columns
-# Stored rows as history for features: the record, its parsed time, and its hash (for the digest).
-HISTORY_SCHEMA: dict[str, pl.DataType] = {**RAW_SCHEMA, "event_ts": EVENT_TS_DTYPE, "input_hash": pl.String()}
+# The spec a database belongs to: one row, written when its record table is created, so a process
+# configured with another spec is refused instead of writing its records beside this one's.
+tandem_spec = sa.Table(
+    "tandem_spec",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True, comment="ModelSpec.name"),
+    sa.Column("spec_path", sa.Text, nullable=False, comment="the import path it was loaded by"),
+    sa.Column("record_table", sa.Text, nullable=False),
+    sa.Column("recorded_at", sa.DateTime(timezone=True), nullable=False),
+)
 
+# ------------------------------------------------------------------ frame schemas and columns
 PREDICTION_COLUMNS: tuple[str, ...] = tuple(c.name for c in predictions.columns)
 
 

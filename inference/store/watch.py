@@ -13,14 +13,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from inference.records import EVENT_TS_DTYPE
+from inference.spec import LoadedSpec
 from inference.store.engine import ByteOrder, _as_utc, _aware
+from inference.store.record_table import RecordTable, record_table
 from inference.store.schema import (
     Resolution,
     ResultPath,
     challenger_predictions,
     predictions,
     rejected_records,
-    transactions,
 )
 
 
@@ -32,32 +33,36 @@ class PartitionChange:
 
 
 def stale_scored_partitions(
-    conn: Connection, *, changed_after: datetime | None, history_length: int
+    ls: LoadedSpec, conn: Connection, *, changed_after: datetime | None, history_length: int
 ) -> list[PartitionChange]:
     """Partitions already scored by the batch path whose scores a change made stale.
 
     A change is a record changed (late or corrected) after `changed_after` whose current contents
     have no batch result yet: no batch prediction and no open rejection for its current input hash. Stale are
-    the change's own partition and the partitions of the account's next `history_length` valid
+    the change's own partition and the partitions of the entity's next `history_length` valid
     records, whose features read (or, for a record now invalid, read) the changed one as history.
     Every such partition, however many changed in the same interval, is returned, with the newest
-    change that touched it.
+    change that touched it. Without an entity, or at K = 0, no record reads another: only the
+    change's own partition.
 
-    A correction that moved the record (another account, another event time) also makes stale the
-    account's next `history_length` valid records after its old position (`previous_account_id`,
+    A correction that moved the record (another entity, another event time) also makes stale the
+    entity's next `history_length` valid records after its old position (`previous_{entity}`,
     `previous_event_ts`): they read it there. Only the last correction's old position is kept: a
     record corrected twice between two ticks leaves the first old position's followers unscheduled.
     """
-    changed = _changed_without_batch_result(changed_after)
-    timeline = _accounts_timeline(changed)
-    touched = sa.union_all(
-        sa.select(changed.c.partition_date, changed.c.ingested_at),
-        _followers_of_new_place(changed, timeline, history_length),
-        _followers_of_old_place(changed, timeline, history_length),
-    ).subquery("touched")
+    rt = record_table(ls)
+    changed = _changed_without_batch_result(rt, changed_after)
+    parts: list[sa.Select[Any]] = [sa.select(changed.c.partition_date, changed.c.ingested_at)]
+    if rt.entity is not None and history_length > 0:
+        timeline = _entities_timeline(rt, changed)
+        parts += [
+            _followers_of_new_place(changed, timeline, history_length),
+            _followers_of_old_place(changed, timeline, history_length),
+        ]
+    touched = sa.union_all(*parts).subquery("touched")
     p = predictions.c
     batch_scored = (
-        sa.select(p.transaction_id)
+        sa.select(p.record_id)
         .where(p.partition_key == sa.cast(touched.c.partition_date, sa.String), p.path == ResultPath.BATCH.value)
         .exists()
     )
@@ -70,56 +75,55 @@ def stale_scored_partitions(
     return [PartitionChange(str(day), _aware(moment)) for day, moment in conn.execute(stmt)]
 
 
-def _changed_without_batch_result(changed_after: datetime | None) -> sa.CTE:
-    """Records ingested after `changed_after` whose current input hash has no batch result yet."""
-    t, p, r = transactions.c, predictions.c, rejected_records.c
+def _changed_without_batch_result(rt: RecordTable, changed_after: datetime | None) -> sa.CTE:
+    """Records ingested after `changed_after` whose current input hash has no batch result yet,
+    with the role columns the followers' queries read under fixed names (`record_id`, `entity`,
+    `previous_entity`)."""
+    t, p, r = rt.c, predictions.c, rejected_records.c
+    record_id = t[rt.id]
     changed_filter = [
         # Only a batch answer counts: an online answer to the corrected body leaves the batch stale.
-        ~sa.select(p.transaction_id)
-        .where(p.transaction_id == t.transaction_id, p.input_hash == t.input_hash, p.path == ResultPath.BATCH.value)
+        ~sa.select(p.record_id)
+        .where(p.record_id == record_id, p.input_hash == t.input_hash, p.path == ResultPath.BATCH.value)
         .exists(),
         ~sa.select(r.rejection_id)
-        .where(r.transaction_id == t.transaction_id, r.input_hash == t.input_hash, r.resolved.is_(False))
+        .where(r.record_id == record_id, r.input_hash == t.input_hash, r.resolved.is_(False))
         .exists(),
     ]
     if changed_after is not None:
         changed_filter.append(t.ingested_at > changed_after)
-    return (
-        sa.select(
-            t.transaction_id,
-            t.account_id,
-            t.partition_date,
-            t.ingested_at,
-            t.previous_account_id,
+    columns: list[sa.ColumnElement[Any]] = [record_id.label("record_id"), t.partition_date, t.ingested_at]
+    if rt.entity is not None and rt.previous_entity is not None:
+        columns += [
+            t[rt.entity].label("entity"),
+            t[rt.previous_entity].label("previous_entity"),
             t.previous_event_ts,
-        )
-        .where(*changed_filter)
-        .cte("changed")
-    )
+        ]
+    return sa.select(*columns).where(*changed_filter).cte("changed")
 
 
-def _accounts_timeline(changed: sa.CTE) -> sa.CTE:
-    """The affected accounts' records in history order: valid ones (what features read) and the
-    changed ones themselves, numbered per account."""
-    t = transactions.c
+def _entities_timeline(rt: RecordTable, changed: sa.CTE) -> sa.CTE:
+    """The affected entities' records in history order: valid ones (what features read) and the
+    changed ones themselves, numbered per entity."""
+    assert rt.entity is not None
+    t = rt.c
+    entity, record_id = t[rt.entity], t[rt.id]
     return (
         sa.select(
-            t.transaction_id,
-            t.account_id,
+            record_id.label("record_id"),
+            entity.label("entity"),
             t.partition_date,
             t.event_ts,
             sa.func.row_number()
-            .over(partition_by=t.account_id, order_by=(t.event_ts, ByteOrder(t.transaction_id)))
+            .over(partition_by=entity, order_by=(t.event_ts, ByteOrder(record_id)))
             .label("position"),
         )
         .where(
             sa.or_(
-                t.account_id.in_(sa.select(changed.c.account_id)),
-                t.account_id.in_(
-                    sa.select(changed.c.previous_account_id).where(changed.c.previous_account_id.is_not(None))
-                ),
+                entity.in_(sa.select(changed.c.entity)),
+                entity.in_(sa.select(changed.c.previous_entity).where(changed.c.previous_entity.is_not(None))),
             ),
-            sa.or_(t.reject_reason.is_(None), t.transaction_id.in_(sa.select(changed.c.transaction_id))),
+            sa.or_(t.reject_reason.is_(None), record_id.in_(sa.select(changed.c.record_id))),
         )
         .cte("timeline")
     )
@@ -131,11 +135,11 @@ def _followers_of_new_place(changed: sa.CTE, timeline: sa.CTE, history_length: i
     return (
         sa.select(later.c.partition_date, changed.c.ingested_at)
         .select_from(changed)
-        .join(at, at.c.transaction_id == changed.c.transaction_id)
+        .join(at, at.c.record_id == changed.c.record_id)
         .join(
             later,
             sa.and_(
-                later.c.account_id == at.c.account_id,
+                later.c.entity == at.c.entity,
                 later.c.position > at.c.position,
                 later.c.position <= at.c.position + history_length,
             ),
@@ -145,26 +149,26 @@ def _followers_of_new_place(changed: sa.CTE, timeline: sa.CTE, history_length: i
 
 def _followers_of_old_place(changed: sa.CTE, timeline: sa.CTE, history_length: int) -> sa.Select[Any]:
     """Where a moved record stood: the first record after its old place, and the K from there on
-    (one more than K where it moved later within the account, its new place among them)."""
+    (one more than K where it moved later within the entity, its new place among them)."""
     after = timeline.alias("after_old")
     old_place = (
-        sa.select(after.c.account_id, changed.c.ingested_at, sa.func.min(after.c.position).label("first"))
+        sa.select(after.c.entity, changed.c.ingested_at, sa.func.min(after.c.position).label("first"))
         .select_from(changed)
         .join(
             after,
             sa.and_(
-                after.c.account_id == changed.c.previous_account_id,
-                after.c.transaction_id != changed.c.transaction_id,
+                after.c.entity == changed.c.previous_entity,
+                after.c.record_id != changed.c.record_id,
                 sa.or_(
                     after.c.event_ts > changed.c.previous_event_ts,
                     sa.and_(
                         after.c.event_ts == changed.c.previous_event_ts,
-                        ByteOrder(after.c.transaction_id) > changed.c.transaction_id,
+                        ByteOrder(after.c.record_id) > changed.c.record_id,
                     ),
                 ),
             ),
         )
-        .group_by(changed.c.transaction_id, after.c.account_id, changed.c.ingested_at)
+        .group_by(changed.c.record_id, after.c.entity, changed.c.ingested_at)
         .cte("old_place")
     )
     followers = timeline.alias("followers")
@@ -174,7 +178,7 @@ def _followers_of_old_place(changed: sa.CTE, timeline: sa.CTE, history_length: i
         .join(
             followers,
             sa.and_(
-                followers.c.account_id == old_place.c.account_id,
+                followers.c.entity == old_place.c.entity,
                 followers.c.position >= old_place.c.first,
                 followers.c.position <= old_place.c.first + history_length,
             ),

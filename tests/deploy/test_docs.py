@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from tests.deploy.support import DEPLOY, DOCS, MONITORING_DIR, ROOT, exported_metric_names, load_yaml
+from tests.reference import REFERENCE
 
 REVIEW_QUESTION = "Does this change move a code path between batch and online, and did we decide that?"
 PR_TEMPLATE = ROOT / ".github" / "pull_request_template.md"
@@ -156,7 +157,7 @@ def test_dagster_names_in_the_runbook_exist() -> None:
     } | {"scoring_automation_sensor"}
     defined = {s.name for s in defs.sensors}
     assert sensors <= defined
-    assets = build_batch_assets(partitions, 16)
+    assets = build_batch_assets(REFERENCE, partitions, 16)
     checks = {spec.name for asset in assets for spec in asset.check_specs}
     code = _code(RUNBOOK)
     for name in sensors:

@@ -38,6 +38,7 @@ from tests.e2e.deployment import (
 )
 from tests.e2e.graphql import REPOSITORIES, Repository, wait_for_production_model
 from tests.e2e.week import LOCATION, SCORING_ASSETS, BackfillOutcome, run_asset_backfill
+from tests.reference import REFERENCE
 from tests.shared import free_port, run_child
 
 E2E_DIR = Path(__file__).resolve().parent
@@ -120,7 +121,7 @@ def deployment(
         # sensor also calls `upgrade`, which is a no-op on a current schema; on an empty database
         # several first runs at once would race to create it.)
         engine = make_engine(database_url)
-        upgrade(engine)
+        upgrade(engine, REFERENCE)
         engine.dispose()
 
         dagster_home = root / "dagster_home"

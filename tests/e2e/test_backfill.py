@@ -28,8 +28,7 @@ from inference.store import (
     predictions,
     read_partition_rows,
     rejected_records,
-    transactions,
-    upsert_transactions,
+    upsert_records,
 )
 from orchestration.sensors import RESCORE_JOB
 from orchestration.settings import OrchestrationSettings
@@ -52,7 +51,7 @@ from tests.e2e.week import (
     SCORING_ASSETS,
     BackfillOutcome,
 )
-from tests.reference import RAW_COLUMNS, REFERENCE
+from tests.reference import RAW_COLUMNS, RECORDS, REFERENCE
 
 # The deployment and the backfill are set up inside the budget of the first test that asks for them.
 pytestmark = [pytest.mark.e2e, pytest.mark.live, pytest.mark.postgres, pytest.mark.timeout(900)]
@@ -76,11 +75,11 @@ def _correct_records(engine: Engine, partition: str, count: int) -> dict[str, st
     """A source correction: `count` valid records of the day get a new amount. Returns id -> new input hash."""
     day = date.fromisoformat(partition)
     with engine.begin() as conn:
-        stored = validate(REFERENCE, read_partition_rows(conn, day))
+        stored = validate(REFERENCE, read_partition_rows(REFERENCE, conn, day))
         chosen = stored.filter(pl.col("reject_reason").is_null()).sort("transaction_id").head(count)
         corrected = validate(REFERENCE, chosen.select(*RAW_COLUMNS, "label_fraud").with_columns(pl.col("amount") + 1.0))
         assert corrected["reject_reason"].is_null().all(), "a correction must stay a valid record"
-        changed = upsert_transactions(conn, corrected, day)
+        changed = upsert_records(REFERENCE, conn, corrected, day)
     assert changed == count, f"{partition}: {changed} of {count} corrected rows stored as changes"
     return dict(zip(corrected["transaction_id"].to_list(), hash_inputs(REFERENCE, corrected).to_list(), strict=True))
 
@@ -88,7 +87,7 @@ def _correct_records(engine: Engine, partition: str, count: int) -> dict[str, st
 def _history_readers(engine: Engine, corrected: set[str], history_length: int) -> dict[str, str]:
     """Records whose features read a corrected record as history: the account's next
     `history_length` valid records. Returns transaction id -> partition."""
-    t = transactions.c
+    t = RECORDS.c
     with engine.connect() as conn:
         rows = conn.execute(
             sa.select(t.transaction_id, t.account_id, t.partition_date)
@@ -121,7 +120,7 @@ def test_the_readme_backfill_scores_every_partition_and_quarantines_the_poison(
     assert all(assets_of(run) == ["transactions"] for run in ingested.runs) and len(ingested.runs) == len(PARTITIONS)
 
     # What the tables hold: each day fully accounted for, scored by its own run, poison quarantined.
-    p, r, t = predictions.c, rejected_records.c, transactions.c
+    p, r, t = predictions.c, rejected_records.c, RECORDS.c
     with engine.connect() as conn:
         for partition in PARTITIONS:
             day = date.fromisoformat(partition)
@@ -220,7 +219,7 @@ def test_corrected_records_rescore_exactly_the_partitions_they_touch(
     with engine.connect() as conn:
         for partition in PARTITIONS:
             rows = conn.execute(
-                sa.select(p.transaction_id, p.input_hash, p.run_id).where(
+                sa.select(p.record_id, p.input_hash, p.run_id).where(
                     p.partition_key == partition,
                     p.path == ResultPath.BATCH.value,
                     p.model_version == deployment.production_tag,

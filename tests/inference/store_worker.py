@@ -25,7 +25,7 @@ def prediction_rows(
     """Batch-path rows in PREDICTION_COLUMNS; columns not named here (optional lineage) are null."""
     n = len(transaction_ids)
     given: dict[str, list[Any]] = {
-        "transaction_id": list(transaction_ids),
+        "record_id": list(transaction_ids),
         "model_version": [model_version] * n,
         "score": [score + i / 10_000 for i in range(n)],
         "path": ["batch"] * n,

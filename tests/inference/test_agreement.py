@@ -48,11 +48,11 @@ def test_a_difference_just_above_the_tolerance_needs_a_cause() -> None:
     assert cause_of(online(score=0.40 + 2e-5), BATCH) is Cause.UNEXPLAINED
 
 
-def pair(transaction_id: str, online_score: float, batch_score: float | None, **online_changes: Any) -> dict[str, Any]:
+def pair(record_id: str, online_score: float, batch_score: float | None, **online_changes: Any) -> dict[str, Any]:
     side = {**BATCH, **online_changes}
     row: dict[str, Any] = dict.fromkeys(ANSWER_PAIR_SCHEMA)
     row.update(
-        transaction_id=transaction_id,
+        record_id=record_id,
         online_score=online_score,
         online_model_version=side["model_version"],
         online_input_hash=side["input_hash"],

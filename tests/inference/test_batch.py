@@ -31,8 +31,7 @@ from inference.store import (
     read_partition_rows,
     rejected_records,
     stale_scored_partitions,
-    transactions,
-    upsert_transactions,
+    upsert_records,
     utc_now,
 )
 from tandem_specs.transactions.demo import EXPECTED_REASON, DemoConfig, PoisonKind, generate_day
@@ -47,7 +46,7 @@ from tests.inference.support import (
     untrained_model,
     untrained_predictor,
 )
-from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, REFERENCE, Transaction
+from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, RECORDS, REFERENCE, Transaction
 from tests.shared import fresh_postgres_database, until
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -69,13 +68,13 @@ def test_every_row_is_scored_or_quarantined_with_its_reason(engine: Engine) -> N
         assert report.scored + report.rejected == stored
         assert stored + ingested[day].rejected_at_ingest == CONFIG.rows_per_day
 
-        scored_ids = set(predictions_of(engine, partition_key=day.isoformat())["transaction_id"])
+        scored_ids = set(predictions_of(engine, partition_key=day.isoformat())["record_id"])
         clean_ids = set(source.filter(pl.col("poison_kind").is_null())["transaction_id"])
         assert scored_ids == clean_ids
         assert len(scored_ids) == report.scored
 
         quarantined = rejections(engine).filter(pl.col("partition_key") == day.isoformat())
-        seen = set(quarantined.select("transaction_id", "reason").iter_rows())
+        seen = set(quarantined.select("record_id", "reason").iter_rows())
         poisoned = source.filter(pl.col("poison_kind").is_not_null())
         for transaction_id, kind in poisoned.select("transaction_id", "poison_kind").iter_rows():
             assert (transaction_id, EXPECTED_REASON[PoisonKind(kind)]) in seen, (transaction_id, kind)
@@ -129,21 +128,21 @@ def test_small_chunks_give_the_same_scores_as_one_chunk(engine: Engine) -> None:
         assert report.chunks == (1 if chunk_rows > CONFIG.rows_per_day else -(-report.rows_in // chunk_rows))
     whole = predictions_of(engine, model_version="one-chunk")
     chunked = predictions_of(engine, model_version="small-chunks")
-    assert whole["transaction_id"].equals(chunked["transaction_id"])
+    assert whole["record_id"].equals(chunked["record_id"])
     assert np.array_equal(whole["score"].to_numpy(), chunked["score"].to_numpy())
     assert whole["input_hash"].equals(chunked["input_hash"])
 
     # With the usual large forward batches the same holds to within float32 rounding.
     score_day(engine, day, scorer=untrained_predictor("batched-chunks"), chunk_rows=97)
     batched = predictions_of(engine, model_version="batched-chunks")
-    assert batched["transaction_id"].equals(whole["transaction_id"])
+    assert batched["record_id"].equals(whole["record_id"])
     assert np.allclose(batched["score"].to_numpy(), whole["score"].to_numpy(), rtol=0, atol=1e-6)
 
 
 def test_unseen_values_are_scored_flagged_and_counted(engine: Engine) -> None:
     drifting = DemoConfig(seed=5, rows_per_day=600, poison_rate=0.05, unseen_rate=0.02)
     for day in DAYS:
-        ingest_day(engine, generate_day(day, drifting), day)
+        ingest_day(REFERENCE, engine, generate_day(day, drifting), day)
     day = DAYS[-1]
     clean = generate_day(day, drifting).filter(pl.col("poison_kind").is_null())
     vocabularies = {"country": COUNTRIES, "currency": CURRENCIES, "merchant_category": MERCHANT_CATEGORIES}
@@ -156,7 +155,7 @@ def test_unseen_values_are_scored_flagged_and_counted(engine: Engine) -> None:
     report = score_day(engine, day)
 
     stored = predictions_of(engine, partition_key=day.isoformat())
-    assert dict(zip(stored["transaction_id"], stored["unseen_fields"], strict=True)) == expected
+    assert dict(zip(stored["record_id"], stored["unseen_fields"], strict=True)) == expected
     assert stored["score"].is_finite().all()
     flags = [flag for flag in expected.values() if flag is not None]
     assert report.scored_with_unseen == len(flags)
@@ -183,11 +182,11 @@ def test_a_padded_file_row_is_stored_and_scored_as_the_request_naming_it(engine:
     before_year_1 = rows.head(1).with_columns(
         transaction_id=pl.lit("year-0"), event_time=pl.lit("0001-01-01T00:00:00+01:00")
     )
-    ingest_day(engine, pl.concat([padded, before_year_1]), day)
+    ingest_day(REFERENCE, engine, pl.concat([padded, before_year_1]), day)
 
     with engine.connect() as conn:
-        stored = read_partition_rows(conn, day)
-        hashes = dict(conn.execute(sa.select(transactions.c.transaction_id, transactions.c.input_hash)).all())
+        stored = read_partition_rows(REFERENCE, conn, day)
+        hashes = dict(conn.execute(sa.select(RECORDS.c.transaction_id, RECORDS.c.input_hash)).all())
     assert sorted(stored["transaction_id"]) == sorted([*rows["transaction_id"], "year-0"])
     assert stored.filter(pl.col("transaction_id") == "year-0")["event_ts"].to_list() == [None]
     for sent in as_sent:
@@ -200,8 +199,8 @@ def test_a_padded_file_row_is_stored_and_scored_as_the_request_naming_it(engine:
     report = score_day(engine, day)
     assert (report.scored, report.rejected) == (3, 1)
     answers = predictions_of(engine, partition_key=day.isoformat())
-    assert sorted(answers["transaction_id"]) == sorted(rows["transaction_id"])
-    quarantined = rejections(engine).filter(pl.col("transaction_id") == "year-0")
+    assert sorted(answers["record_id"]) == sorted(rows["transaction_id"])
+    quarantined = rejections(engine).filter(pl.col("record_id") == "year-0")
     assert quarantined["reason"].to_list() == ["timestamp_unparsable"]
 
 
@@ -214,13 +213,14 @@ def test_a_row_its_source_could_not_read_is_quarantined_at_ingest_with_why(engin
     lines[1] = json.dumps({**rows.row(1, named=True), "merchant_category": False})
     (tmp_path / f"{day}.ndjson").write_text("\n".join([*lines, "{not json"]) + "\n")
 
-    report = ingest_day(engine, FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(day).frame, day)
+    frame = FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.ndjson").read(day).frame
+    report = ingest_day(REFERENCE, engine, frame, day)
 
     assert (report.rows_received, report.rows_stored, report.rejected_at_ingest) == (4, 2, 2)
     with engine.connect() as conn:
-        assert sorted(read_partition_rows(conn, day)["transaction_id"]) == sorted([rows[0, 0], rows[2, 0]])
+        assert sorted(read_partition_rows(REFERENCE, conn, day)["transaction_id"]) == sorted([rows[0, 0], rows[2, 0]])
         r = rejected_records.c
-        quarantined = conn.execute(sa.select(r.transaction_id, r.reason, r.stage, r.detail).order_by(r.detail)).all()
+        quarantined = conn.execute(sa.select(r.record_id, r.reason, r.stage, r.detail).order_by(r.detail)).all()
     assert [tuple(row) for row in quarantined] == [
         (rows[1, 0], "malformed_row", "ingest", "line 2: merchant_category: false is a JSON boolean, not text"),
         (
@@ -285,14 +285,14 @@ def test_a_quarantined_row_keeps_every_field_as_received_under_its_first_broken_
     good = {**AS_RECEIVED, "transaction_id": "good-1", "amount": "12.50", "currency": "USD"}
     source = _day_as(kind, tmp_path, [good, AS_RECEIVED])
 
-    report = ingest_day(engine, source.read(DAY).frame, DAY)
+    report = ingest_day(REFERENCE, engine, source.read(DAY).frame, DAY)
 
     assert (report.rows_received, report.rows_stored, report.rejected_at_ingest) == (2, 1, 1)
     with engine.connect() as conn:
-        assert read_partition_rows(conn, DAY)["transaction_id"].to_list() == ["good-1"]
+        assert read_partition_rows(REFERENCE, conn, DAY)["transaction_id"].to_list() == ["good-1"]
         r = rejected_records.c
-        (row,) = conn.execute(sa.select(r.transaction_id, r.stage, r.reason, r.detail, r.payload)).all()
-    assert (row.transaction_id, row.stage, row.reason, row.detail) == ("bad-1", "ingest", reason, detail)
+        (row,) = conn.execute(sa.select(r.record_id, r.stage, r.reason, r.detail, r.payload)).all()
+    assert (row.record_id, row.stage, row.reason, row.detail) == ("bad-1", "ingest", reason, detail)
     assert json.loads(row.payload) == {**AS_RECEIVED, "amount": amount}
 
 
@@ -306,17 +306,19 @@ def test_rows_refused_at_ingest_count_against_the_day_until_its_source_stops_sen
 
     def counts() -> tuple[int, int, float]:
         with engine.connect() as conn:
-            read = partition_counts(conn, partition_date=DAY, partition_key=DAY.isoformat(), model_version="none")
+            read = partition_counts(
+                REFERENCE, conn, partition_date=DAY, partition_key=DAY.isoformat(), model_version="none"
+            )
         return read.input_rows, read.rejected_at_ingest, read.reject_rate
 
-    ingest_day(engine, source.read(DAY).frame, DAY)
-    ingest_day(engine, source.read(DAY).frame, DAY)  # the same file again: still refused, seen twice
+    ingest_day(REFERENCE, engine, source.read(DAY).frame, DAY)
+    ingest_day(REFERENCE, engine, source.read(DAY).frame, DAY)  # the same file again: still refused, seen twice
     assert counts() == (1, 1, 0.5)
     with engine.connect() as conn:
         assert conn.execute(sa.select(rejected_records.c.seen_count)).scalar_one() == 2
 
     corrected = _day_as("csv", tmp_path, [good, {**AS_RECEIVED, "amount": "12.50"}])
-    ingest_day(engine, corrected.read(DAY).frame, DAY)
+    ingest_day(REFERENCE, engine, corrected.read(DAY).frame, DAY)
 
     assert counts() == (2, 0, 0.0)
     with engine.connect() as conn:
@@ -349,16 +351,16 @@ def test_a_late_record_reads_the_history_the_online_path_reads(
 
     morning = [row(f"morning-{i}", f"{before}T0{i + 1}:00:00Z", 20.0 + i) for i in range(3)]
     evening = [row(f"evening-{i:02d}", f"{before}T20:{i:02d}:00Z", 900.0 + i, "jewelry") for i in range(HISTORY)]
-    ingest_day(engine, raw_frame(REFERENCE, morning + evening), before)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, morning + evening), before)
     late = [row("late-1", f"{before}T10:00:00Z", 25.0), row("late-2", f"{before}T21:30:00Z", 30.0, "fuel")]
     today = [row(f"today-{i}", f"{day}T0{i + 1}:00:00Z", 40.0 + i) for i in range(3)]
-    ingest_day(engine, raw_frame(REFERENCE, late + today), day)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, late + today), day)
     scorer = untrained_predictor(forward_batch_size=1)
     score_day(engine, day, scorer, chunk_rows=chunk_rows, pipelined=pipelined)
 
-    batch = predictions_of(engine, partition_key=day.isoformat()).sort("transaction_id")
-    online = scorer.predict(raw_frame(REFERENCE, late + today), StoreHistory(engine)).sort("transaction_id")
-    assert batch["transaction_id"].to_list() == sorted(r["transaction_id"] for r in late + today)
+    batch = predictions_of(engine, partition_key=day.isoformat()).sort("record_id")
+    online = scorer.predict(raw_frame(REFERENCE, late + today), StoreHistory(REFERENCE, engine)).sort("record_id")
+    assert batch["record_id"].to_list() == sorted(r["transaction_id"] for r in late + today)
     assert batch["history_hash"].to_list() == online["history_hash"].to_list()
     assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
     no_history = scorer.predict(raw_frame(REFERENCE, late[:1]), FrameHistory(raw_frame(REFERENCE, late[:1])))
@@ -368,7 +370,7 @@ def test_a_late_record_reads_the_history_the_online_path_reads(
 def open_rejections(engine: Engine, day: date) -> list[tuple[str, str, bool, str | None]]:
     r = rejected_records.c
     stmt = (
-        sa.select(r.transaction_id, r.reason, r.resolved, r.resolution)
+        sa.select(r.record_id, r.reason, r.resolved, r.resolution)
         .where(r.partition_key == day.isoformat(), r.stage == "score")
         .order_by(r.rejection_id)
     )
@@ -378,7 +380,9 @@ def open_rejections(engine: Engine, day: date) -> list[tuple[str, str, bool, str
 
 def accounted_for(engine: Engine, day: date, model_version: str) -> tuple[int, int, int]:
     with engine.connect() as conn:
-        counts = partition_counts(conn, partition_date=day, partition_key=day.isoformat(), model_version=model_version)
+        counts = partition_counts(
+            REFERENCE, conn, partition_date=day, partition_key=day.isoformat(), model_version=model_version
+        )
     return counts.input_rows, counts.scored, counts.rejected
 
 
@@ -395,7 +399,7 @@ def test_a_record_one_model_refused_is_no_longer_rejected_once_another_scores_it
     v1 = TorchPredictor(
         model=untrained_model(), model_version="risk:v1", forward_batch_size=1, forward=overflows_on_large_amounts
     )
-    ingest_day(engine, raw_frame(REFERENCE, [record(), record(transaction_id="tx-2", amount=9000.0)]), DAY)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [record(), record(transaction_id="tx-2", amount=9000.0)]), DAY)
 
     score_day(engine, DAY, scorer=v1, run_id="nightly")
     assert open_rejections(engine, DAY) == [("tx-2", "nonfinite_score", False, None)]
@@ -417,21 +421,23 @@ def test_a_record_refused_again_is_open_again(engine: Engine) -> None:
     scored nor rejected (scored + rejected < input): an operator marked it fixed while the source
     still sent it, or the old bad version was re-sent after its correction."""
     bad, good = record(transaction_id="tx-2", currency="EURO"), record(transaction_id="tx-2", amount=7.0)
-    ingest_day(engine, raw_frame(REFERENCE, [record(), bad]), DAY)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [record(), bad]), DAY)
     score_day(engine, DAY, run_id="nightly")
     with engine.begin() as conn:
         ids = conn.execute(sa.select(rejected_records.c.rejection_id)).scalars().all()
         assert mark_rejections_fixed(conn, ids) == 1
 
-    ingest_day(engine, raw_frame(REFERENCE, [record(), bad]), DAY)  # the fixed-rejects rerun; the source is not fixed
+    ingest_day(
+        REFERENCE, engine, raw_frame(REFERENCE, [record(), bad]), DAY
+    )  # the fixed-rejects rerun; the source is not fixed
     score_day(engine, DAY, run_id="fixed-rerun")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
 
-    ingest_day(engine, raw_frame(REFERENCE, [good]), DAY)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [good]), DAY)
     score_day(engine, DAY, run_id="corrected")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", True, "superseded")]
-    ingest_day(engine, raw_frame(REFERENCE, [bad]), DAY)  # the old version re-sent
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [bad]), DAY)  # the old version re-sent
     score_day(engine, DAY, run_id="bad-again")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
@@ -446,15 +452,13 @@ def test_a_nul_in_a_text_field_quarantines_its_row_at_ingest_and_the_day_is_stor
         record(transaction_id="tx-3", merchant_category="groc\x00ery"),
         record(transaction_id="tx-4", event_time="2026-11-01T12:00:00Z\x00"),
     ]
-    report = ingest_day(engine, raw_frame(REFERENCE, [record(), *nul_rows]), DAY)
+    report = ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [record(), *nul_rows]), DAY)
     assert (report.rows_stored, report.rejected_at_ingest) == (1, 4)
 
     r = rejected_records.c
     with engine.connect() as conn:
-        quarantined = conn.execute(
-            sa.select(r.transaction_id, r.reason, r.stage, r.payload).order_by(r.transaction_id)
-        ).all()
-    assert [(row.transaction_id, row.reason, row.stage) for row in quarantined] == [
+        quarantined = conn.execute(sa.select(r.record_id, r.reason, r.stage, r.payload).order_by(r.record_id)).all()
+    assert [(row.record_id, row.reason, row.stage) for row in quarantined] == [
         ("nul\\x00id", "nul_character", "ingest"),
         ("tx-2", "nul_character", "ingest"),
         ("tx-3", "nul_character", "ingest"),
@@ -474,10 +478,11 @@ def test_payments_of_one_second_are_ordered_by_the_bytes_of_their_ids_on_both_pa
     with fresh_postgres_database(postgres_admin_url, options=linguistic) as url:
         engine = make_engine(url)
         try:
-            upgrade(engine)
+            upgrade(engine, REFERENCE)
             with engine.connect() as conn:
                 assert conn.execute(sa.text("SELECT 'a-1' < 'B-2'")).scalar_one()  # the collation at work
             ingest_day(
+                REFERENCE,
                 engine,
                 raw_frame(REFERENCE, [record(transaction_id="p-1", account_id="acct", event_time=f"{DAY}T08:00:00Z")]),
                 DAY,
@@ -487,15 +492,15 @@ def test_payments_of_one_second_are_ordered_by_the_bytes_of_their_ids_on_both_pa
                 record(transaction_id="B-2", account_id="acct", amount=10.0, event_time=f"{later}T12:00:00Z"),
                 record(transaction_id="a-1", account_id="acct", amount=900.0, event_time=f"{later}T12:00:00Z"),
             ]
-            ingest_day(engine, raw_frame(REFERENCE, same_second), later)
+            ingest_day(REFERENCE, engine, raw_frame(REFERENCE, same_second), later)
             scorer = untrained_predictor(forward_batch_size=1)
             score_day(engine, later, scorer)
 
-            batch = predictions_of(engine, partition_key=later.isoformat()).sort("transaction_id")
+            batch = predictions_of(engine, partition_key=later.isoformat()).sort("record_id")
             online = pl.concat(
-                [scorer.predict(raw_frame(REFERENCE, [row]), StoreHistory(engine)) for row in same_second]
+                [scorer.predict(raw_frame(REFERENCE, [row]), StoreHistory(REFERENCE, engine)) for row in same_second]
             )
-            online = online.sort("transaction_id")
+            online = online.sort("record_id")
             assert batch["history_hash"].to_list() == online["history_hash"].to_list()
             assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
         finally:
@@ -509,24 +514,27 @@ def test_an_id_another_day_holds_is_quarantined_not_moved_or_lost(engine: Engine
     no rejection either way. It stays where it is, and the copy is quarantined saying where."""
     later = DAY + timedelta(days=1)
     first = record(transaction_id="t-1", amount=10.0, event_time=f"{DAY}T09:00:00Z")
-    ingest_day(engine, raw_frame(REFERENCE, [first]), DAY)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [first]), DAY)
 
     repeat = {**first, "amount": amount}
     report = ingest_day(
-        engine, raw_frame(REFERENCE, [repeat, record(transaction_id="t-2", event_time=f"{later}T09:00:00Z")]), later
+        REFERENCE,
+        engine,
+        raw_frame(REFERENCE, [repeat, record(transaction_id="t-2", event_time=f"{later}T09:00:00Z")]),
+        later,
     )
 
     assert (report.rows_stored, report.rejected_at_ingest) == (1, 1)
     with engine.connect() as conn:
-        assert read_partition_rows(conn, DAY)["amount"].to_list() == [10.0]
-        assert read_partition_rows(conn, later)["transaction_id"].to_list() == ["t-2"]
+        assert read_partition_rows(REFERENCE, conn, DAY)["amount"].to_list() == [10.0]
+        assert read_partition_rows(REFERENCE, conn, later)["transaction_id"].to_list() == ["t-2"]
         r = rejected_records.c
-        quarantined = conn.execute(sa.select(r.transaction_id, r.reason, r.detail, r.partition_key)).all()
+        quarantined = conn.execute(sa.select(r.record_id, r.reason, r.detail, r.partition_key)).all()
     assert [tuple(row) for row in quarantined] == [
         ("t-1", "duplicate_id", f"already stored under partition {DAY}", later.isoformat())
     ]
     # Its own day's correction still lands.
-    assert ingest_day(engine, raw_frame(REFERENCE, [{**first, "amount": 12.0}]), DAY).rows_changed == 1
+    assert ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [{**first, "amount": 12.0}]), DAY).rows_changed == 1
 
 
 def test_an_id_two_days_ingested_at_once_both_hold_is_stored_once_and_quarantined_once(postgres_url: str) -> None:
@@ -535,16 +543,18 @@ def test_an_id_two_days_ingested_at_once_both_hold_is_stored_once_and_quarantine
     day saw nothing stored elsewhere and counted the row as its own: neither stored nor quarantined."""
     engine = make_engine(postgres_url)
     try:
-        upgrade(engine)
+        upgrade(engine, REFERENCE)
         later = DAY + timedelta(days=1)
         row = record(transaction_id="t-both", event_time=f"{DAY}T10:00:00Z")
         first = engine.connect()
         transaction = first.begin()
-        upsert_transactions(
-            first, validate(REFERENCE, raw_frame(REFERENCE, [row])), DAY
+        upsert_records(
+            REFERENCE, first, validate(REFERENCE, raw_frame(REFERENCE, [row])), DAY
         )  # DAY's ingest, not yet committed
         reports: list[IngestReport] = []
-        second = threading.Thread(target=lambda: reports.append(ingest_day(engine, raw_frame(REFERENCE, [row]), later)))
+        second = threading.Thread(
+            target=lambda: reports.append(ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [row]), later))
+        )
         second.start()
         until(lambda: _waiting_on_a_lock(engine), message="the second ingest never waited on the first")
         transaction.commit()
@@ -553,9 +563,9 @@ def test_an_id_two_days_ingested_at_once_both_hold_is_stored_once_and_quarantine
 
         assert [(report.rows_stored, report.rejected_at_ingest) for report in reports] == [(0, 1)]
         with engine.connect() as conn:
-            t, r = transactions.c, rejected_records.c
+            t, r = RECORDS.c, rejected_records.c
             assert conn.execute(sa.select(t.transaction_id, t.partition_date)).all() == [("t-both", DAY)]
-            assert conn.execute(sa.select(r.transaction_id, r.reason, r.partition_key)).all() == [
+            assert conn.execute(sa.select(r.record_id, r.reason, r.partition_key)).all() == [
                 ("t-both", "duplicate_id", later.isoformat())
             ]
     finally:
@@ -585,8 +595,9 @@ def test_a_correction_that_moves_a_record_reschedules_the_records_that_followed_
     but only the records after its new place were scheduled (the old place was not stored)."""
     later = DAY + timedelta(days=1)
     moved = record(transaction_id="moved", account_id="acct", amount=900.0, event_time=f"{DAY}T10:00:00Z")
-    ingest_day(engine, raw_frame(REFERENCE, [moved]), DAY)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [moved]), DAY)
     ingest_day(
+        REFERENCE,
         engine,
         raw_frame(REFERENCE, [record(transaction_id="follower", account_id="acct", event_time=f"{later}T10:00:00Z")]),
         later,
@@ -596,8 +607,8 @@ def test_a_correction_that_moves_a_record_reschedules_the_records_that_followed_
         score_day(engine, day, scorer, run_id=f"run-{day}")
     before = utc_now()
 
-    ingest_day(engine, raw_frame(REFERENCE, [{**moved, **correction}]), DAY)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [{**moved, **correction}]), DAY)
 
     with engine.connect() as conn:
-        stale = stale_scored_partitions(conn, changed_after=before, history_length=HISTORY)
+        stale = stale_scored_partitions(REFERENCE, conn, changed_after=before, history_length=HISTORY)
     assert [change.partition_key for change in stale] == [DAY.isoformat(), later.isoformat()]

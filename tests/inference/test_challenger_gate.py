@@ -45,9 +45,9 @@ def pairs_frame(
     given_labels = [None] * n if labels is None else [None if v is None else int(v) for v in labels]
     return pl.DataFrame(
         {
-            "transaction_id": [f"tx-{i:05d}" for i in range(n)],
+            "record_id": [f"tx-{i:05d}" for i in range(n)],
             "partition_key": [days[i % len(days)] for i in range(n)],
-            "label_fraud": given_labels,
+            "label": given_labels,
             "champion_score": [float(v) for v in champion],
             "challenger_score": [float(v) for v in challenger],
         },
@@ -256,7 +256,7 @@ def test_shadow_cost_is_read_from_the_stored_latencies() -> None:
     at = datetime(2026, 11, 2, tzinfo=UTC)
     latencies = pl.DataFrame(
         {
-            "transaction_id": ["a", "b", "c", "d", "e"],
+            "record_id": ["a", "b", "c", "d", "e"],
             "champion_latency_ms": [10.0, 20.0, 30.0, 40.0, 50.0],
             "shadowed": [True, False, True, False, True],
             "shadow_latency_ms": [3.0, None, 5.0, None, 4.0],

@@ -22,7 +22,7 @@ from inference.challenger import (
     AUC_NOT_WORSE,
     ENOUGH_EVIDENCE,
 )
-from inference.migrate import alembic_config, upgrade
+from inference.migrate import alembic_config, upgrade, upgrade_core
 from inference.store import (
     COMPARISON_SCHEMA,
     challenger_predictions,
@@ -42,6 +42,7 @@ from inference.store import (
 from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.answers import answer
 from tests.inference.support import current_revision, schema_diffs
+from tests.reference import REFERENCE
 
 CHAMPION, CHALLENGER = "risk_model:champion", "risk_model:challenger"
 
@@ -69,14 +70,14 @@ def ingest_two_days(engine: Engine) -> dict[date, pl.DataFrame]:
     stored = {}
     for day in (DAY_1, DAY_2):
         frame = generate_day(day, DemoConfig(seed=5, rows_per_day=40, poison_rate=0.0))
-        ingest_day(engine, frame, day)
+        ingest_day(REFERENCE, engine, frame, day)
         stored[day] = frame.select("transaction_id", "label_fraud")
     return stored
 
 
 def test_the_migrated_schema_has_the_challenger_tables_at_head(engine: Engine) -> None:
     assert schema_diffs(engine) == []
-    assert current_revision(engine) == ScriptDirectory.from_config(alembic_config()).get_current_head() == "0007"
+    assert current_revision(engine) == ScriptDirectory.from_config(alembic_config()).get_current_head() == "0008"
     assert {"challenger_predictions", "challenger_reports"} <= set(sa.inspect(engine).get_table_names())
     assert [c.name for c in challenger_predictions.columns] == [c.name for c in predictions.columns]
     assert "challenger_reports" in metadata.tables
@@ -85,11 +86,15 @@ def test_the_migrated_schema_has_the_challenger_tables_at_head(engine: Engine) -
 def test_upgrade_from_0005_adds_the_challenger_tables_and_keeps_the_answers(database_url: str) -> None:
     migrated = make_engine(database_url)
     try:
-        upgrade(migrated, "0005")
+        upgrade_core(migrated, "0005")
         assert "challenger_predictions" not in sa.inspect(migrated).get_table_names()
-        write_production(migrated, answer("tx-1", path="batch", score=0.5, partition_key="2026-11-01"))
-        upgrade(migrated)
-        assert current_revision(migrated) == "0007"  # 0006, then transactions' previous position
+        # Written as 0005's table holds it: keyed by transaction_id.
+        old = sa.Table("predictions", sa.MetaData(), autoload_with=migrated)
+        row = answer("tx-1", path="batch", score=0.5, partition_key="2026-11-01")
+        with migrated.begin() as conn:
+            conn.execute(old.insert().values(answer_key="", transaction_id=row.pop("record_id"), **row))
+        upgrade(migrated, REFERENCE)
+        assert current_revision(migrated) == "0008"  # 0006, 0007, then record_id
         assert schema_diffs(migrated) == []
         assert count(migrated, predictions) == 1
         assert count(migrated, challenger_predictions) == 0
@@ -100,7 +105,7 @@ def test_upgrade_from_0005_adds_the_challenger_tables_and_keeps_the_answers(data
 def test_downgrading_0006_drops_only_the_challenger_tables(database_url: str) -> None:
     migrated = make_engine(database_url)
     try:
-        upgrade(migrated)
+        upgrade(migrated, REFERENCE)
         write_production(migrated, answer("tx-1", path="batch", score=0.5, partition_key="2026-11-01"))
         write_challenger(migrated, answer("tx-1", path="shadow", score=0.5, model_version=CHALLENGER))
         config = alembic_config()
@@ -111,7 +116,7 @@ def test_downgrading_0006_drops_only_the_challenger_tables(database_url: str) ->
         assert not names & {"challenger_predictions", "challenger_reports"}
         assert current_revision(migrated) == "0005"
         assert count(migrated, predictions) == 1
-        upgrade(migrated)
+        upgrade(migrated, REFERENCE)
         assert schema_diffs(migrated) == []
     finally:
         migrated.dispose()
@@ -149,7 +154,7 @@ def test_replaying_the_same_challenger_answers_is_idempotent(engine: Engine) -> 
     with engine.connect() as conn:
         stored = conn.execute(
             sa.select(challenger_predictions.c.score, challenger_predictions.c.run_id).where(
-                challenger_predictions.c.transaction_id == "tx-0", challenger_predictions.c.path == "batch"
+                challenger_predictions.c.record_id == "tx-0", challenger_predictions.c.path == "batch"
             )
         ).one()
     assert tuple(stored) == (0.99, "run-2")
@@ -190,32 +195,30 @@ def test_pairs_join_only_batch_answers_of_the_named_versions(engine: Engine) -> 
 
     with engine.connect() as conn:
         day_1 = champion_challenger_pairs(
-            conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_1
+            REFERENCE, conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_1
         )
         both = champion_challenger_pairs(
-            conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_2
+            REFERENCE, conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_2
         )
         other_champion = champion_challenger_pairs(
-            conn, champion="risk_model:none", challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_2
+            REFERENCE, conn, champion="risk_model:none", challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_2
         )
     assert day_1.schema == pl.Schema(COMPARISON_SCHEMA)
-    assert day_1["transaction_id"].to_list() == sorted(ids_1[:-5])
+    assert day_1["record_id"].to_list() == sorted(ids_1[:-5])
     assert set(day_1["partition_key"].to_list()) == {"2026-11-01"}
     assert both.height == len(ids_1) - 5 + len(ids_2)
-    assert both["transaction_id"].is_unique().all()
-    expected_champion = {r["transaction_id"]: r["score"] for r in champion_rows}
-    expected_challenger = {r["transaction_id"]: r["score"] for r in replayed}
+    assert both["record_id"].is_unique().all()
+    expected_champion = {r["record_id"]: r["score"] for r in champion_rows}
+    expected_challenger = {r["record_id"]: r["score"] for r in replayed}
     for row in both.iter_rows(named=True):
-        assert row["champion_score"] == expected_champion[row["transaction_id"]]
-        assert row["challenger_score"] == expected_challenger[row["transaction_id"]]
+        assert row["champion_score"] == expected_champion[row["record_id"]]
+        assert row["challenger_score"] == expected_challenger[row["record_id"]]
     labels = {
         tid: label
         for frame in days.values()
         for tid, label in zip(frame["transaction_id"], frame["label_fraud"], strict=True)
     }
-    assert dict(zip(both["transaction_id"], both["label_fraud"], strict=True)) == {
-        tid: labels[tid] for tid in both["transaction_id"]
-    }
+    assert dict(zip(both["record_id"], both["label"], strict=True)) == {tid: labels[tid] for tid in both["record_id"]}
     assert other_champion.is_empty()
 
 
@@ -236,14 +239,20 @@ def test_a_pair_needs_both_answers_to_the_same_inputs(engine: Engine) -> None:
     )
     with engine.connect() as conn:
         pairs = champion_challenger_pairs(
-            conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_1
+            REFERENCE, conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_1
         )
         # Versions of different K digest different history records: only the record can be matched.
         across_k = champion_challenger_pairs(
-            conn, champion=CHAMPION, challenger=CHALLENGER, first_day=DAY_1, last_day=DAY_1, same_history_length=False
+            REFERENCE,
+            conn,
+            champion=CHAMPION,
+            challenger=CHALLENGER,
+            first_day=DAY_1,
+            last_day=DAY_1,
+            same_history_length=False,
         )
-    assert pairs["transaction_id"].to_list() == [ids[0]]
-    assert across_k["transaction_id"].to_list() == sorted([ids[0], ids[2]])
+    assert pairs["record_id"].to_list() == [ids[0]]
+    assert across_k["record_id"].to_list() == sorted([ids[0], ids[2]])
 
 
 def test_online_latencies_mark_the_shadowed_answers(engine: Engine) -> None:
@@ -272,7 +281,7 @@ def test_online_latencies_mark_the_shadowed_answers(engine: Engine) -> None:
     )
     with engine.connect() as conn:
         frame = online_latencies(conn, champion=CHAMPION, challenger=CHALLENGER, since=now - timedelta(hours=1))
-    assert frame.sort("transaction_id").select("transaction_id", "shadowed", "shadow_latency_ms").rows() == [
+    assert frame.sort("record_id").select("record_id", "shadowed", "shadow_latency_ms").rows() == [
         ("tx-0", False, None),
         ("tx-1", True, 2.5),
         ("tx-2", False, None),

@@ -84,7 +84,7 @@ def test_one_row_per_input_row_in_input_order_with_poison_rejected() -> None:
 
     assert results.schema == pl.Schema(RESULT_SCHEMA)
     assert results.height == frame.height
-    assert results["transaction_id"].equals(frame["transaction_id"])
+    assert results["record_id"].equals(frame["transaction_id"])
     assert results["input_hash"].equals(hash_inputs(REFERENCE, validate(REFERENCE, frame)))
 
     for kind, reason, score, detail in zip(
@@ -116,7 +116,7 @@ def test_shuffled_input_gives_the_same_result_per_row() -> None:
     in_order = predictor(forward).predict(frame.drop("row"), FrameHistory(frame))
     reordered = predictor(forward).predict(shuffled.drop("row"), FrameHistory(frame))
 
-    assert reordered["transaction_id"].equals(shuffled["transaction_id"])
+    assert reordered["record_id"].equals(shuffled["transaction_id"])
     # Duplicated ids are excluded: which copy counts as "first" changes with the order.
     unique = frame.filter(pl.col("transaction_id").is_unique())["row"].to_list()
     by_row = reordered.with_columns(row=shuffled["row"]).sort("row")
@@ -132,9 +132,9 @@ def test_a_forward_that_raises_fails_only_the_item_that_causes_it(forward_batch_
     results = predictor(forward, forward_batch_size).predict(frame, FrameHistory(frame))
     expected = expected_fake_scores(frame)
 
-    assert results["transaction_id"].equals(frame["transaction_id"])
+    assert results["record_id"].equals(frame["transaction_id"])
     for transaction_id, reason, detail, score in results.select(
-        "transaction_id", "reject_reason", "reject_detail", "score"
+        "record_id", "reject_reason", "reject_detail", "score"
     ).iter_rows():
         if transaction_id == poison_id:
             assert reason == "model_error"
@@ -152,10 +152,10 @@ def test_a_nonfinite_or_out_of_range_score_fails_only_its_item(bad_value: float)
     odd_id = frame["transaction_id"][50]
     results = predictor(FakeForward(bad_values={odd_id: bad_value})).predict(frame, FrameHistory(frame))
 
-    reasons = dict(zip(results["transaction_id"], results["reject_reason"], strict=True))
+    reasons = dict(zip(results["record_id"], results["reject_reason"], strict=True))
     assert reasons.pop(odd_id) == "nonfinite_score"
     assert set(reasons.values()) == {None}
-    assert results.filter(pl.col("transaction_id") == odd_id)["score"].to_list() == [None]
+    assert results.filter(pl.col("record_id") == odd_id)["score"].to_list() == [None]
     assert results["score"].null_count() == 1
 
 
@@ -192,7 +192,7 @@ def test_bisection_costs_k_log_n_forwards_not_n(poison_count: int) -> None:
     forward = FakeForward(raising=raising)
     results = predictor(forward).predict(frame, FrameHistory(frame))
 
-    assert set(results.filter(pl.col("reject_reason").is_not_null())["transaction_id"]) == raising
+    assert set(results.filter(pl.col("reject_reason").is_not_null())["record_id"]) == raising
     assert results["score"].null_count() == poison_count
     depth = math.ceil(math.log2(n))
     if poison_count == 0:

@@ -80,9 +80,9 @@ def stores(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         for seed, url in zip(SEEDS, urls, strict=True):
             engines[seed] = make_engine(url)
             cleanup.callback(engines[seed].dispose)
-            upgrade(engines[seed])
+            upgrade(engines[seed], REFERENCE)
             for day in DAYS:
-                ingest_day(engines[seed], generate_day(day, demo_config(seed)), day)
+                ingest_day(REFERENCE, engines[seed], generate_day(day, demo_config(seed)), day)
         yield engines
 
 
@@ -129,7 +129,7 @@ def test_a_record_alone_with_store_history_matches_the_partition(
     row = data.draw(st.integers(min_value=0, max_value=valid.height - 1), label="row")
     single = valid.slice(row, 1)
 
-    fetched = StoreHistory(stores[seed]).history_for(single, k)
+    fetched = StoreHistory(REFERENCE, stores[seed]).history_for(single, k)
     assert fetched.height <= k
     assert (fetched["account_id"] == single["account_id"][0]).all()
 
@@ -147,7 +147,9 @@ def test_frame_history_and_store_history_agree_for_a_whole_day(stores: dict[int,
     assert last_day.height > 500
 
     in_memory = build_features(load_spec(), last_day, FrameHistory(everything).history_for(last_day, k), k)
-    from_store = build_features(load_spec(), last_day, StoreHistory(stores[seed]).history_for(last_day, k), k)
+    from_store = build_features(
+        load_spec(), last_day, StoreHistory(REFERENCE, stores[seed]).history_for(last_day, k), k
+    )
     assert_same_features(in_memory, from_store)
     assert_same_features(in_memory, partition_features(seed, k).slice(valid.height - last_day.height, valid.height))
 
@@ -262,7 +264,7 @@ def test_a_record_with_unseen_values_alone_matches_the_partition(stores: dict[in
         assert flagged.sum() >= 3 and (in_history & ~flagged).sum() >= 1
         for row in rows.tolist():
             single = valid.slice(row, 1)
-            fetched = StoreHistory(stores[seed]).history_for(single, k)
+            fetched = StoreHistory(REFERENCE, stores[seed]).history_for(single, k)
             assert_same_features(build_features(load_spec(), single, fetched, k), features.slice(row, row + 1))
 
 
@@ -278,7 +280,7 @@ def test_records_sent_together_online_each_read_the_store_alone(stores: dict[int
     batch = pl.concat([arriving.filter(pl.col("account_id") == busiest).head(3), arriving.head(5)]).unique(
         "transaction_id", maintain_order=True
     )
-    store = StoreHistory(stores[seed])
+    store = StoreHistory(REFERENCE, stores[seed])
 
     isolated = build_features(load_spec(), batch, store.history_for(batch, k), k, targets_read_each_other=False)
     for position in range(batch.height):
@@ -303,7 +305,7 @@ def test_a_group_of_any_size_reads_exactly_its_own_targets_history(stores: dict[
     """History statements come in power-of-two sizes, a group padded with its last target: each
     group still reads exactly the rows its targets read alone, warmed statements or not."""
     seed, k = SEEDS[0], 8
-    store = StoreHistory(stores[seed])
+    store = StoreHistory(REFERENCE, stores[seed])
     targets = partition_valid(seed).tail(13)
     alone = [store.history_for(targets.slice(i, 1), k) for i in range(targets.height)]
 
@@ -311,7 +313,7 @@ def test_a_group_of_any_size_reads_exactly_its_own_targets_history(stores: dict[
         return sorted(frame.rows())
 
     with stores[seed].connect() as conn:
-        warm_history_statements(conn, 8)  # sizes 1, 2, 4 and 8 compiled; 16 is not
+        warm_history_statements(REFERENCE, conn, 8)  # sizes 1, 2, 4 and 8 compiled; 16 is not
     for size in (1, 2, 3, 5, 8, 13):
         expected = pl.concat(alone[:size]).unique("transaction_id")
         assert rows_of(store.history_for(targets.head(size), k)) == rows_of(expected), f"{size} targets"

@@ -17,7 +17,7 @@ from inference.batch import ingest_day
 from inference.lineage import explain
 from inference.records import validate
 from inference.sources.common import conform
-from inference.store import RejectStage, ResultPath, quarantine, read_predictions, upsert_transactions, utc_now
+from inference.store import RejectStage, ResultPath, quarantine, read_predictions, upsert_records, utc_now
 from tandem import cli
 from tests.answers import answer, write_answers
 from tests.inference.support import frame_of, record
@@ -44,13 +44,13 @@ def _online(score: float, input_hash: str, minutes: int = 0, **changes: Any) -> 
 
 def _store_record(engine: Engine, **changes: Any) -> str:
     with engine.begin() as conn:
-        upsert_transactions(conn, validate(REFERENCE, frame_of(record(transaction_id=TX, **changes))), DAY)
-    return str(explain(engine, TX, dagster_ui_url="http://ui").current_input_hash)
+        upsert_records(REFERENCE, conn, validate(REFERENCE, frame_of(record(transaction_id=TX, **changes))), DAY)
+    return str(explain(REFERENCE, engine, TX, dagster_ui_url="http://ui").current_input_hash)
 
 
 def _stored(engine: Engine) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        return read_predictions(conn, transaction_id=TX).sort("path", "produced_at").to_dicts()
+        return read_predictions(conn, record_id=TX).sort("path", "produced_at").to_dicts()
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_both_answers_are_kept_whichever_path_writes_first(
 
     stored = _stored(engine)
     assert [(row["path"], row["score"]) for row in stored] == [("batch", 0.25 + 1e-7), ("online", 0.25)]
-    report = explain(engine, TX, dagster_ui_url="http://ui:3000/")
+    report = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui:3000/")
     by_path = {result.path: result for result in report.results}
     assert by_path.keys() == {"batch", "online"}
     assert by_path["batch"].dagster_run_url == "http://ui:3000/runs/run-1"
@@ -94,7 +94,7 @@ def test_an_online_answer_is_rewritten_neither_by_batch_nor_by_a_later_online_an
     stored = _stored(engine)
     assert [(row["path"], row["score"]) for row in stored] == [("batch", 0.6), ("online", 0.25), ("online", 0.3)]
     assert stored[1] == first
-    causes = [result.versus_batch for result in explain(engine, TX, dagster_ui_url="http://ui").results]
+    causes = [result.versus_batch for result in explain(REFERENCE, engine, TX, dagster_ui_url="http://ui").results]
     # The first online answer read the same history as batch and still differs: a skew bug, named so.
     assert sorted(cause for cause in causes if cause) == [Cause.HISTORY_CHANGED.value, Cause.UNEXPLAINED.value]
 
@@ -111,7 +111,7 @@ def test_a_corrected_input_rewrites_the_batch_row_and_keeps_the_online_rows(engi
     (batch,) = (row for row in stored if row["path"] == "batch")
     assert (batch["score"], batch["input_hash"], batch["run_id"]) == (0.4, corrected, "run-2")
     assert [row for row in stored if row["path"] == "online"] == online_before
-    report = explain(engine, TX, dagster_ui_url="http://ui")
+    report = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui")
     assert report.current_input_hash == corrected
     (online,) = (result for result in report.results if result.path == "online")
     assert not online.input_is_current
@@ -127,13 +127,13 @@ def test_the_current_answer(engine: Engine, stored_hash: str) -> None:
         _online(0.3, stored_hash, minutes=1, history_hash="history-2"),
         _online(0.9, "a-body-the-store-never-had", minutes=2),
     )
-    report = explain(engine, TX, dagster_ui_url="http://ui")
+    report = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui")
     assert [result.current for result in report.results] == [False, True, False]
     assert report.current is not None and report.current.score == 0.3
 
     # A batch answer for the current content wins over every online one, however new they are.
     write_answers(engine, _batch(0.25, stored_hash, minutes=-30))
-    report = explain(engine, TX, dagster_ui_url="http://ui")
+    report = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui")
     assert sum(result.current for result in report.results) == 1
     assert report.current is not None and (report.current.path, report.current.score) == ("batch", 0.25)
 
@@ -149,16 +149,16 @@ def test_after_a_rollback_the_production_models_batch_answer_is_current(engine: 
     )
     assert write_answers(engine, _batch(0.25, stored_hash, minutes=9, model_version="risk:v1", run_id="rollback")) == 0
 
-    report = explain(engine, TX, dagster_ui_url="http://ui", production_version="risk:v1")
+    report = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui", production_version="risk:v1")
     assert report.current is not None and (report.current.model_version, report.current.score) == ("risk:v1", 0.25)
     # A production version that never answered it leaves the newest answer current.
-    newest = explain(engine, TX, dagster_ui_url="http://ui", production_version="risk:v3").current
+    newest = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui", production_version="risk:v3").current
     assert newest is not None and newest.model_version == "risk:v2"
 
 
 def test_without_a_stored_record_the_newest_answer_is_current(engine: Engine) -> None:
     write_answers(engine, _online(0.2, "input-a", minutes=0), _online(0.3, "input-b", minutes=1))
-    report = explain(engine, TX, dagster_ui_url="http://ui")
+    report = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui")
     assert report.current_input_hash is None
     assert [(result.score, result.current) for result in report.results] == [(0.2, False), (0.3, True)]
 
@@ -166,7 +166,9 @@ def test_without_a_stored_record_the_newest_answer_is_current(engine: Engine) ->
 def test_a_degraded_answer_says_so(engine: Engine, stored_hash: str) -> None:
     write_answers(engine, _online(0.5, stored_hash, degraded=True), _batch(0.25, stored_hash))
     (online,) = (
-        result for result in explain(engine, TX, dagster_ui_url="http://ui").results if result.path == "online"
+        result
+        for result in explain(REFERENCE, engine, TX, dagster_ui_url="http://ui").results
+        if result.path == "online"
     )
     assert online.degraded and online.history_hash is None
     assert online.versus_batch == Cause.DEGRADED.value
@@ -178,7 +180,7 @@ def test_an_online_answer_without_a_stored_record_is_not_called_superseded(
     """The README's first request scores a transaction no source holds: nothing superseded its
     input, so neither the report nor the CLI may say so."""
     write_answers(engine, _online(0.25, "hash-of-the-request"))
-    (online,) = explain(engine, TX, dagster_ui_url="http://ui").results
+    (online,) = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui").results
     assert online.current and online.input_is_current is None
     monkeypatch.setenv("DATABASE_URL", engine.url.render_as_string(hide_password=False))
     assert cli.main(["lineage", TX]) == 0
@@ -215,16 +217,17 @@ def _refuse_at_ingest_and_online(engine: Engine) -> None:
     by an online request (a malformed currency)."""
     with engine.begin() as conn:
         online = validate(REFERENCE, frame_of(record(transaction_id=REFUSED, currency="US$")))
-        quarantine(conn, online, path=ResultPath.ONLINE, stage=RejectStage.SCORE, request_id="req-7")
+        quarantine(REFERENCE, conn, online, path=ResultPath.ONLINE, stage=RejectStage.SCORE, request_id="req-7")
     cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id=REFUSED).items()})
-    ingest_day(engine, conform(REFERENCE, cells.with_columns(amount=pl.lit("12,50")), "day.csv", typed=False), DAY)
+    unparsable = conform(REFERENCE, cells.with_columns(amount=pl.lit("12,50")), "day.csv", typed=False)
+    ingest_day(REFERENCE, engine, unparsable, DAY)
 
 
 def test_a_rejected_id_says_where_when_and_why(engine: Engine) -> None:
     """Before, an id refused before it was stored had no lineage at all ("no such transaction")."""
     _refuse_at_ingest_and_online(engine)
 
-    report = explain(engine, REFUSED, dagster_ui_url="http://ui")
+    report = explain(REFERENCE, engine, REFUSED, dagster_ui_url="http://ui")
 
     assert report.found and not report.source_found and not report.results
     online, ingest = report.rejections
@@ -266,10 +269,16 @@ def test_a_record_refused_at_scoring_has_its_record_and_its_rejection(engine: En
     with engine.begin() as conn:
         refused = validate(REFERENCE, frame_of(record(transaction_id=TX, country="usa")))
         quarantine(
-            conn, refused, path=ResultPath.BATCH, stage=RejectStage.SCORE, partition_key=DAY.isoformat(), run_id="run-3"
+            REFERENCE,
+            conn,
+            refused,
+            path=ResultPath.BATCH,
+            stage=RejectStage.SCORE,
+            partition_key=DAY.isoformat(),
+            run_id="run-3",
         )
 
-    report = explain(engine, TX, dagster_ui_url="http://ui/")
+    report = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui/")
 
     assert report.source_found and not report.results
     (rejection,) = report.rejections

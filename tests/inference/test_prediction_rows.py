@@ -27,7 +27,7 @@ def scored() -> pl.DataFrame:
     """The Predictor's result for three scored rows (RESULT_SCHEMA)."""
     return pl.DataFrame(
         {
-            "transaction_id": ["t1", "t2", "t3"],
+            "record_id": ["t1", "t2", "t3"],
             "score": [0.1, 0.5, 0.9],
             "reject_reason": [None, None, None],
             "reject_detail": [None, None, None],

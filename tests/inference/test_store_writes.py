@@ -27,14 +27,13 @@ from inference.store import (
     read_partition_rows,
     rejected_records,
     stream_partition_rows,
-    transactions,
-    upsert_transactions,
+    upsert_records,
 )
 from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.answers import answer, write_answers
 from tests.inference.store_worker import PRODUCED_AT, prediction_rows, upsert_repeatedly
 from tests.inference.support import DAY, IDS, frame_of, predictions_of, record, write
-from tests.reference import REFERENCE
+from tests.reference import RECORDS, REFERENCE
 
 
 # ------------------------------------------------------------------ predictions
@@ -45,8 +44,8 @@ def test_writing_predictions_three_times_leaves_one_row_per_key(engine: Engine) 
 
     stored = predictions_of(engine)
     assert stored.height == rows.height
-    assert stored.select("transaction_id", "model_version").is_unique().all()
-    assert stored.select(PREDICTION_COLUMNS).equals(rows.sort("transaction_id", "model_version"))
+    assert stored.select("record_id", "model_version").is_unique().all()
+    assert stored.select(PREDICTION_COLUMNS).equals(rows.sort("record_id", "model_version"))
     for _ in range(2):
         write(engine, rows)
         assert predictions_of(engine).equals(stored)
@@ -100,7 +99,7 @@ def test_a_key_repeated_in_one_write_keeps_the_last_row(engine: Engine) -> None:
 @pytest.mark.postgres
 def test_concurrent_writers_leave_one_row_per_key(postgres_url: str) -> None:
     engine = make_engine(postgres_url)
-    upgrade(engine)
+    upgrade(engine, REFERENCE)
     workers, count, repeats = 4, 300, 4
     jobs = [(postgres_url, w, w * 100, count, repeats) for w in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
@@ -108,9 +107,9 @@ def test_concurrent_writers_leave_one_row_per_key(postgres_url: str) -> None:
 
     stored = predictions_of(engine)
     expected_ids = {f"tx-{i:05d}" for i in range((workers - 1) * 100 + count)}
-    assert set(stored["transaction_id"]) == expected_ids
+    assert set(stored["record_id"]) == expected_ids
     assert stored.height == len(expected_ids)
-    assert stored.select("transaction_id", "model_version").is_unique().all()
+    assert stored.select("record_id", "model_version").is_unique().all()
     # Every writer's last round sends the last hash, so that is what each key ends with.
     assert set(stored["input_hash"]) == {f"hash-{repeats - 1}"}
     # How often a key flips depends on interleaving; it is inserted once and never written more than sent.
@@ -171,11 +170,14 @@ def test_every_distinct_online_answer_is_a_row_and_degraded_ones_are_marked(engi
 
 def test_answer_pairs_compare_each_online_answer_with_the_right_batch_answer(engine: Engine) -> None:
     with engine.begin() as conn:
-        upsert_transactions(
-            conn, validate(REFERENCE, frame_of(*(record(transaction_id=tx) for tx in ("tx-a", "tx-b", "tx-c")))), DAY
+        upsert_records(
+            REFERENCE,
+            conn,
+            validate(REFERENCE, frame_of(*(record(transaction_id=tx) for tx in ("tx-a", "tx-b", "tx-c")))),
+            DAY,
         )
-        upsert_transactions(
-            conn, validate(REFERENCE, frame_of(record(transaction_id="tx-other-day"))), DAY + timedelta(1)
+        upsert_records(
+            REFERENCE, conn, validate(REFERENCE, frame_of(record(transaction_id="tx-other-day"))), DAY + timedelta(1)
         )
     t0 = datetime(2026, 11, 2, tzinfo=UTC)
     key = DAY.isoformat()
@@ -197,9 +199,9 @@ def test_answer_pairs_compare_each_online_answer_with_the_right_batch_answer(eng
         answer("tx-never-stored", path="online", score=0.7, model_version="v1", produced_at=t0),
     )
     with engine.connect() as conn:
-        pairs = answer_pairs(conn, DAY)
+        pairs = answer_pairs(REFERENCE, conn, DAY)
     compared = ("online_model_version", "online_score", "online_input_hash", "batch_model_version", "batch_score")
-    got = pairs.select("transaction_id", *compared).rows()
+    got = pairs.select("record_id", *compared).rows()
     assert got == [
         ("tx-a", "v1", 0.11, "input-1", "v1", 0.1),  # the same version's batch answer
         ("tx-a", "v3", 0.33, "input-1", "v2", 0.2),  # none under v3: the newest batch answer
@@ -231,7 +233,13 @@ def test_quarantine_is_idempotent_on_the_rejection_key(engine: Engine) -> None:
     def send(frame: pl.DataFrame, run_id: str) -> None:
         with engine.begin() as conn:
             quarantine(
-                conn, frame, path=ResultPath.BATCH, stage=RejectStage.SCORE, partition_key="2026-11-01", run_id=run_id
+                REFERENCE,
+                conn,
+                frame,
+                path=ResultPath.BATCH,
+                stage=RejectStage.SCORE,
+                partition_key="2026-11-01",
+                run_id=run_id,
             )
 
     send(bad, "run-1")
@@ -257,16 +265,16 @@ def test_quarantine_is_idempotent_on_the_rejection_key(engine: Engine) -> None:
 
 
 # ------------------------------------------------------------------ transactions
-def test_upsert_transactions_changes_only_what_changed(engine: Engine) -> None:
+def test_upsert_records_changes_only_what_changed(engine: Engine) -> None:
     checked = validate(REFERENCE, generate_day(DAY, DemoConfig(seed=6, rows_per_day=120, poison_rate=0.0)))
     with engine.begin() as conn:
-        assert upsert_transactions(conn, checked, DAY) == checked.height
+        assert upsert_records(REFERENCE, conn, checked, DAY) == checked.height
     with engine.begin() as conn:
-        assert upsert_transactions(conn, checked, DAY) == 0
+        assert upsert_records(REFERENCE, conn, checked, DAY) == 0
 
     def ingested_at() -> dict[str, object]:
         with engine.connect() as conn:
-            rows = conn.execute(sa.select(transactions.c.transaction_id, transactions.c.ingested_at)).all()
+            rows = conn.execute(sa.select(RECORDS.c.transaction_id, RECORDS.c.ingested_at)).all()
         return {transaction_id: moment for transaction_id, moment in rows}
 
     before = ingested_at()
@@ -275,13 +283,13 @@ def test_upsert_transactions_changes_only_what_changed(engine: Engine) -> None:
         amount=pl.when(pl.col("transaction_id") == target).then(pl.col("amount") + 1.0).otherwise(pl.col("amount"))
     )
     with engine.begin() as conn:
-        assert upsert_transactions(conn, corrected, DAY) == 1
+        assert upsert_records(REFERENCE, conn, corrected, DAY) == 1
     after = ingested_at()
     assert len(after) == checked.height
     assert [tx for tx in after if after[tx] != before[tx]] == [target]
 
     with engine.connect() as conn:
-        stored = read_partition_rows(conn, DAY)
+        stored = read_partition_rows(REFERENCE, conn, DAY)
     assert stored.height == checked.height
     assert stored.filter(pl.col("transaction_id") == target)["amount"].to_list() == [
         checked.filter(pl.col("transaction_id") == target)["amount"][0] + 1.0
@@ -306,12 +314,12 @@ def test_a_streamed_partition_reads_back_every_stored_value_exactly(engine: Engi
         record(transaction_id="tx-25", account_id="acct-3", amount=0.1, event_time="1969-12-31T23:59:59.999999Z"),
     ]
     with engine.begin() as conn:
-        upsert_transactions(conn, validate(REFERENCE, frame_of(*records)), DAY)
+        upsert_records(REFERENCE, conn, validate(REFERENCE, frame_of(*records)), DAY)
 
-    chunks = list(stream_partition_rows(engine, DAY, chunk_rows=4))
+    chunks = list(stream_partition_rows(REFERENCE, engine, DAY, chunk_rows=4))
     with engine.connect() as conn:
-        row_by_row = read_partition_rows(conn, DAY)
-        stored_hashes = dict(conn.execute(sa.select(transactions.c.transaction_id, transactions.c.input_hash)).all())
+        row_by_row = read_partition_rows(REFERENCE, conn, DAY)
+        stored_hashes = dict(conn.execute(sa.select(RECORDS.c.transaction_id, RECORDS.c.input_hash)).all())
 
     assert [chunk.height for chunk in chunks] == [4, 4, 4, 3]
     streamed = pl.concat(chunks)

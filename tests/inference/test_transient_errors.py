@@ -25,6 +25,7 @@ from inference.store import (
     upsert_predictions,
     utc_now,
 )
+from tests.reference import REFERENCE
 from tests.shared import set_connections_allowed, unreachable_database_url
 
 
@@ -44,7 +45,7 @@ def disposed(engine: Engine) -> Iterator[Engine]:
 
 def a_batch_row() -> sa.Executable:
     row = {
-        "transaction_id": "t1",
+        "record_id": "t1",
         "score": 0.5,
         "input_hash": "h",
         "history_hash": "d",
@@ -81,7 +82,7 @@ def test_a_pool_with_no_connection_to_give_in_time_is_transient(sqlite_url: str)
 
 def test_a_locked_sqlite_database_is_transient(sqlite_url: str) -> None:
     with disposed(make_engine(sqlite_url)) as engine:
-        upgrade(engine)
+        upgrade(engine, REFERENCE)
     impatient = sa.create_engine(sqlite_url, connect_args={"timeout": 0.05})
     with disposed(impatient), impatient.connect() as holder:
         holder.exec_driver_sql("BEGIN IMMEDIATE")  # the write lock, held
@@ -95,7 +96,7 @@ def test_a_locked_sqlite_database_is_transient(sqlite_url: str) -> None:
 def test_postgres_refusing_and_cutting_connections_is_transient(postgres_admin_url: str, postgres_url: str) -> None:
     database = str(make_url(postgres_url).database)
     with disposed(make_engine(postgres_url)) as engine:
-        upgrade(engine)
+        upgrade(engine, REFERENCE)
         with engine.connect() as open_before:
             set_connections_allowed(postgres_admin_url, database, False)
             try:
@@ -133,7 +134,7 @@ def test_a_sqlite_file_without_tables_is_a_missing_migration_not_an_outage(tmp_p
 def test_a_sqlite_table_missing_a_column_is_not_transient(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'old.db'}"
     old = sa.MetaData()
-    sa.Table("predictions", old, sa.Column("transaction_id", sa.Text, primary_key=True))
+    sa.Table("predictions", old, sa.Column("record_id", sa.Text, primary_key=True))
     with disposed(make_engine(url)) as engine:
         old.create_all(engine)
         read = raised(engine, sa.select(predictions))
@@ -154,7 +155,7 @@ def test_a_postgres_database_without_tables_is_not_transient(postgres_url: str) 
 
 def test_refused_data_and_bugs_are_not_transient(sqlite_url: str) -> None:
     with disposed(make_engine(sqlite_url)) as engine:
-        upgrade(engine)
+        upgrade(engine, REFERENCE)
         with engine.begin() as conn:
             conn.execute(a_batch_row())
         duplicate = raised(engine, a_batch_row())
@@ -172,7 +173,7 @@ def prediction_frame_with_path(path: str) -> pl.DataFrame:
     return prediction_frame(
         [
             {
-                "transaction_id": "t2",
+                "record_id": "t2",
                 "model_version": "m:1",
                 "score": 0.5,
                 "path": path,

@@ -126,9 +126,7 @@ def select_rows(url: str, statement: sa.Select[Any]) -> list[dict[str, Any]]:
 
 
 def prediction_rows(url: str, partition_key: str = PARTITION, **kwargs: Any) -> list[dict[str, Any]]:
-    return table_rows(
-        url, predictions, partition_key=partition_key, order_by=("transaction_id", "model_version"), **kwargs
-    )
+    return table_rows(url, predictions, partition_key=partition_key, order_by=("record_id", "model_version"), **kwargs)
 
 
 def rejection_rows(url: str, partition_key: str = PARTITION, **kwargs: Any) -> list[dict[str, Any]]:

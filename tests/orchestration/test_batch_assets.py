@@ -18,7 +18,7 @@ from inference.migrate import upgrade
 from inference.model import score_batch
 from inference.records import split_valid
 from inference.spec import load_spec
-from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows, transactions
+from inference.store import RejectStage, ResultPath, make_engine, predictions, read_partition_rows
 from tandem import modelstore
 from tandem_specs.transactions.demo import EXPECTED_REASON, PoisonKind
 from tandem_specs.transactions.model import ModelConfig
@@ -32,7 +32,7 @@ from tests.orchestration.support import (
     rejection_rows,
     run_partition,
 )
-from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, REFERENCE
+from tests.reference import COUNTRIES, CURRENCIES, MERCHANT_CATEGORIES, RAW_COLUMNS, RECORDS, REFERENCE
 from tests.shared import register_untrained_model
 
 CHECKS = {
@@ -90,7 +90,7 @@ def test_partition_materializes_and_every_check_passes(
     assert scored["dagster/row_count"] == scored["scored"]
     assert [column.name for column in scored["dagster/column_schema"].columns] == list(predictions.columns.keys())
     assert ingested["dagster/row_count"] == ingested["rows_stored"]
-    assert [column.name for column in ingested["dagster/column_schema"].columns] == list(transactions.columns.keys())
+    assert [column.name for column in ingested["dagster/column_schema"].columns] == list(RECORDS.columns.keys())
     # The score distribution the UI shows: deciles as a table, a histogram, p50/p90/p99 it plots.
     deciles = [record.data["score"] for record in scored["score_deciles"].records]
     assert [record.data["quantile"] for record in scored["score_deciles"].records][::5] == ["min", "p50", "max"]
@@ -117,8 +117,8 @@ def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
     assert result.success
     rejected = rejection_rows(database_url)
     assert {(r["path"], r["resolved"]) for r in rejected} == {(ResultPath.BATCH.value, False)}
-    at_ingest = sorted((r["transaction_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.INGEST)
-    at_score = sorted((r["transaction_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.SCORE)
+    at_ingest = sorted((r["record_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.INGEST)
+    at_score = sorted((r["record_id"], r["reason"]) for r in rejected if r["stage"] == RejectStage.SCORE)
     assert len(at_ingest) + len(at_score) == len(rejected)
     assert at_ingest == sorted((tid, EXPECTED_REASON[PoisonKind.DUPLICATE_ID]) for tid in duplicates["transaction_id"])
     assert at_score == sorted(
@@ -128,7 +128,7 @@ def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
 
     predicted = prediction_rows(database_url)
     good_ids = source.filter(pl.col("poison_kind").is_null())["transaction_id"].to_list()
-    assert sorted(row["transaction_id"] for row in predicted) == sorted(good_ids)
+    assert sorted(row["record_id"] for row in predicted) == sorted(good_ids)
     assert {row["model_version"] for row in predicted} == {production_tag}
 
     ingested, scored = _metadata(result, "transactions"), _metadata(result, "predictions")
@@ -225,12 +225,12 @@ def test_a_model_trained_with_k_8_is_scored_with_8_whatever_the_setting_says(
     )
 
     assert result.success
-    stored = {row["transaction_id"]: row["score"] for row in prediction_rows(sqlite_url)}
+    stored = {row["record_id"]: row["score"] for row in prediction_rows(sqlite_url)}
     engine = make_engine(sqlite_url)
     try:
         with engine.connect() as conn:
             valid, _ = split_valid(
-                REFERENCE, read_partition_rows(conn, date.fromisoformat(PARTITION)).select(RAW_COLUMNS)
+                REFERENCE, read_partition_rows(REFERENCE, conn, date.fromisoformat(PARTITION)).select(RAW_COLUMNS)
             )
     finally:
         engine.dispose()
@@ -265,7 +265,7 @@ def test_a_run_that_would_score_without_a_model_fails_before_ingesting(
     assert description.startswith(f"no production version of {name!r} in the model store at ")
     assert description.endswith("(nothing ingested)")
     engine = make_engine(sqlite_url)
-    upgrade(engine)  # the failed run may not have touched the database at all
+    upgrade(engine, REFERENCE)  # the failed run may not have touched the database at all
     with engine.connect() as conn:
-        assert read_partition_rows(conn, date.fromisoformat(PARTITION)).height == 0
+        assert read_partition_rows(REFERENCE, conn, date.fromisoformat(PARTITION)).height == 0
     engine.dispose()

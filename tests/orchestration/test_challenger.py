@@ -30,12 +30,12 @@ from inference.store import (
     make_engine,
     predictions,
     rejected_records,
-    transactions,
 )
 from orchestration.definitions import build_definitions
 from tandem import modelstore
 from tandem_specs.transactions.model import ModelConfig
 from tests.orchestration.support import SETTINGS, batch_resources, predictions_config, run_partition
+from tests.reference import RECORDS
 from tests.shared import register_untrained_model
 
 # Names of their own: nothing here may move another test's production pointer, nor see its challenger.
@@ -69,7 +69,7 @@ class World:
             engine.dispose()
 
     def counts(self) -> dict[str, int]:
-        return {t.name: self.count(t) for t in (transactions, predictions, rejected_records, challenger_predictions)}
+        return {t.name: self.count(t) for t in (RECORDS, predictions, rejected_records, challenger_predictions)}
 
     def materialize(
         self, selection: list[str], run_config: dict[str, Any] | None = None, raise_on_error: bool = True

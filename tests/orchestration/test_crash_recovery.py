@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Big enough that scoring takes several seconds in chunks of 4096 (the smallest allowed).
 ROWS = 20_000
 RUN_CONFIG = predictions_config(chunk_rows=4096, parity_sample=8)
-COMPARED = ("transaction_id", "model_version", "score", "input_hash")
+COMPARED = ("record_id", "model_version", "score", "input_hash")
 # What a rejection says about its input, without the bookkeeping of when and by which run.
-REJECTION_FACTS = ("transaction_id", "path", "stage", "partition_key", "reason", "detail", "payload", "input_hash")
+REJECTION_FACTS = ("record_id", "path", "stage", "partition_key", "reason", "detail", "payload", "input_hash")
 CHUNK_LINE = "predictions - chunk 1:"
 
 # The child inherits BENTOML_HOME from this session, so it scores with the same production model.

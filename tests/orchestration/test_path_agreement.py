@@ -21,7 +21,7 @@ from inference.store import (
     make_engine,
     read_partition_rows,
     read_predictions,
-    upsert_transactions,
+    upsert_records,
     utc_now,
 )
 from tests.answers import answer, write_answers
@@ -80,7 +80,7 @@ def _disagreeing(batch: dict[str, Any], cause: Cause) -> dict[str, Any]:
         Cause.UNEXPLAINED: {},
     }[cause]
     kwargs = {"model_version": batch["model_version"], **base, **changes}
-    return answer(batch["transaction_id"], path="online", score=far, request_id=f"req-{cause}", **kwargs)
+    return answer(batch["record_id"], path="online", score=far, request_id=f"req-{cause}", **kwargs)
 
 
 def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
@@ -90,18 +90,18 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
     assert scored.success
     batch = prediction_rows(database_url)
     agree, *explained, skew = batch[:6]
-    batch_ids = {row["transaction_id"] for row in batch}
+    batch_ids = {row["record_id"] for row in batch}
     rejected_id = next(
-        row["transaction_id"]
+        row["record_id"]
         for row in rejection_rows(database_url)
-        if row["stage"] == "score" and row["transaction_id"] and row["transaction_id"] not in batch_ids
+        if row["stage"] == "score" and row["record_id"] and row["record_id"] not in batch_ids
     )
     causes = [Cause.MODEL_CHANGED, Cause.INPUT_CORRECTED, Cause.DEGRADED, Cause.HISTORY_CHANGED]
     engine = make_engine(database_url)
     write_answers(
         engine,
         answer(
-            agree["transaction_id"],
+            agree["record_id"],
             path="online",
             score=agree["score"] + 1e-7,
             model_version=agree["model_version"],
@@ -136,10 +136,10 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
     (check,) = _checks(result).values()
     assert not check.passed
     assert check.severity == AssetCheckSeverity.WARN
-    assert check.metadata["unexplained_transactions"].value == [skew["transaction_id"]]
+    assert check.metadata["unexplained_transactions"].value == [skew["record_id"]]
     report = _metadata(result, "path_agreement")
     assert report["by_cause"][Cause.UNEXPLAINED.value] == 1
-    assert report["unexplained_transactions"] == [skew["transaction_id"]]
+    assert report["unexplained_transactions"] == [skew["record_id"]]
 
 
 # ------------------------------------------------------------------ the production order
@@ -151,11 +151,13 @@ def _score_online(url: str, frame: pl.DataFrame, request: str) -> list[dict[str,
     try:
         rows = []
         for i in range(frame.height):
-            (scored,) = predictor.predict(frame[i : i + 1].select(RAW_COLUMNS), StoreHistory(engine)).to_dicts()
+            (scored,) = predictor.predict(
+                frame[i : i + 1].select(RAW_COLUMNS), StoreHistory(REFERENCE, engine)
+            ).to_dicts()
             assert scored["reject_reason"] is None
             rows.append(
                 answer(
-                    scored["transaction_id"],
+                    scored["record_id"],
                     path="online",
                     score=scored["score"],
                     model_version=version,
@@ -175,7 +177,7 @@ def _stored_valid(url: str) -> pl.DataFrame:
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
-            stored = read_partition_rows(conn, DAY)
+            stored = read_partition_rows(REFERENCE, conn, DAY)
     finally:
         engine.dispose()
     return validate(REFERENCE, stored.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null()).select(RAW_COLUMNS)
@@ -214,7 +216,7 @@ def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
     assert accounted["scored"].value + accounted["rejected"].value == accounted["input"].value
 
     assert _online_rows(database_url) == online_before
-    batch_ids = {row["transaction_id"] for row in prediction_rows(database_url)}
+    batch_ids = {row["record_id"] for row in prediction_rows(database_url)}
     assert set(answered["transaction_id"]) <= batch_ids, "batch skipped work the online path answered"
 
     report = _metadata(result, "path_agreement")
@@ -228,7 +230,7 @@ def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
     engine = make_engine(database_url)
     with engine.begin() as conn:
         corrected = answered.filter(pl.col("transaction_id") == corrected_id).with_columns(amount=pl.col("amount") + 1)
-        assert upsert_transactions(conn, validate(REFERENCE, corrected), DAY) == 1
+        assert upsert_records(REFERENCE, conn, validate(REFERENCE, corrected), DAY) == 1
     engine.dispose()
     result = nightly()
     assert result.success

@@ -37,7 +37,7 @@ from inference.store import (
     rejected_records,
     upsert_challenger_predictions,
     upsert_predictions,
-    upsert_transactions,
+    upsert_records,
     utc_now,
 )
 from orchestration.definitions import build_definitions
@@ -121,8 +121,11 @@ def _correct_records(url: str, day: str, count: int) -> None:
     clean = frame.filter(pl.col("poison_kind").is_null()).head(count)
     engine = make_engine(url)
     with engine.begin() as conn:
-        upsert_transactions(
-            conn, validate(REFERENCE, clean.with_columns(amount=pl.col("amount") + 1.0)), date.fromisoformat(day)
+        upsert_records(
+            REFERENCE,
+            conn,
+            validate(REFERENCE, clean.with_columns(amount=pl.col("amount") + 1.0)),
+            date.fromisoformat(day),
         )
     engine.dispose()
 
@@ -276,7 +279,7 @@ def test_online_results_are_observed_as_online_predictions(scored: str, shadow: 
     sensor, other = (_sensors()[f"{kind}_predictions_observer"] for kind in (name, "online" if shadow else "shadow"))
     assert isinstance(_tick(sensor, scored), SkipReason)
     row = {
-        "transaction_id": "online-1",
+        "record_id": "online-1",
         "model_version": "v-online",
         "score": 0.25,
         "path": name,
@@ -309,7 +312,7 @@ def test_online_results_are_observed_as_online_predictions(scored: str, shadow: 
 
 def _online_row(transaction_id: str, produced_at: datetime) -> dict[str, object]:
     return {
-        "transaction_id": transaction_id,
+        "record_id": transaction_id,
         "model_version": "v-online",
         "score": 0.25,
         "path": "online",
@@ -331,7 +334,7 @@ def test_an_online_result_committed_after_a_later_one_is_observed_once(tmp_path:
     commits later. A row committed after a tick that saw a later-stamped one must still count."""
     url = f"sqlite:///{tmp_path / 'online.db'}"
     engine = make_engine(url)
-    upgrade(engine)
+    upgrade(engine, REFERENCE)
     now = datetime(2026, 11, 3, 12, tzinfo=UTC)
     clock = [now]
     sensor = build_online_observer(SensorSettings(interval_seconds=5), clock=lambda: clock[0])
@@ -384,7 +387,8 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
     corrected = returning.group_by("account_id").last().head(1)
     account = corrected["account_id"][0]
     with engine.begin() as conn:
-        upsert_transactions(
+        upsert_records(
+            REFERENCE,
             conn,
             validate(REFERENCE, corrected.with_columns(amount=pl.col("amount") * 3 + 1)),
             date.fromisoformat(DAYS[0]),
@@ -397,9 +401,9 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
             rows = conn.execute(
                 predictions.select()
                 .where(predictions.c.partition_key == DAYS[1])
-                .where(predictions.c.transaction_id.in_(later_ids))
+                .where(predictions.c.record_id.in_(later_ids))
             ).mappings()
-            return {row["transaction_id"]: (row["score"], row["history_hash"]) for row in rows}
+            return {row["record_id"]: (row["score"], row["history_hash"]) for row in rows}
 
     before = day_two_rows()
     assert before

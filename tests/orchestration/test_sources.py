@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
 from inference.sources import FileSource
-from inference.store import make_engine, rejected_records, transactions
+from inference.store import make_engine, rejected_records
 from orchestration.definitions import build_definitions
 from orchestration.sensors import DAILY_JOB, INGEST_JOB
 from tests.orchestration.support import (
@@ -39,7 +39,7 @@ from tests.orchestration.support import (
     predictions_config,
     run_partition,
 )
-from tests.reference import RAW_COLUMNS, REFERENCE
+from tests.reference import RAW_COLUMNS, RECORDS, REFERENCE
 
 FOLDER_PATTERN = "{date:%Y-%m-%d}/"
 CATEGORIES = ("grocery", "restaurant", "fuel", "pharmacy", "travel")
@@ -110,13 +110,13 @@ def test_a_folder_of_a_users_csv_files_is_ingested_and_scored(
     assert metadata["source_version"] == source.versions()[date.fromisoformat(PARTITION)]
     # The decimal comma is no number: quarantined at ingest with its text, as the row without an id.
     assert (metadata["rows_received"], metadata["rows_stored"], metadata["rejected_at_ingest"]) == (120, 118, 2)
-    stored = _stored(database_url, transactions, transactions.c.partition_date, date.fromisoformat(PARTITION))
+    stored = _stored(database_url, RECORDS, RECORDS.c.partition_date, date.fromisoformat(PARTITION))
     assert len(stored) == 118
     assert {row["channel"] for row in rows} == {"web"} and "channel" not in stored[0]
     (scored,) = result.asset_materializations_for_node("predictions")
     assert scored.metadata["scored"].value == 118
     reasons = {
-        (r["transaction_id"], r["reason"])
+        (r["record_id"], r["reason"])
         for r in _stored(database_url, rejected_records, rejected_records.c.partition_key, PARTITION)
     }
     assert reasons == {(None, "missing_field"), (rows[5]["transaction_id"], "amount_unparsable")}
@@ -182,7 +182,7 @@ def test_a_broken_day_file_fails_that_partition_alone_with_its_reason(
     assert failure.step_failure_data.user_failure_data.description == (  # type: ignore[union-attr]
         f"no file for 2026-11-04 at {tmp_path / '2026-11-04.csv'}"
     )
-    assert len(_stored(sqlite_url, transactions, transactions.c.partition_date, date(2026, 11, 2))) == 10
+    assert len(_stored(sqlite_url, RECORDS, RECORDS.c.partition_date, date(2026, 11, 2))) == 10
 
 
 def test_the_demo_goes_through_the_landing_folder(assets: list, instance: DagsterInstance, sqlite_url: str) -> None:

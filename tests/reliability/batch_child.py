@@ -23,6 +23,7 @@ from inference.contract import TorchPredictor
 from inference.store import make_engine
 from tandem import modelstore
 from tests.orchestration.support import batch_assets, batch_resources, run_partition
+from tests.reference import REFERENCE
 from tests.reliability.support import CHUNK_ROWS, HISTORY_LENGTH, MODEL_NAME, RUN_CONFIG
 
 LAST_CHUNK = "LAST_CHUNK_WRITTEN"
@@ -40,6 +41,7 @@ def hang_before_commit(url: str, partition_key: str, total_rows: int) -> None:
             time.sleep(600)
 
     score_partition(
+        REFERENCE,
         engine,
         predictor,
         date.fromisoformat(partition_key),

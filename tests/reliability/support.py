@@ -84,8 +84,8 @@ def database_name(url: str) -> str:
     return str(make_url(url).database)
 
 
-PREDICTION_FACTS = ("transaction_id", "model_version", "score", "input_hash", "path")
-REJECTION_FACTS = ("transaction_id", "path", "stage", "partition_key", "reason", "detail", "payload", "input_hash")
+PREDICTION_FACTS = ("record_id", "model_version", "score", "input_hash", "path")
+REJECTION_FACTS = ("record_id", "path", "stage", "partition_key", "reason", "detail", "payload", "input_hash")
 
 
 def prediction_facts(url: str, partition_key: str) -> list[dict[str, Any]]:

@@ -155,11 +155,11 @@ def test_partition_with_five_percent_poison_lands_with_every_poison_row_quaranti
         quarantined = sorted(
             (str(tx), str(reason))
             for tx, reason in conn.execute(
-                "SELECT transaction_id, reason FROM rejected_records WHERE partition_key = %s AND NOT resolved", (KEY,)
+                "SELECT record_id, reason FROM rejected_records WHERE partition_key = %s AND NOT resolved", (KEY,)
             )
         )
         scored_poison = conn.execute(
-            "SELECT count(*) FROM predictions p JOIN transactions t USING (transaction_id) "
+            "SELECT count(*) FROM predictions p JOIN transactions t ON t.transaction_id = p.record_id "
             "WHERE p.partition_key = %s AND t.reject_reason IS NOT NULL",
             (KEY,),
         ).fetchone()

@@ -25,6 +25,7 @@ from inference.batch import BatchProducer, score_partition
 from inference.contract import TorchPredictor
 from inference.store import make_engine
 from tandem import modelstore
+from tests.reference import REFERENCE
 from tests.reliability.batch_child import LAST_CHUNK
 from tests.reliability.support import (
     CHUNK_ROWS,
@@ -60,6 +61,7 @@ def _score(url: str, predictor: TorchPredictor, run_id: str) -> None:
     engine = make_engine(url)
     try:
         score_partition(
+            REFERENCE,
             engine,
             predictor,
             DAY,
@@ -159,7 +161,7 @@ def test_sigkill_after_the_last_chunk_before_commit_then_rerun_equals_a_clean_ru
     rerun, clean = prediction_facts(postgres_url, KEY), prediction_facts(reference_url, KEY)
     assert rerun == clean
     assert rejection_facts(postgres_url, KEY) == rejection_facts(reference_url, KEY)
-    changed = {row["transaction_id"] for row in old} ^ {row["transaction_id"] for row in rerun}
+    changed = {row["record_id"] for row in old} ^ {row["record_id"] for row in rerun}
     rehashed = sum(a["input_hash"] != b["input_hash"] for a, b in zip(old, rerun, strict=True))
     assert not changed and rehashed == CORRECTED, "the rerun really replaced the corrected rows"
     MEASURED["sigkill_before_commit"] = {
@@ -183,7 +185,7 @@ def test_rerun_after_a_correction_rescores_records_whose_history_changed(
     _ingest(reference_url, corrected)
     _score(reference_url, predictor, "clean-run")
     rerun, clean = prediction_facts(postgres_url, KEY), prediction_facts(reference_url, KEY)
-    stale = [a["transaction_id"] for a, b in zip(rerun, clean, strict=True) if a["score"] != b["score"]]
+    stale = [a["record_id"] for a, b in zip(rerun, clean, strict=True) if a["score"] != b["score"]]
     MEASURED["stale_history_after_correction"] = {"corrected": 50, "stale_scores_after_rerun": len(stale)}
     assert not stale, f"{len(stale)} rows keep a score computed from the uncorrected history"
 
@@ -248,7 +250,7 @@ def test_two_runs_materializing_one_partition_at_once_agree_without_duplicates(
     assert raced == clean, "two racing runs leave exactly what one clean run leaves"
     with psycopg.connect(postgres_url) as conn:
         duplicates = conn.execute(
-            "SELECT count(*) FROM (SELECT transaction_id, reason, input_hash FROM rejected_records "
+            "SELECT count(*) FROM (SELECT record_id, reason, input_hash FROM rejected_records "
             "WHERE partition_key = %s GROUP BY 1, 2, 3 HAVING count(*) > 1) AS d",
             (KEY,),
         ).fetchone()

@@ -54,8 +54,7 @@ def server(start_suite_server: StartSuiteServer) -> Iterator[SuiteServer]:
 def _stored(server: SuiteServer, transaction_ids: list[str]) -> dict[str, dict[str, Any]]:
     with psycopg.connect(server.db.url) as conn:
         rows = conn.execute(
-            "SELECT transaction_id, score, input_hash, idempotency_key, path FROM predictions "
-            "WHERE transaction_id = ANY(%s)",
+            "SELECT record_id, score, input_hash, idempotency_key, path FROM predictions WHERE record_id = ANY(%s)",
             (transaction_ids,),
         ).fetchall()
     return {row[0]: {"score": row[1], "input_hash": row[2], "idempotency_key": row[3], "path": row[4]} for row in rows}
@@ -64,9 +63,7 @@ def _stored(server: SuiteServer, transaction_ids: list[str]) -> dict[str, dict[s
 def _rows_of(server: SuiteServer, transaction_id: str) -> list[dict[str, Any]]:
     """Every stored row of one transaction (`_stored` keeps one per transaction)."""
     with psycopg.connect(server.db.url) as conn:
-        cursor = conn.execute(
-            "SELECT idempotency_key, score FROM predictions WHERE transaction_id = %s", (transaction_id,)
-        )
+        cursor = conn.execute("SELECT idempotency_key, score FROM predictions WHERE record_id = %s", (transaction_id,))
         return [{"idempotency_key": key, "score": score} for key, score in cursor.fetchall()]
 
 
@@ -395,7 +392,7 @@ def test_lineage_route_answers_why_a_transaction_has_its_score(server: SuiteServ
     answer = httpx.get(f"{server.url}/lineage/{tx}", timeout=10)
     assert answer.status_code == 200, answer.text
     lineage = answer.json()
-    assert lineage["transaction_id"] == tx
+    assert lineage["record_id"] == tx
     (result,) = lineage["results"]
     assert result["path"] == "online"
     assert result["request_id"] == scored["request_id"]

@@ -171,12 +171,10 @@ def test_a_challenger_is_shadowed_replayed_judged_and_promoted_through_the_gate(
         assert {answer["model_version"] for answer in answers} == {champion}, "every answer is the champion's"
         # Exactly the champion's answer: the record scored alone against the stored history.
         predictor = TorchPredictor(model=modelstore.load(champion), model_version=champion)
-        history = StoreHistory(engine)
+        history = StoreHistory(REFERENCE, engine)
         expected = pl.concat([predictor.predict(pl.DataFrame([row]), history) for row in requests[:60]])
         got = {answer["transaction_id"]: answer["score"] for answer in answers}
-        worst = max(
-            abs(got[tx] - score) for tx, score in zip(expected["transaction_id"], expected["score"], strict=True)
-        )
+        worst = max(abs(got[tx] - score) for tx, score in zip(expected["record_id"], expected["score"], strict=True))
         assert worst <= 1e-5, worst
 
         def shadow_caught_up() -> bool:
@@ -188,7 +186,7 @@ def test_a_challenger_is_shadowed_replayed_judged_and_promoted_through_the_gate(
         assert {row["path"] for row in shadowed} == {"shadow"} and {row["model_version"] for row in shadowed} == {
             candidate
         }
-        assert {row["transaction_id"] for row in shadowed} <= set(got)
+        assert {row["record_id"] for row in shadowed} <= set(got)
         dropped = shadow_metric(server, "tandem_shadow_items_total", outcome="dropped")
         scored = shadow_metric(server, "tandem_shadow_items_total", outcome="scored")
         assert scored + dropped == len(requests), (scored, dropped)

@@ -49,14 +49,14 @@ from assets.resources import DatabaseResource, ModelStoreResource, TransactionSo
 from inference.agreement import Cause, summarize
 from inference.records import validate
 from inference.sources import demo_path
-from inference.store import answer_pairs, make_engine, predictions, transactions
+from inference.store import answer_pairs, make_engine, predictions
 from orchestration.definitions import build_definitions
 from orchestration.sensors import DAILY_JOB, INGEST_JOB, RESCORE_JOB
 from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
 from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.orchestration.support import select_rows
-from tests.reference import RAW_COLUMNS, REFERENCE
+from tests.reference import RAW_COLUMNS, RECORDS, REFERENCE
 from tests.serving.support import LiveServer, serve
 from tests.shared import service_env, until
 
@@ -248,7 +248,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
         def recorded() -> bool:
             """Every answer a client received is stored: the service's writer lands them behind the answers."""
-            stored = {(row["transaction_id"], row["request_id"]) for row in select_rows(database_url, ONLINE_ROWS)}
+            stored = {(row["record_id"], row["request_id"]) for row in select_rows(database_url, ONLINE_ROWS)}
             return {(a.transaction_id, a.request_id) for a in received} <= stored
 
         # The night comes hours after the day's last payment, long after the writer has caught up.
@@ -302,13 +302,13 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
         assert day.automation() == [], "the reruns computed path_agreement too: nothing follows"
         after = select_rows(database_url, sa.select(predictions).where(predictions.c.path == "batch"))
         rewritten = {
-            row["transaction_id"]
+            row["record_id"]
             for row in after
             if (row["input_hash"], row["history_hash"])
             != next(
                 (b["input_hash"], b["history_hash"])
                 for b in before
-                if (b["transaction_id"], b["model_version"]) == (row["transaction_id"], row["model_version"])
+                if (b["record_id"], b["model_version"]) == (row["record_id"], row["model_version"])
             )
         }
         assert rewritten <= affected and changed_ids <= rewritten, (rewritten - affected, changed_ids - rewritten)
@@ -340,7 +340,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
     # Every answer a client received is recorded, with its lineage; nothing else is.
     online_rows = select_rows(database_url, ONLINE_ROWS)
-    by_request = {(row["transaction_id"], row["request_id"]): row for row in online_rows}
+    by_request = {(row["record_id"], row["request_id"]): row for row in online_rows}
     for answer in received:
         row = by_request.get((answer.transaction_id, answer.request_id))
         assert row is not None, f"the answer {answer} is not recorded"
@@ -354,10 +354,10 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
 
     # Every transaction has its batch answer under the production model, for its current content.
     stored = select_rows(
-        database_url, sa.select(transactions.c.transaction_id, transactions.c.input_hash, transactions.c.reject_reason)
+        database_url, sa.select(RECORDS.c.transaction_id, RECORDS.c.input_hash, RECORDS.c.reject_reason)
     )
     batch = {
-        row["transaction_id"]: row["input_hash"]
+        row["record_id"]: row["input_hash"]
         for row in select_rows(
             database_url,
             sa.select(predictions).where(predictions.c.path == "batch", predictions.c.model_version == second_model),
@@ -369,7 +369,7 @@ def test_a_day_in_production(database_url: str, tmp_path: Path, monkeypatch: pyt
     # path_agreement explains every disagreement, and the causes are the ones this day had.
     engine = make_engine(database_url)
     with engine.connect() as conn:
-        report = summarize(answer_pairs(conn, DAY))
+        report = summarize(answer_pairs(REFERENCE, conn, DAY))
     engine.dispose()
     causes = report.by_cause
     assert causes.get(Cause.UNEXPLAINED.value, 0) == 0, report.unexplained
@@ -381,7 +381,7 @@ def _affected_by(database_url: str, changed_ids: set[str]) -> tuple[set[str], se
     """The records whose batch answer a change of `changed_ids` may rewrite (themselves and the
     next 16 valid records of the account), and the partitions that hold them, computed here
     from the stored records, independently of the sensor's SQL."""
-    t = transactions.c
+    t = RECORDS.c
     rows = select_rows(
         database_url,
         sa.select(t.transaction_id, t.account_id, t.event_ts, t.partition_date, t.reject_reason).order_by(

@@ -310,7 +310,7 @@ def prediction_row(
 ) -> dict[str, Any]:
     """One online predictions row, as the scoring step hands it to the writer."""
     return {
-        "transaction_id": transaction_id,
+        "record_id": transaction_id,
         "model_version": model_version,
         "score": score,
         "path": "online",

@@ -294,8 +294,8 @@ def test_a_batch_in_flight_on_the_old_pool_completes_there(sqlite_engine: Engine
     assert (first.model_version, first.score) == ("v1", 0.25)
     assert (second.model_version, second.score) == ("v2", 0.75)
     with sqlite_engine.connect() as conn:
-        stored = read_predictions(conn).sort("transaction_id")
-    assert stored.select("transaction_id", "model_version", "path").rows() == [
+        stored = read_predictions(conn).sort("record_id")
+    assert stored.select("record_id", "model_version", "path").rows() == [
         ("in-flight", "v1", "online"),
         ("queued", "v2", "online"),
     ]

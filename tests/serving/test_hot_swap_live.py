@@ -23,11 +23,11 @@ import torch
 
 from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
-from inference.lineage import TransactionLineage, explain
+from inference.lineage import RecordLineage, explain
 from inference.model import LoadedModel
 from inference.store import make_engine
 from tandem import modelstore
-from tests.reference import RAW_COLUMNS
+from tests.reference import RAW_COLUMNS, REFERENCE
 from tests.serving.support import DemoServer, StartDemoServer
 from tests.shared import reference_model, register_model, until
 
@@ -187,8 +187,8 @@ def _swap_latency(answers: list[Answer], changed_at: float, new: str, what: str)
 def _rows_for_lineage(server: SwapServer, answers: list[Answer]) -> None:
     engine = make_engine(server.database_url)
 
-    def stored(transaction_id: str) -> TransactionLineage | None:
-        found = explain(engine, transaction_id, dagster_ui_url=DAGSTER_UI)
+    def stored(transaction_id: str) -> RecordLineage | None:
+        found = explain(REFERENCE, engine, transaction_id, dagster_ui_url=DAGSTER_UI)
         return found if found.results else None
 
     try:

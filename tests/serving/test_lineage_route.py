@@ -33,9 +33,8 @@ def client(sqlite_engine: Engine) -> TestClient:
 
 def test_a_rejected_id_is_answered_with_where_and_why(client: TestClient, sqlite_engine: Engine) -> None:
     cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id="tx-bad").items()})
-    ingest_day(
-        sqlite_engine, conform(REFERENCE, cells.with_columns(amount=pl.lit("12;50")), "day.csv", typed=False), DAY
-    )
+    unparsable = conform(REFERENCE, cells.with_columns(amount=pl.lit("12;50")), "day.csv", typed=False)
+    ingest_day(REFERENCE, sqlite_engine, unparsable, DAY)
 
     answer = client.get("/lineage/tx-bad")
 

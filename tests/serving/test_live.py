@@ -110,7 +110,7 @@ def test_online_score_equals_the_batch_score(server: Server) -> None:
     batch = pl.concat([predictor.predict(frame.slice(i, 1), history) for i in range(frame.height)])
     accounts = frame["account_id"]
     assert accounts.n_unique() < accounts.len(), "the request holds several records of one account"
-    for tx, score in zip(batch["transaction_id"], batch["score"], strict=True):
+    for tx, score in zip(batch["record_id"], batch["score"], strict=True):
         assert online[tx]["status"] == "scored"
         assert online[tx]["path"] == "online"
         assert online[tx]["model_version"] == server.model_version
@@ -322,7 +322,7 @@ def _stored_online(server: Server, transaction_id: str, rows_expected: int) -> p
 
     def landed() -> list[pl.DataFrame]:  # a frame has no truth value: [the frame] once it holds them all
         with engine.connect() as conn:
-            stored = read_predictions(conn, transaction_id=transaction_id, path="online")
+            stored = read_predictions(conn, record_id=transaction_id, path="online")
         return [stored] if stored.height >= rows_expected else []
 
     try:

@@ -383,7 +383,7 @@ def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_ro
 
     with sqlite_engine.connect() as conn:
         stored = read_predictions(conn)
-    assert dict(zip(stored["transaction_id"], stored["unseen_fields"], strict=True)) == {
+    assert dict(zip(stored["record_id"], stored["unseen_fields"], strict=True)) == {
         "known": None,
         "new-category": "merchant_category",
         "new-everything": "country,currency,merchant_category",

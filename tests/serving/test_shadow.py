@@ -87,7 +87,7 @@ def metric(metrics: ServingMetrics, name: str, **labels: str) -> float:
 
 def shadow_rows(engine: Engine) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        rows = conn.execute(sa.select(challenger_predictions).order_by(challenger_predictions.c.transaction_id))
+        rows = conn.execute(sa.select(challenger_predictions).order_by(challenger_predictions.c.record_id))
         return [dict(row._mapping) for row in rows]
 
 
@@ -168,7 +168,7 @@ def test_the_challenger_scores_the_sample_and_the_client_gets_the_champion(
             message=lambda: f"shadow rows: {shadow_rows(sqlite_engine)}",
         )
         rows = shadow_rows(sqlite_engine)
-        assert sorted(row["transaction_id"] for row in rows) == sorted(chosen), "exactly the sampled ones"
+        assert sorted(row["record_id"] for row in rows) == sorted(chosen), "exactly the sampled ones"
         assert {row["path"] for row in rows} == {"shadow"} and {row["model_version"] for row in rows} == {CHALLENGER}
         assert all(row["score"] == 0.75 and row["request_id"] == "req" for row in rows)
         assert all(row["latency_ms"] is not None and row["latency_ms"] >= 0 for row in rows)

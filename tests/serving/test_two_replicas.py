@@ -178,7 +178,7 @@ def expected(pair: Pair, tag: str, rows: list[dict[str, Any]]) -> dict[str, tupl
     scored = pl.concat([predictor.predict(frame.slice(i, 1), history) for i in range(frame.height)])
     return {
         str(tx): (float(score), str(digest))
-        for tx, score, digest in zip(scored["transaction_id"], scored["score"], scored["input_hash"], strict=True)
+        for tx, score, digest in zip(scored["record_id"], scored["score"], scored["input_hash"], strict=True)
     }
 
 
@@ -199,7 +199,7 @@ def stored_rows(pair: Pair, transaction_ids: list[str]) -> list[dict[str, Any]]:
     engine = make_engine(pair.database_url)
     try:
         with engine.connect() as conn:
-            query = sa.select(predictions).where(predictions.c.transaction_id.in_(transaction_ids))
+            query = sa.select(predictions).where(predictions.c.record_id.in_(transaction_ids))
             return [dict(row._mapping) for row in conn.execute(query)]
     finally:
         engine.dispose()
@@ -257,9 +257,9 @@ def check_one_winner(pair: Pair, key: str, outcomes: list[Outcome]) -> None:
     time.sleep(0.5)  # a late second row would be a write already submitted: the writer coalesces for 50 ms
     rows = stored_rows(pair, ids)
     by_id = {item["transaction_id"]: item for item in answer}
-    assert sorted(row["transaction_id"] for row in rows) == sorted(ids), rows
+    assert sorted(row["record_id"] for row in rows) == sorted(ids), rows
     for row in rows:
-        item = by_id[row["transaction_id"]]
+        item = by_id[row["record_id"]]
         assert row["idempotency_key"] == key, row
         assert row["path"] == "online" and row["model_version"] == item["model_version"], row
         assert (row["request_id"], row["batch_id"]) == (item["request_id"], item["batch_id"]), (row, item)

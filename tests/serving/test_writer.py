@@ -30,7 +30,7 @@ def rows(count: int, *, refused: frozenset[int] = frozenset()) -> list[dict[str,
     now = utc_now()
     return [
         {
-            "transaction_id": f"w{i}",
+            "record_id": f"w{i}",
             "model_version": MODEL,
             "score": 0.5,
             "path": "sideways" if i in refused else "online",
@@ -69,7 +69,7 @@ def drained(writer: ResultWriter) -> None:
 
 def stored(engine: Engine) -> tuple[set[str], list[dict[str, Any]]]:
     with engine.connect() as conn:
-        ids = set(conn.execute(sa.select(predictions.c.transaction_id)).scalars())
+        ids = set(conn.execute(sa.select(predictions.c.record_id)).scalars())
         rejections = [dict(row._mapping) for row in conn.execute(sa.select(rejected_records))]
     return ids, rejections
 
@@ -83,7 +83,7 @@ def test_a_refused_row_is_quarantined_alone_and_the_breaker_stays_closed(engine:
 
     ids, rejections = stored(engine)
     assert ids == {f"w{i}" for i in range(40)} - {"w7", "w31"}
-    assert sorted(r["transaction_id"] for r in rejections) == ["w31", "w7"]
+    assert sorted(r["record_id"] for r in rejections) == ["w31", "w7"]
     for rejection in rejections:
         assert rejection["stage"] == RejectStage.WRITE.value
         assert rejection["reason"] == UNWRITABLE_RESULT
@@ -117,9 +117,9 @@ def test_batches_submitted_within_the_gathering_window_are_one_write(engine: Eng
 
     ids, rejections = stored(engine)
     assert ids == {f"w{i}" for i in range(34)}
-    assert [r["transaction_id"] for r in rejections] == ["bad"]
+    assert [r["record_id"] for r in rejections] == ["bad"]
     with engine.connect() as conn:
-        kept = conn.execute(sa.select(predictions.c.request_id).where(predictions.c.transaction_id == "w0")).scalars()
+        kept = conn.execute(sa.select(predictions.c.request_id).where(predictions.c.record_id == "w0")).scalars()
         assert list(kept) == ["r"]
 
 
@@ -137,7 +137,7 @@ def test_a_refused_row_in_the_outbox_no_longer_holds_back_the_rows_behind_it(eng
     ids, rejections = stored(engine)
     assert writer.outbox_depth == 0
     assert ids == {f"w{i}" for i in range(1, 30)}
-    assert [r["transaction_id"] for r in rejections] == ["w0"]
+    assert [r["record_id"] for r in rejections] == ["w0"]
 
 
 def test_an_unreachable_database_keeps_every_row_for_later(engine: Engine, tmp_path: Path) -> None:
@@ -159,7 +159,7 @@ def test_an_unreachable_database_keeps_every_row_for_later(engine: Engine, tmp_p
     writer.close()
     ids, rejections = stored(engine)
     assert ids == {f"w{i}" for i in range(12)} - {"w3"}
-    assert [r["transaction_id"] for r in rejections] == ["w3"]
+    assert [r["record_id"] for r in rejections] == ["w3"]
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(predictions)).scalar_one() == 11, "each row once"
 

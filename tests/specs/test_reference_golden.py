@@ -123,13 +123,14 @@ def result_exact(result: pl.DataFrame) -> dict[str, Any]:
         "reject_reason_counts": dict(sorted(Counter(r for r in reasons if r is not None).items())),
         "unseen_field_counts": dict(sorted(Counter(u for u in unseen if u is not None).items())),
         "scored": int(result["score"].is_not_null().sum()),
-        "transaction_ids": digest(result["transaction_id"].to_list()),
+        "transaction_ids": digest(result["record_id"].to_list()),
         "reject_reasons": digest(reasons),
         "reject_details": digest(result["reject_detail"].to_list()),
         "input_hashes": digest(result["input_hash"].to_list()),
         "history_hashes": digest(result["history_hash"].to_list()),
         "unseen_fields": digest(unseen),
-        "first_rows": result.head(SHOWN_ROWS).drop("score").to_dicts(),
+        # The result's id column is `record_id` (0012 step 5); the fixture names it as it was recorded.
+        "first_rows": result.head(SHOWN_ROWS).drop("score").rename({"record_id": "transaction_id"}).to_dicts(),
     }
 
 
@@ -170,7 +171,9 @@ def online_section(predictor: TorchPredictor, stored: pl.DataFrame, next_day: pl
         record = next_day.select(RAW_COLUMNS).row(position, named=True)
         checked = validate(REFERENCE, raw_frame(REFERENCE, [record]))
         checked = checked.hstack([hash_inputs(REFERENCE, checked)])
-        answers.append(predictor.predict(checked, history).row(0, named=True))
+        # Named as the fixture recorded the id (see `result_exact`).
+        answer = predictor.predict(checked, history).rename({"record_id": "transaction_id"})
+        answers.append(answer.row(0, named=True))
     return answers
 
 

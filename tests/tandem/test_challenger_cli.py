@@ -27,6 +27,7 @@ from inference.store import make_engine, record_challenger_report
 from tandem import modelstore
 from tandem.cli import main
 from tests.inference.support import TINY_MODEL
+from tests.reference import REFERENCE
 from tests.shared import reference_model
 
 RecordReport = Callable[..., int]
@@ -62,7 +63,7 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
 def report(store: Store) -> Iterator[RecordReport]:
     """Records a challenger_report verdict where the CLI reads it; returns its id."""
     engine = make_engine(TandemSettings().resolved_database_url())
-    upgrade(engine)
+    upgrade(engine, REFERENCE)
 
     def record(champion: str, challenger: str, failures: dict[str, str] | None = None) -> int:
         with engine.begin() as conn:
@@ -330,7 +331,7 @@ def test_the_refusal_says_the_report_time_in_utc_whatever_the_database_time_zone
         admin.execute(f"ALTER DATABASE \"{database}\" SET timezone TO 'Europe/Berlin'")
     monkeypatch.setenv("DATABASE_URL", postgres_url)
     engine = make_engine(postgres_url)
-    upgrade(engine)
+    upgrade(engine, REFERENCE)
     with engine.begin() as conn:
         failed = record_challenger_report(
             conn,

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from inference.migrate import upgrade
 from inference.store import make_engine, rejected_records
 from tandem.cli import main
+from tests.reference import REFERENCE
 from tests.shared import free_port
 
 
@@ -102,7 +103,7 @@ def test_a_rejection_id_outside_the_column_is_refused_by_argparse(
 
 def _rejections(url: str, count: int) -> list[int]:
     engine = make_engine(url)
-    upgrade(engine)
+    upgrade(engine, REFERENCE)
     now = datetime.now(UTC)
     with engine.begin() as conn:
         for n in range(count):
@@ -161,3 +162,22 @@ def test_a_bad_setting_is_one_line_naming_its_variable(
     assert (code, captured.out) == (1, "")
     assert captured.err.startswith("tandem: TANDEM_DEMO_START_DATE='2026-13-01': Input should be a valid date")
     assert len(captured.err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("not a url", "tandem: DATABASE_URL: not a database URL; --dialect names the SQL to print"),
+        (
+            "mysql://root@127.0.0.1:3306/test",
+            "tandem: DATABASE_URL: a mysql database; Tandem's store is PostgreSQL or SQLite",
+        ),
+    ],
+)
+def test_store_ddl_speaks_the_dialect_of_database_url_or_refuses_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str, expected: str
+) -> None:
+    assert _one_line_error(capsys, monkeypatch, url, "store", "ddl") == expected
+    monkeypatch.setenv("DATABASE_URL", "sqlite:///tandem.db")
+    assert main(["store", "ddl"]) == 0
+    assert "CREATE TABLE transactions (" in capsys.readouterr().out
