@@ -77,7 +77,7 @@ def build_agreement_assets(partitions: DailyPartitionsDefinition) -> list[Assets
                 description="every online/batch difference beyond 1e-5 has a cause the lineage names",
             )
         ],
-        description="One day's online answers against the batch answers to the same transactions.",
+        description="One day's online answers against the batch answers to the same records.",
     )
     def path_agreement(
         context: AssetExecutionContext, config: PathAgreementConfig, database: DatabaseResource
@@ -98,7 +98,7 @@ def build_agreement_assets(partitions: DailyPartitionsDefinition) -> list[Assets
                 "crossed_threshold": report.crossed_threshold,
                 "crossed_threshold_share": report.crossed_share,
                 "by_cause": MetadataValue.json(by_cause),
-                "unexplained_transactions": MetadataValue.json(report.unexplained),
+                "unexplained_records": MetadataValue.json(report.unexplained),
             },
             check_results=[
                 AssetCheckResult(
@@ -109,7 +109,7 @@ def build_agreement_assets(partitions: DailyPartitionsDefinition) -> list[Assets
                     metadata={
                         "unexplained": report.by_cause[Cause.UNEXPLAINED],
                         "tolerance": PARITY_TOLERANCE,
-                        "unexplained_transactions": MetadataValue.json(report.unexplained),
+                        "unexplained_records": MetadataValue.json(report.unexplained),
                     },
                 )
             ],

@@ -40,9 +40,11 @@ from assets.scoring import (
     DATABASE_POOL,
     BatchScoringConfig,
     daily_database_step,
+    model_key,
     partition_day,
+    records_key,
+    records_with_history,
     score_day,
-    transactions_with_history,
 )
 from inference.batch import ChunkProgress, PartitionReport, ingest_day
 from inference.model import IncompatibleModelError, LoadedModel, TrainingReport
@@ -71,9 +73,7 @@ TRANSACTIONS_CODE_VERSION = "1"
 RISK_MODEL_CODE_VERSION = "1"
 PREDICTIONS_CODE_VERSION = "1"
 
-TRANSACTIONS_KEY = AssetKey("transactions")
 PREDICTIONS_KEY = AssetKey("predictions")
-RISK_MODEL_KEY = AssetKey("risk_model")
 
 
 class RiskModelConfig(Config):
@@ -134,13 +134,13 @@ def content_version(ls: LoadedSpec, frame: pl.DataFrame) -> DataVersion:
     return DataVersion(digest.hexdigest()[:16])
 
 
-def _model_for_scoring(context: AssetExecutionContext, model_store: ModelStoreResource) -> None:
+def _model_for_scoring(context: AssetExecutionContext, ls: LoadedSpec, model_store: ModelStoreResource) -> None:
     """Fails a run that is to score the day when there is no model to score it with, before the
     day is ingested: the run could only fail later, with the stored day already changed. A run
-    that trains risk_model too makes its own."""
+    that trains the model too makes its own."""
     # A run of a whole job has no asset selection of its own: the 02:00 daily_scoring run scores too.
     selected = context.run.asset_selection or context.job_def.asset_layer.selected_asset_keys
-    if PREDICTIONS_KEY not in selected or RISK_MODEL_KEY in selected or model_store.production_tag() is not None:
+    if PREDICTIONS_KEY not in selected or model_key(ls) in selected or model_store.production_tag() is not None:
         return
     raise Failure(
         description=f"{modelstore.missing_production(model_store.model_name)} (nothing ingested)",
@@ -152,40 +152,40 @@ def build_batch_assets(
     ls: LoadedSpec, partitions: DailyPartitionsDefinition, history_length: int, *, rescore_days: int = 7
 ) -> list[AssetsDefinition]:
     """The batch path's assets over the code location's `partitions` for the spec `ls`:
-    `history_length` is the K risk_model trains with, `rescore_days` how many scored days a
+    `history_length` is the K the model trains with, `rescore_days` how many scored days a
     promotion rescores.
 
     Built by factories because those three are settings read when the definitions load; each
     asset's body is a module-level function of its own."""
     return [
-        transactions_asset(ls, partitions),
-        risk_model_asset(history_length),
-        build_production_model(),
-        predictions_asset(partitions, rescore_days),
+        records_asset(ls, partitions),
+        model_asset(ls, history_length),
+        build_production_model(ls),
+        predictions_asset(ls, partitions, rescore_days),
     ]
 
 
-def transactions_asset(ls: LoadedSpec, partitions: DailyPartitionsDefinition) -> AssetsDefinition:
+def records_asset(ls: LoadedSpec, partitions: DailyPartitionsDefinition) -> AssetsDefinition:
     return asset(
-        name="transactions",
+        name=ls.spec.name,
         **daily_database_step(partitions),
         code_version=TRANSACTIONS_CODE_VERSION,
         metadata={"dagster/column_schema": table_schema(record_table(ls).table)},
         group_name="batch",
         kinds={"polars", "sql"},
-        description="Source transactions of one UTC day, stored as received (poison included).",
-    )(ingest_transactions)
+        description=f"Source {ls.spec.plural} of one UTC day, stored as received (poison included).",
+    )(ingest_records)
 
 
-def ingest_transactions(
+def ingest_records(
     context: AssetExecutionContext,
     database: DatabaseResource,
     source: TransactionSourceResource,
     model_store: ModelStoreResource,
 ) -> MaterializeResult:
-    """The body of `transactions`: the run's day read from the source and stored."""
+    """The body of the records asset: the run's day read from the source and stored."""
     day = partition_day(context)
-    _model_for_scoring(context, model_store)
+    _model_for_scoring(context, database.spec, model_store)
     try:
         read = source.read(day)
     except SourceError as error:
@@ -210,18 +210,18 @@ def ingest_transactions(
     )
 
 
-def risk_model_asset(history_length: int) -> AssetsDefinition:
-    # A factory for the K alone: it is the code location's setting, read when definitions load.
+def model_asset(ls: LoadedSpec, history_length: int) -> AssetsDefinition:
+    # A factory for the spec's names and K: the code location's settings, read when definitions load.
     @asset(
-        name="risk_model",
-        deps=[TRANSACTIONS_KEY],
+        name=ls.spec.model_name,
+        deps=[records_key(ls)],
         code_version=RISK_MODEL_CODE_VERSION,
         group_name="model",
         kinds={"pytorch", "bentoml"},
         pool=DATABASE_POOL,
         description="Trains, evaluates and registers a model version; promotes it if at least as good.",
     )
-    def risk_model(
+    def train_model(
         context: AssetExecutionContext,
         config: RiskModelConfig,
         database: DatabaseResource,
@@ -229,7 +229,7 @@ def risk_model_asset(history_length: int) -> AssetsDefinition:
     ) -> MaterializeResult:
         return train_risk_model(context, config, database, model_store, history_length)
 
-    return risk_model
+    return train_model
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ def _train_and_register(
     with database.engine.connect() as conn:
         days = stored_partition_dates(database.spec, conn)[-config.training_days :]
     if len(days) < 2:
-        raise ValueError(f"need at least two stored days of transactions to train, found {len(days)}")
+        raise ValueError(f"need at least two stored days of {database.spec.spec.plural} to train, found {len(days)}")
     first, holdout = days[0], days[-1]
     model, report = train_from_store(
         database.engine,
@@ -288,7 +288,7 @@ def train_risk_model(
     model_store: ModelStoreResource,
     history_length: int,
 ) -> MaterializeResult:
-    """The body of `risk_model`: a new version trained, registered, and promoted, set as the
+    """The body of the training asset: a new version trained, registered, and promoted, set as the
     challenger or kept out of production."""
     with retry_only_transient_errors():
         trained = _train_and_register(context, config, database, model_store, history_length)
@@ -347,18 +347,18 @@ PREDICTIONS_CHECKS = [
 ]
 
 
-def predictions_asset(partitions: DailyPartitionsDefinition, rescore_days: int) -> AssetsDefinition:
+def predictions_asset(ls: LoadedSpec, partitions: DailyPartitionsDefinition, rescore_days: int) -> AssetsDefinition:
     return asset(
         name="predictions",
         **daily_database_step(partitions),
-        deps=[transactions_with_history(), AssetDep(PRODUCTION_MODEL)],
+        deps=[records_with_history(ls), AssetDep(PRODUCTION_MODEL)],
         code_version=PREDICTIONS_CODE_VERSION,
         automation_condition=rescore_after_promotion(rescore_days),
         metadata={"dagster/column_schema": table_schema(predictions_table)},
         group_name="batch",
         kinds={"pytorch", "sql"},
         check_specs=PREDICTIONS_CHECKS,
-        description="Batch risk scores for one day (path=batch); bad rows quarantined in rejected_records.",
+        description="Batch scores for one day (path=batch); bad rows quarantined in rejected_records.",
     )(score_predictions)
 
 
@@ -473,7 +473,7 @@ def _predictions_checks(scored: _Scored, config: PredictionsConfig, unseen_share
                 "sampled": parity.sampled,
                 "max_abs_difference": parity.max_abs_difference,
                 "tolerance": PARITY_TOLERANCE,
-                "mismatched_transactions": MetadataValue.json(parity.mismatched[:50]),
+                "mismatched_records": MetadataValue.json(parity.mismatched[:50]),
             },
         ),
         AssetCheckResult(

@@ -43,8 +43,8 @@ from assets.scoring import (
     BatchScoringConfig,
     daily_database_step,
     partition_day,
+    records_with_history,
     score_day,
-    transactions_with_history,
 )
 from inference.challenger import BLOCKING_CHECKS, Comparison, PromotionGate, compare
 from inference.spec import LoadedSpec
@@ -99,8 +99,15 @@ def _plotted(metrics: dict[str, Any]) -> dict[str, float | int]:
     }
 
 
-def build_challenger_assets(partitions: DailyPartitionsDefinition) -> list[AssetsDefinition | AssetSpec]:
-    return [build_challenger_model(), challenger_predictions_asset(partitions), shadow_predictions, challenger_report]
+def build_challenger_assets(
+    ls: LoadedSpec, partitions: DailyPartitionsDefinition
+) -> list[AssetsDefinition | AssetSpec]:
+    return [
+        build_challenger_model(ls),
+        challenger_predictions_asset(ls, partitions),
+        shadow_predictions,
+        challenger_report,
+    ]
 
 
 shadow_predictions = AssetSpec(
@@ -113,11 +120,11 @@ shadow_predictions = AssetSpec(
 )
 
 
-def challenger_predictions_asset(partitions: DailyPartitionsDefinition) -> AssetsDefinition:
+def challenger_predictions_asset(ls: LoadedSpec, partitions: DailyPartitionsDefinition) -> AssetsDefinition:
     return asset(
         name="challenger_predictions",
         **daily_database_step(partitions),
-        deps=[transactions_with_history(), AssetDep(CHALLENGER_MODEL)],
+        deps=[records_with_history(ls), AssetDep(CHALLENGER_MODEL)],
         code_version=CHALLENGER_PREDICTIONS_CODE_VERSION,
         metadata={"dagster/column_schema": table_schema(challenger_predictions)},
         group_name="challenger",

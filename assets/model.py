@@ -2,11 +2,12 @@
 tag in production.
 
 The pointer lives in the model store (tandem/modelstore.py), beside every registered version;
-`risk_model` moves it when a version is at least as good, and so do `tandem models promote` and
-`rollback`. Each move is a new data version of `production_model`, which is what makes the
-`predictions` partitions scored under the previous version stale in the UI and what
-`rescore_after_promotion` reacts to. `risk_model` reports its own moves; `production_model_observer`
-(orchestration/sensors.py) sees the rest.
+the training asset (the spec's `model_name`, the reference's `risk_model`) moves it when a
+version is at least as good, and so do `tandem models promote` and `rollback`. Each move is a
+new data version of `production_model`, which is what makes the `predictions` partitions scored
+under the previous version stale in the UI and what `rescore_after_promotion` reacts to. The
+training asset reports its own moves; `production_model_observer` (orchestration/sensors.py)
+sees the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dagster import (
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL
 from assets.dagster_tags import DATA_VERSION_IS_USER_PROVIDED_TAG, DATA_VERSION_TAG
 from assets.resources import ModelStoreResource
+from inference.spec import LoadedSpec
 
 # The challenger's data version while the slot is empty.
 NO_CHALLENGER = "none"
@@ -50,18 +52,18 @@ def challenger_model_observation(tag: str | None) -> AssetObservation:
     )
 
 
-def build_challenger_model() -> AssetsDefinition:
+def build_challenger_model(ls: LoadedSpec) -> AssetsDefinition:
     @multi_observable_source_asset(
         name="challenger_model",
         specs=[
             AssetSpec(
                 CHALLENGER_MODEL,
-                deps=["risk_model"],
+                deps=[ls.spec.model_name],
                 group_name="challenger",
                 kinds={"bentoml"},
-                description="The challenger version (`tandem models challenge TAG`, or risk_model with register_as: "
-                "challenger): shadowed online, replayed by challenger_predictions. Its data version is the tag, "
-                f"'{NO_CHALLENGER}' while the slot is empty.",
+                description="The challenger version (`tandem models challenge TAG`, or "
+                f"{ls.spec.model_name} with register_as: challenger): shadowed online, replayed by "
+                f"challenger_predictions. Its data version is the tag, '{NO_CHALLENGER}' while the slot is empty.",
             )
         ],
     )
@@ -74,13 +76,13 @@ def build_challenger_model() -> AssetsDefinition:
     return challenger_model
 
 
-def build_production_model() -> AssetsDefinition:
+def build_production_model(ls: LoadedSpec) -> AssetsDefinition:
     @multi_observable_source_asset(
         name="production_model",
         specs=[
             AssetSpec(
                 PRODUCTION_MODEL,
-                deps=["risk_model"],
+                deps=[ls.spec.model_name],
                 group_name="model",
                 kinds={"bentoml"},
                 description="The model version in production (the pointer in the BentoML model store): what both "
@@ -91,7 +93,9 @@ def build_production_model() -> AssetsDefinition:
     def production_model(model_store: ModelStoreResource) -> Iterator[ObserveResult]:
         tag = model_store.production_tag()
         if tag is None:
-            raise Failure(description="no production model yet: materialize risk_model or `tandem models promote`")
+            raise Failure(
+                description=f"no production model yet: materialize {ls.spec.model_name} or `tandem models promote`"
+            )
         yield ObserveResult(asset_key=PRODUCTION_MODEL, data_version=DataVersion(tag), metadata={"model_version": tag})
 
     return production_model

@@ -12,7 +12,7 @@ from typing import Literal, cast, get_args
 
 import polars as pl
 from dagster import ConfigurableResource, InitResourceContext
-from pydantic import PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 from sqlalchemy.engine import Engine
 
 from inference.demo import demo_settings
@@ -77,7 +77,7 @@ class ModelStoreResource(ConfigurableResource):
     """The BentoML model store; the production model is loaded at most once per run. A version is
     loaded, or its config read, only if it was trained with the spec Tandem runs (SpecMismatch)."""
 
-    model_name: str = "risk_model"
+    model_name: str = Field(description="the BentoML model name (TANDEM_MODEL_NAME, default the spec's)")
 
     _loaded: tuple[LoadedModel, str] | None = PrivateAttr(default=None)
 

@@ -32,6 +32,7 @@ from inference.batch import (
 )
 from inference.contract import TorchPredictor
 from inference.model import LoadedModel
+from inference.spec import LoadedSpec
 from tandem.version import code_version
 
 # Concurrency pool shared by every asset that holds database connections (limit: dagster.yaml).
@@ -84,12 +85,22 @@ def partition_day(context: AssetExecutionContext) -> date:
     return date.fromisoformat(keys.start)
 
 
-def transactions_with_history() -> AssetDep:
-    """A day's stored transactions and the day before: a record's features read its account's
-    earlier records, so the day before must be ingested too (asset backfills then order ingestion
-    ahead of scoring across days)."""
+def records_key(ls: LoadedSpec) -> AssetKey:
+    """The records asset: the spec's name (the reference's `transactions`)."""
+    return AssetKey(ls.spec.name)
+
+
+def model_key(ls: LoadedSpec) -> AssetKey:
+    """The training asset: the spec's model name (the reference's `risk_model`)."""
+    return AssetKey(ls.spec.model_name)
+
+
+def records_with_history(ls: LoadedSpec) -> AssetDep:
+    """A day's stored records and the day before: a record's features read its entity's earlier
+    records, so the day before must be ingested too (asset backfills then order ingestion ahead of
+    scoring across days)."""
     return AssetDep(
-        AssetKey("transactions"),
+        records_key(ls),
         partition_mapping=TimeWindowPartitionMapping(start_offset=-1, allow_nonexistent_upstream_partitions=True),
     )
 

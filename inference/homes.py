@@ -3,7 +3,8 @@
 Unset, all three are folders of one data directory: `<checkout>/data` when the code runs from a
 checkout (pyproject.toml and workspace.yaml beside the packages), whatever the current directory,
 so a plain `tandem` or `dagster` command reads what `make run` wrote; `./data` when Tandem is
-installed as a package. A set TANDEM_DATA_DIR moves the other two with it unless they are set too.
+installed as a package; under it, `<module>` for a TANDEM_MODEL_SPEC other than the default. A set
+TANDEM_DATA_DIR moves the other two with it unless they are set too.
 
 The packages tandem/ and orchestration/ call `apply_default_homes()` when imported, so every entry
 point (the `tandem` CLI, the Dagster code location, `make run`, the BentoML service through tandem/)
@@ -17,12 +18,15 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from inference.spec.loading import DEFAULT_SPEC_PATH
+
 DATA_DIR = "TANDEM_DATA_DIR"
 BENTOML_HOME = "BENTOML_HOME"
 DAGSTER_HOME = "DAGSTER_HOME"
 # Which of the three took the default, for this process's children too: once a default is in the
 # environment it looks set, and an error's hint must still tell a default from a choice.
 DEFAULTED = "TANDEM_HOMES_DEFAULTED"
+MODEL_SPEC = "TANDEM_MODEL_SPEC"
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,13 @@ def project_root() -> Path | None:
     return root if (root / "pyproject.toml").is_file() and (root / "workspace.yaml").is_file() else None
 
 
-def default_data_dir() -> Path:
-    return (project_root() or Path.cwd()) / "data"
+def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """`data` for the default spec, `data/<module>` for any other TANDEM_MODEL_SPEC: a database, a
+    landing folder and a model store belong to one spec, so changing the setting starts clean."""
+    environ = os.environ if environ is None else environ
+    data = (project_root() or Path.cwd()) / "data"
+    spec = environ.get(MODEL_SPEC, "").strip()
+    return data if spec in ("", DEFAULT_SPEC_PATH) else data / spec.partition(":")[0]
 
 
 def resolve_homes(environ: Mapping[str, str] | None = None) -> Homes:
@@ -60,7 +69,7 @@ def resolve_homes(environ: Mapping[str, str] | None = None) -> Homes:
     unset = {name for name in (DATA_DIR, BENTOML_HOME, DAGSTER_HOME) if not environ.get(name)}
     defaulted = frozenset(unset | set(filter(None, environ.get(DEFAULTED, "").split(","))))
     # Absolute: Dagster refuses a relative DAGSTER_HOME, and a child process may start elsewhere.
-    data_dir = Path(environ[DATA_DIR]).resolve() if DATA_DIR not in unset else default_data_dir()
+    data_dir = Path(environ[DATA_DIR]).resolve() if DATA_DIR not in unset else default_data_dir(environ)
     return Homes(
         data_dir=data_dir,
         bentoml_home=Path(environ[BENTOML_HOME]) if BENTOML_HOME not in unset else data_dir / "bentoml",

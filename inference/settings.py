@@ -6,20 +6,42 @@ from datetime import date
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.features import MAX_HISTORY_LENGTH
 from inference.homes import default_data_dir
 from inference.sources import DEFAULT_PATTERN, SourceFormat
+from inference.spec import configured_spec
+
 
 # TANDEM_HISTORY_LENGTH, validated here once for every settings class that reads it. It is the K a
-# new model is trained with; scoring always uses the K the scored model was trained with (its
-# ModelConfig), so changing the setting never changes a deployed model's scores.
+# new model is trained with, the spec's own when unset; scoring always uses the K the scored model
+# was trained with (its config), so changing the setting never changes a deployed model's scores.
+def _history_needs_an_entity(history_length: int) -> int:
+    """K > 0 needs an entity whose earlier records are the history: refused when the settings load,
+    not when a training run reaches the features."""
+    spec = configured_spec()
+    if history_length > 0 and spec.entity is None:
+        raise ValueError(f"spec {spec.path} has no entity, so K must be 0")
+    return history_length
+
+
 HistoryLength = Annotated[
     int,
-    Field(ge=1, le=MAX_HISTORY_LENGTH, description="K for training: account history rows per transaction"),
+    Field(
+        ge=0,
+        le=MAX_HISTORY_LENGTH,
+        description="K for training: the entity's earlier records each record reads; unset, the spec's",
+    ),
+    AfterValidator(_history_needs_an_entity),
 ]
+
+
+def spec_history_length() -> int:
+    """The default of every HistoryLength setting: the K the spec declares."""
+    return configured_spec().spec.history_length
+
 
 # The demo source's size and poison, bounded alike as TANDEM_DEMO_* and as the source resource's
 # config (assets/resources.py).
@@ -40,9 +62,12 @@ class TandemSettings(BaseSettings):
         validation_alias="DATABASE_URL",
         description="SQLAlchemy URL; unset means a SQLite file under data_dir.",
     )
-    model_name: str = "risk_model"
+    model_name: str = Field(
+        default_factory=lambda: configured_spec().spec.model_name,
+        description="the BentoML model name; unset: the spec's model_name",
+    )
     dagster_ui_url: str = Field(default="http://127.0.0.1:3000", description="for links in lineage answers")
-    history_length: HistoryLength = 16
+    history_length: HistoryLength = Field(default_factory=spec_history_length, validate_default=True)
     demo_seed: int = 7
     # Aliased so that a refusal names the variable ("month must be in 1..12" named nothing).
     demo_start_date: date = Field(default=date(2026, 11, 1), validation_alias="TANDEM_DEMO_START_DATE")

@@ -22,7 +22,9 @@ from assets.batch import build_batch_assets
 from assets.challenger import build_challenger_assets
 from assets.deadline import build_deadline_check
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
-from inference.spec import configured_spec
+from assets.scoring import records_key
+from inference.settings import TandemSettings
+from inference.spec import LoadedSpec, configured_spec
 from orchestration.alerts import build_run_failure_alert
 from orchestration.deadline import build_deadline_sensor
 from orchestration.sensors import (
@@ -47,36 +49,39 @@ warnings.filterwarnings("ignore", category=BetaWarning)
 warnings.filterwarnings("ignore", category=PreviewWarning)
 
 
-# (name, assets, description) of each job the sensors, the schedule and operators launch.
-ASSET_JOBS = [
-    (
-        DAILY_JOB,
-        ("transactions", "predictions", "path_agreement"),
-        "Ingest and score one UTC day, then compare it with the online answers.",
-    ),
-    (
-        RESCORE_JOB,
-        ("predictions", "path_agreement"),
-        "Rescore stored partitions (late records, a promoted model) and compare them again.",
-    ),
-    (
-        INGEST_JOB,
-        ("transactions",),
-        "Re-ingest days whose source files changed; late_records_sensor rescores what that changed.",
-    ),
-    (
-        REPLAY_CHALLENGER_JOB,
-        ("challenger_predictions",),
-        "Replay stored days with the challenger (a backfill over labelled days is its backtest).",
-    ),
-]
+def asset_jobs(ls: LoadedSpec) -> list[tuple[str, tuple[str, ...], str]]:
+    """(name, assets, description) of each job the sensors, the schedule and operators launch."""
+    records = ls.spec.name
+    return [
+        (
+            DAILY_JOB,
+            (records, "predictions", "path_agreement"),
+            "Ingest and score one UTC day, then compare it with the online answers.",
+        ),
+        (
+            RESCORE_JOB,
+            ("predictions", "path_agreement"),
+            "Rescore stored partitions (late records, a promoted model) and compare them again.",
+        ),
+        (
+            INGEST_JOB,
+            (records,),
+            "Re-ingest days whose source files changed; late_records_sensor rescores what that changed.",
+        ),
+        (
+            REPLAY_CHALLENGER_JOB,
+            ("challenger_predictions",),
+            "Replay stored days with the challenger (a backfill over labelled days is its backtest).",
+        ),
+    ]
 
 
 def build_definitions(settings: OrchestrationSettings) -> Definitions:
     partitions = DailyPartitionsDefinition(start_date=settings.partitions_start.isoformat(), timezone="UTC")
     sensor_settings = SensorSettings()
+    spec = configured_spec()
     batch_assets = build_batch_assets(
-        configured_spec(),
+        spec,
         partitions,
         settings.history_length,
         rescore_days=sensor_settings.promotion_rescore_partitions,
@@ -91,11 +96,15 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
             selection=AssetSelection.assets(*selected) - AssetSelection.checks(deadline_check),
             description=description,
         )
-        for name, selected, description in ASSET_JOBS
+        for name, selected, description in asset_jobs(spec)
     }
     daily_job, ingest_job = jobs[DAILY_JOB], jobs[INGEST_JOB]
     nightly = build_nightly_schedule(
-        daily_job, partitions, hour=settings.schedule_hour_utc, minute=settings.schedule_minute
+        daily_job,
+        partitions,
+        hour=settings.schedule_hour_utc,
+        minute=settings.schedule_minute,
+        records=records_key(spec),
     )
     # The online path, as Dagster sees it: written by the BentoML service, not by a run, so an
     # external asset downstream of the same production model, observed from the table by a sensor.
@@ -104,7 +113,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         deps=[PRODUCTION_MODEL],
         group_name="online",
         kinds={"bentoml"},
-        description="Online risk scores written by the BentoML service (path=online), observed from `predictions`.",
+        description="Online scores written by the BentoML service (path=online), observed from `predictions`.",
     )
     # The daemon evaluates the assets' AutomationConditions (assets/automation.py) through this
     # sensor; running by default, as the custom sensors are. One run per partition (no backfill), so
@@ -119,7 +128,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         "is bumped, and recomputes path_agreement after its day's predictions change.",
     )
     return Definitions(
-        assets=[*batch_assets, *agreement_assets, online_predictions, *build_challenger_assets(partitions)],
+        assets=[*batch_assets, *agreement_assets, online_predictions, *build_challenger_assets(spec, partitions)],
         asset_checks=[deadline_check],
         jobs=list(jobs.values()),
         schedules=[nightly],
@@ -131,11 +140,13 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
             build_online_observer(sensor_settings, shadow=True),
             build_run_failure_alert(sensor_settings.interval_seconds),
             build_deadline_sensor(sensor_settings, partitions=partitions),
-            build_landing_sensor(sensor_settings, partitions=partitions, jobs=[daily_job, ingest_job]),
+            build_landing_sensor(
+                sensor_settings, partitions=partitions, jobs=[daily_job, ingest_job], records=records_key(spec)
+            ),
         ],
         resources={
             "database": DatabaseResource(),
-            "model_store": ModelStoreResource(),
+            "model_store": ModelStoreResource(model_name=TandemSettings().model_name),
             "source": TransactionSourceResource(),
         },
         # One process per run: a partition's fixed cost (imports, model load) is paid once, not per step.

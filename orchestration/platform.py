@@ -7,6 +7,7 @@ three processes, one signal handler, no supervisor needed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,17 +28,19 @@ from sqlalchemy.engine import make_url
 from inference.demo import day_range
 from inference.homes import resolve_homes
 from inference.settings import TandemSettings, settings_error
+from inference.spec import LoadedSpec, configured_spec
 from orchestration.instance import instance_config
 from orchestration.sensors import SensorSettings
 from orchestration.settings import OrchestrationSettings, PlatformSettings
 from tandem import modelstore
 
 ROOT = Path(__file__).resolve().parent.parent
-CURL_EXAMPLE = (
-    "curl -s -X POST http://{host}:{port}/score -H 'Content-Type: application/json' -d "
-    '\'{{"transactions": [{{"transaction_id": "demo-1", "account_id": "acct-000042", "amount": 42.5, '
-    '"currency": "USD", "merchant_category": "grocery", "country": "US", "event_time": "2026-11-08T09:30:00Z"}}]}}\''
-)
+
+
+def curl_example(ls: LoadedSpec, host: str, port: int) -> str:
+    """A request of the spec's `example` record, under the id `demo-1`."""
+    body = json.dumps({ls.spec.plural: [{**ls.spec.example(), ls.id.name: "demo-1"}]})
+    return f"curl -s -X POST http://{host}:{port}/score -H 'Content-Type: application/json' -d '{body}'"
 
 
 def _say(message: str) -> None:
@@ -107,10 +110,11 @@ def materialize_demo(settings: TandemSettings) -> int:
             _say(f"{label} {status} in {time.perf_counter() - started:.1f}s {_brief(values)}")
             return values
 
+        spec = configured_spec().spec
         for key in days:
-            run("transactions", key)
-        _say("risk_model: training, evaluating, registering (about a minute)")
-        run("risk_model")
+            run(spec.name, key)
+        _say(f"{spec.model_name}: training, evaluating, registering (about a minute)")
+        run(spec.model_name)
         for key in days:
             scored = run("predictions", key)
             totals["scored"] += int(scored.get("scored", 0))
@@ -237,7 +241,7 @@ def serve_forever(settings: PlatformSettings | None = None) -> int:
         _say(f"Dagster UI:      http://{host}:{dagster_port}  (asset graph: /asset-groups)")
     if _wait_for(f"http://{host}:{service_port}/readyz", 120):
         _say(f"Scoring service: http://{host}:{service_port}  (OpenAPI: /openapi.json, metrics: /metrics)")
-        _say(f"try: {CURL_EXAMPLE.format(host=host, port=service_port)}")
+        _say(f"try: {curl_example(configured_spec(), host, service_port)}")
     _say("Ctrl-C stops everything")
     while True:
         for name, process in children.items():

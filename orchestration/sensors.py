@@ -299,11 +299,11 @@ def build_online_observer(
     return observer
 
 
-def _last_ingest(instance: DagsterInstance, partition_key: str) -> tuple[str | None, str]:
-    """The file version the latest `transactions` materialization of this day read, if any, and
+def _last_ingest(instance: DagsterInstance, records_asset: AssetKey, partition_key: str) -> tuple[str | None, str]:
+    """The file version the latest materialization of the records asset of this day read, if any, and
     that materialization named for a run key ('none' before the first): `version@storage id`."""
     records = instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=AssetKey("transactions"), asset_partitions=[partition_key]), limit=1
+        AssetRecordsFilter(asset_key=records_asset, asset_partitions=[partition_key]), limit=1
     ).records
     if not records or records[0].asset_materialization is None:
         return None, "none"
@@ -325,6 +325,7 @@ def build_landing_sensor(
     *,
     partitions: PartitionsDefinition,
     jobs: Sequence[AssetJob],
+    records: AssetKey,
 ) -> SensorDefinition:
     """Files landing for a day -> ingest and score it; a day's file changing -> re-ingest it.
 
@@ -365,7 +366,7 @@ def build_landing_sensor(
                 continue
             if key in busy:
                 continue  # maybe writing this very file (the demo): decide once it is done
-            ingested, last_ingest = _last_ingest(context.instance, key)
+            ingested, last_ingest = _last_ingest(context.instance, records, key)
             if ingested != version:
                 job = INGEST_JOB if _is_scored(context.instance, key) else DAILY_JOB
                 requests.append(
@@ -392,7 +393,7 @@ def build_landing_sensor(
 
 
 def build_nightly_schedule(
-    job: AssetJob, partitions: PartitionsDefinition, *, hour: int, minute: int
+    job: AssetJob, partitions: PartitionsDefinition, *, hour: int, minute: int, records: AssetKey
 ) -> ScheduleDefinition:
     """The classic nightly run: yesterday's partition at hour:minute UTC, unless that day was
     ingested already or a run of it is in flight. `landing_sensor` runs a day as soon as its file
@@ -414,7 +415,7 @@ def build_nightly_schedule(
             return SkipReason(f"{day} is not a partition")
         if day in partitions_in_flight(context.instance, partitions):
             return SkipReason(f"a run of {day} is in flight")
-        version, last_ingest = _last_ingest(context.instance, day)
+        version, last_ingest = _last_ingest(context.instance, records, day)
         if last_ingest != "none":
             return SkipReason(f"{day} was ingested already (source version {version})")
         return RunRequest(run_key=day, partition_key=day, tags={"tandem/trigger": "schedule"})

@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inference.settings import HistoryLength
+from inference.settings import HistoryLength, spec_history_length
 
 
 class OrchestrationSettings(BaseSettings):
@@ -20,7 +20,8 @@ class OrchestrationSettings(BaseSettings):
     )
     schedule_hour_utc: int = Field(default=2, ge=0, le=23)
     schedule_minute: int = Field(default=0, ge=0, le=59)
-    history_length: HistoryLength = 16  # for training only (the risk_model asset)
+    # For training only (the spec's model asset).
+    history_length: HistoryLength = Field(default_factory=spec_history_length, validate_default=True)
 
 
 Port = Annotated[int, Field(ge=1, le=65_535)]

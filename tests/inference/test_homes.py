@@ -47,3 +47,14 @@ def test_the_hint_says_where_the_store_was_and_why_there(tmp_path: Path) -> None
     )
     early = defaulted.model_store_hint(tmp_path / "bentoml")
     assert f"export BENTOML_HOME={REPO / 'data' / 'bentoml'}" in early
+
+
+def test_another_spec_keeps_its_state_in_a_folder_of_its_own() -> None:
+    root = project_root()
+    assert root is not None
+    reference = resolve_homes({"TANDEM_MODEL_SPEC": "tandem_specs.transactions:SPEC"})
+    other = resolve_homes({"TANDEM_MODEL_SPEC": "tandem_specs.diabetes:SPEC"})
+
+    assert reference.data_dir == root / "data"
+    assert other.data_dir == root / "data" / "tandem_specs.diabetes"
+    assert other.bentoml_home == other.data_dir / "bentoml"

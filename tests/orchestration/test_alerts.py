@@ -40,7 +40,7 @@ def failed_run(
             instance=instance,
             resources={
                 "database": DatabaseResource(url=f"sqlite:///{tmp_path / 'tandem.db'}"),
-                "model_store": ModelStoreResource(),
+                "model_store": ModelStoreResource(model_name="risk_model"),
                 "source": TransactionSourceResource(kind="files", location=str(tmp_path / "empty-landing")),
             },
             raise_on_error=False,

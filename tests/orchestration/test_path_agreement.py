@@ -126,7 +126,7 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
     assert report["crossed_threshold_share"] == pytest.approx(4 / 5)
     assert report["abs_difference_p50"] > 1e-5 and report["abs_difference_max"] <= 1.0
     assert "| [0, 1e-05] | 1 | 20.0% |" in report["abs_difference_histogram"]
-    assert report["unexplained_transactions"] == []
+    assert report["unexplained_records"] == []
 
     # Same model, record and history, another score: nothing in the lineage explains it.
     write_answers(engine, _disagreeing(skew, Cause.UNEXPLAINED))
@@ -136,10 +136,10 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
     (check,) = _checks(result).values()
     assert not check.passed
     assert check.severity == AssetCheckSeverity.WARN
-    assert check.metadata["unexplained_transactions"].value == [skew["record_id"]]
+    assert check.metadata["unexplained_records"].value == [skew["record_id"]]
     report = _metadata(result, "path_agreement")
     assert report["by_cause"][Cause.UNEXPLAINED.value] == 1
-    assert report["unexplained_transactions"] == [skew["record_id"]]
+    assert report["unexplained_records"] == [skew["record_id"]]
 
 
 # ------------------------------------------------------------------ the production order
