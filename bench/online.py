@@ -99,7 +99,7 @@ def online_environment(bench: BenchEnv, rows_per_day: int, days: int) -> tuple[B
     else:
         postgres_url = None
     say(f"online databases: {sqlite_url}, {postgres_url or 'no PostgreSQL'}")
-    return BenchEnv(bench.root, sqlite_url, env, drop), postgres_url
+    return BenchEnv(bench.root, sqlite_url, env, drop, bench.model_spec), postgres_url
 
 
 def _specs(root: Path, postgres_url: str | None, checkout: Path | str, commit: str) -> dict[str, ServiceSpec | str]:
@@ -197,7 +197,7 @@ def _service_round(
         entry["rounds"].append({"error": service})
         return
     try:
-        body = fresh_bodies(good, f"{spec.name}-{index}")
+        body = fresh_bodies(bench.model_spec, good, f"{spec.name}-{index}")
         if index == 0 and spec.name in ("tandem", "stock_bentoml"):
             entry["poison_2pct"] = _poison(service, body, poison, online_targets.LIGHT_LOAD_RPS, seconds)
         service_rates = {
@@ -299,7 +299,7 @@ def _ceiling_again(bench: BenchEnv, online: dict[str, Any], good: list[dict[str,
         return
     bursts: dict[str, dict[str, Any]] = {}
     try:
-        body = fresh_bodies(good, "do_nothing_again")
+        body = fresh_bodies(bench.model_spec, good, "do_nothing_again")
         levels = sweep(service, rates, seconds, body)
         for background_rps in dict.fromkeys(run["burst_64"]["background_rps"] for run in runs):
             settle(service, body)
@@ -374,7 +374,7 @@ def _workers_run(
         return {"error": service}
     try:
         idle_rss = service.rss_mb()
-        body = fresh_bodies(good, spec.name)
+        body = fresh_bodies(bench.model_spec, good, spec.name)
         return {
             "rss_mb_idle": idle_rss,
             "sweep": sweep(service, rates, seconds, body, stop_after_misses=STOP_AFTER_MISSES),

@@ -357,14 +357,14 @@ def _complete(predictor: TorchPredictor, prepared: PreparedBatch) -> int:
 def train_model(database_url: str, history_days: int) -> tuple[LoadedModel, dict[str, Any]]:
     """The reference model trained on the bench's history (the last day held out), registered and
     promoted as MODEL_NAME for the end-to-end workers."""
-    from inference.spec import load_spec
+    from inference.spec import configured_spec
     from inference.store import make_engine
     from inference.training import train_from_store
     from tandem import modelstore
 
     engine = make_engine(database_url)
     try:
-        spec = load_spec()
+        spec = configured_spec()
         model, report = train_from_store(
             engine,
             spec,

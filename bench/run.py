@@ -193,8 +193,10 @@ def prepare_environment(rows_per_day: int, days: int) -> BenchEnv:
 
     torch.manual_seed(0)
     model = default_model(spec)
-    modelstore.promote(modelstore.register(model, untrained_report(model), name="risk_model", code_version="bench"))
-    return BenchEnv(root, database_url, dict(os.environ), drop)
+    modelstore.promote(
+        modelstore.register(model, untrained_report(model), name=spec.spec.model_name, code_version="bench")
+    )
+    return BenchEnv(root, database_url, dict(os.environ), drop, spec)
 
 
 # ---------------------------------------------------------------- raw model
@@ -203,10 +205,10 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
 
     from inference.features import FeatureBatch
     from inference.model import default_model, score_batch
-    from inference.spec import load_spec
+    from inference.spec import configured_spec
 
     torch.manual_seed(0)
-    model = default_model(load_spec())
+    model = default_model(configured_spec())
     model.module.eval()
     rng = np.random.default_rng(0)
     threads = torch.get_num_threads()

@@ -29,15 +29,14 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "input_hash": pl.String(),
     # Digest of the stored records the features read as history; null for a rejected row.
     "history_hash": pl.String(),
-    # Comma-separated, sorted names of the fields (among merchant_category, country, currency)
-    # outside the training vocabulary, scored through the model's unknown bucket; null when none
-    # and for a rejected row.
+    # Comma-separated, sorted names of the categorical fields whose value is outside the training
+    # vocabulary, scored through the model's unknown bucket; null when none and for a rejected row.
     "unseen_fields": pl.String(),
 }
 
 
 class HistorySource(Protocol):
-    """Where an account's earlier transactions come from: a frame in memory, or the store.
+    """Where an entity's earlier records come from: a frame in memory, or the store.
 
     A source may say `targets_are_history = True` (FrameHistory: the targets are rows of the frame,
     so an earlier target is a later one's history); any other source is read alone for each target.
@@ -45,7 +44,7 @@ class HistorySource(Protocol):
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         """Valid rows (RAW columns + event_ts) holding at least each target's last
-        `history_length` earlier rows of its account."""
+        `history_length` earlier rows of its entity."""
         ...
 
 
