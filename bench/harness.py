@@ -131,14 +131,15 @@ def tandem_spec(workers: int = 1) -> ServiceSpec:
     )
 
 
-def baseline_spec(checkout: Path, commit: str) -> ServiceSpec:
-    """The code before issue 46's work, served from its own checkout as its own bench started it
-    (`bentoml serve serving.service:RiskScorer`, one worker), its packages first on the path."""
+def baseline_spec(checkout: Path, commit: str, data_dir: Path) -> ServiceSpec:
+    """The baseline commit's code, served from its own checkout as its own bench started it
+    (`bentoml serve serving.service:RiskScorer`, one worker), its packages first on the path, its
+    embedded database and local state under `data_dir`."""
     return ServiceSpec(
         "baseline",
         f"{online_targets.baseline_label(commit)}, embedded SQLite",
         _bentoml_serve("serving.service:RiskScorer"),
-        {"TANDEM_SERVING_WORKERS": "1", "PYTHONPATH": str(checkout)},
+        {"TANDEM_SERVING_WORKERS": "1", "PYTHONPATH": str(checkout), "TANDEM_DATA_DIR": str(data_dir)},
         cwd=checkout,
     )
 

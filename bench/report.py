@@ -90,8 +90,7 @@ def write_report(
         *targets_section(verdicts),
         "## Raw model forward (the limit)",
         "",
-        f"{raw['parameter_count']:,} parameters, {raw['flops_per_item'] / 1e6:.1f} MFLOP per item, "
-        f"{raw['threads']} threads.",
+        f"{raw['parameter_count']:,} parameters, {_flops(raw.get('flops_per_item'))}, {raw['threads']} threads.",
         "",
         f"| batch size | items/s, {raw['threads']} threads | items/s, 1 thread |{_again_header(raw)}",
         f"| ---: | ---: | ---: |{_again_header(raw, rule=True)}",
@@ -583,6 +582,11 @@ def _again_cells(raw: dict[str, Any], size: str) -> str:
 
 def _rate(value: float | None) -> str:
     return "" if value is None else f"{value:,.0f}"
+
+
+def _flops(per_item: float | None) -> str:
+    """A module that counts no FLOPs (`flops_per_item`) leaves the figure out."""
+    return "FLOPs per item not counted by the model" if per_item is None else f"{per_item / 1e6:.1f} MFLOP per item"
 
 
 def best_raw_forward(raw: dict[str, Any]) -> tuple[float, str]:
