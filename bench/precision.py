@@ -381,7 +381,7 @@ def train_model(database_url: str, history_days: int) -> tuple[LoadedModel, dict
 
 def scored_day(database_url: str, day: date, rows: int, history_length: int) -> FeatureBatch:
     """A demo day ingested and featurised after the stored history, as a partition is scored:
-    each row's history is its account's earlier valid rows."""
+    each row's history is its entity's earlier valid rows."""
     from inference.batch import ingest_day
     from inference.demo import demo_day
     from inference.features import build_features
@@ -403,7 +403,7 @@ def scored_day(database_url: str, day: date, rows: int, history_length: int) -> 
 
 
 def stored_scores(database_url: str, day: date) -> dict[str, float]:
-    """The batch scores a partition holds, by transaction."""
+    """The batch scores a partition holds, by record."""
     import sqlalchemy as sa
 
     from inference.store import make_engine
@@ -421,7 +421,7 @@ def stored_scores(database_url: str, day: date) -> dict[str, float]:
 
 
 def compare_stored(first: Mapping[str, float], second: Mapping[str, float], threshold: float) -> dict[str, Any]:
-    """Two runs' stored scores of the same partition, over the transactions both scored."""
+    """Two runs' stored scores of the same partition, over the records both scored."""
     common = sorted(first.keys() & second.keys())
     a = np.array([first[t] for t in common], dtype=np.float64)
     b = np.array([second[t] for t in common], dtype=np.float64)

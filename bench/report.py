@@ -814,7 +814,7 @@ def _precision_end_to_end(precision: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Stored scores of the partition, first bf16 run against the first fp32 run: {d['items']:,} "
-            f"transactions, max abs difference {d['max_abs']:.2e}, p99 {d['p99_abs']:.2e}, {d['flips']} "
+            f"records, max abs difference {d['max_abs']:.2e}, p99 {d['p99_abs']:.2e}, {d['flips']} "
             f"decisions flipped ({d['flip_share']:.3%}).",
         ]
     judged = precision.get("verdict_by_variant", {})
