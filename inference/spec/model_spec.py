@@ -64,3 +64,5 @@ class ModelSpec:
     demo: DemoHook | None = None
     title: str = "Tandem scorer"
     description: str = ""
+    # What a score means, in the API documents' words.
+    score_description: str = "The model's probability of the label in [0, 1]."

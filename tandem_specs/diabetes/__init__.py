@@ -119,6 +119,7 @@ SPEC = ModelSpec(
     plural="patients",
     record_name="Patient",
     title="Tandem diabetes progression scorer",
+    score_description="Probability of progression a year on (above 140) in [0, 1].",
     description="Scores a patient visit for disease progression a year on (above 140 on the diabetes "
     "dataset's scale), from its ten baseline measurements.",
 )
