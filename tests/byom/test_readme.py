@@ -1,11 +1,12 @@
-"""README.md's "Bring your own model", followed as written: its spec and data script, taken from
-the README itself, in a package outside the repository; then its commands as subprocesses (`tandem
-spec`, `make run`'s ingest, train and score without serving, the retrain, one backfilled day,
-`bentoml serve`, its curl and BentoML client calls, `tandem lineage`). A command the README no
-longer gives fails the test, so the README cannot drift from what works.
+"""Bring your own model (README.md's section and its guide, docs/byom.md), followed as written: the
+guide's spec and data script, taken from the page itself, in a package outside the repository, under
+the environment its `export` line sets; then its commands as subprocesses (`tandem spec`, `make
+run`'s ingest, train and score without serving, the retrain, one backfilled day, `bentoml serve`,
+its curl and BentoML client calls, `tandem lineage`). A command the guide no longer gives, or the
+README's summary of it, fails the test, so neither can drift from what works.
 
-Slow (about two minutes: four Dagster runs and a served model), so it runs when the end-to-end
-tests do: TANDEM_RUN_E2E=1, or CI=true.
+Slow (about a minute and a half: four Dagster runs and a served model), so its live steps run
+when the end-to-end tests do: TANDEM_RUN_E2E=1, or CI=true.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,28 +30,50 @@ from tests.shared import run_child
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 README = (REPO / "README.md").read_text()
-# The README's commands as one line each: a continued line (`\` and a newline) joined to the next.
-README_LINES = re.sub(r"\\\n\s*", "", README)
+GUIDE = (REPO / "docs" / "byom.md").read_text()
+# The guide's commands as one line each: a continued line (`\` and a newline) joined to the next.
+GUIDE_LINES = re.sub(r"\\\n\s*", "", GUIDE)
 RUN = os.environ.get("TANDEM_RUN_E2E") == "1" or os.environ.get("CI", "").lower() == "true"
 COMMAND_TIMEOUT_S = 300
 
-pytestmark = [
+# The live steps' marks; the check of the README's summary against the guide runs everywhere.
+LIVE = (
     pytest.mark.live,
-    pytest.mark.skipif(not RUN, reason="follows the README through Dagster and BentoML: set TANDEM_RUN_E2E=1"),
-]
+    pytest.mark.skipif(not RUN, reason="follows the guide through Dagster and BentoML: set TANDEM_RUN_E2E=1"),
+)
 
 
-def readme_block(marker: str) -> str:
-    """The fenced block that follows `<!-- byom: {marker} -->` in README.md."""
-    found = re.search(rf"<!-- byom: {re.escape(marker)} -->\n```\w+\n(.*?)```\n", README, re.S)
-    assert found, f"README.md has no fenced block after <!-- byom: {marker} -->"
+def live(test: Callable[..., None]) -> Callable[..., None]:
+    for mark in LIVE:
+        test = mark(test)
+    return test
+
+
+def block(marker: str, page: str = GUIDE) -> str:
+    """The fenced block that follows `<!-- byom: {marker} -->` on `page` (the guide)."""
+    found = re.search(rf"<!-- byom: {re.escape(marker)} -->\n```\w+\n(.*?)```\n", page, re.S)
+    assert found, f"no fenced block after <!-- byom: {marker} -->"
     return found.group(1)
 
 
-def readme_command(command: str) -> list[str]:
-    """`command`, split as a shell would; fails unless README.md gives it as written."""
-    assert command in README_LINES, f"README.md no longer says: {command}"
+def guide_command(command: str) -> list[str]:
+    """`command`, split as a shell would; fails unless docs/byom.md gives it as written."""
+    assert command in GUIDE_LINES, f"docs/byom.md no longer says: {command}"
     return shlex.split(command)
+
+
+def exported(home: Path) -> dict[str, str]:
+    """The variables the guide's `export` line sets, its `~/byom` being `home`."""
+    (line,) = [line for line in GUIDE_LINES.splitlines() if line.startswith("export PYTHONPATH=")]
+    pairs = (word.split("=", 1) for word in shlex.split(line.replace("~/byom", str(home)))[1:])
+    return dict(pairs)
+
+
+def test_the_readmes_summary_gives_the_guides_commands() -> None:
+    summary = [line.split("#")[0].strip() for line in block("summary", README).splitlines()]
+    assert [line for line in summary if line not in GUIDE_LINES] == []
+    assert "[docs/byom.md](docs/byom.md)" in README
+    assert "TANDEM_MODEL_SPEC=tandem_specs.diabetes:SPEC make run" in README
 
 
 @dataclass(frozen=True)
@@ -61,8 +84,8 @@ class Byom:
     env: dict[str, str]
 
     def run(self, command: str, *, argv: list[str] | None = None) -> str:
-        """`command` from the README (or `argv` in its place), run at the repository's root; its stdout."""
-        words = readme_command(command)
+        """`command` from the guide (or `argv` in its place), run at the repository's root; its stdout."""
+        words = guide_command(command)
         done = run_child(argv or [str(BIN / words[0]), *words[1:]], cwd=REPO, env=self.env, timeout_s=COMMAND_TIMEOUT_S)
         assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done.stdout
@@ -70,8 +93,8 @@ class Byom:
 
 def written_as_the_readme_says(home: Path) -> None:
     (home / "sensors").mkdir(parents=True)
-    (home / "sensors" / "__init__.py").write_text(readme_block("sensors/__init__.py"))
-    (home / "write_days.py").write_text(readme_block("write_days.py"))
+    (home / "sensors" / "__init__.py").write_text(block("sensors/__init__.py"))
+    (home / "write_days.py").write_text(block("write_days.py"))
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +105,15 @@ def byom(tmp_path_factory: pytest.TempPathFactory) -> Byom:
     written_as_the_readme_says(home)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(home), str(REPO)]),
-        "TANDEM_MODEL_SPEC": "sensors:SPEC",
-        "TANDEM_SOURCE": "files",
-        "TANDEM_SOURCE_LOCATION": str(home / "landing"),
-        # The README's default, data/sensors of the checkout, moved out of it; the homes below it
+        **exported(home),
+        # The guide's default, data/sensors of the checkout, moved out of it; the homes below it
         # with it, so that no `.env` is written into the checkout either.
         "TANDEM_DATA_DIR": str(state),
         "DAGSTER_HOME": str(state / "dagster"),
         "BENTOML_HOME": str(state / "bentoml"),
     }
+    # The checkout on the path beside the user's package, as an installed Tandem would be.
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO)])
     user = Byom(home, env)
     (state / "dagster").mkdir(parents=True)
     script = "python ~/byom/write_days.py ~/byom/landing"
@@ -119,8 +141,9 @@ def production_auc(user: Byom) -> float:
     return float(current.rsplit("auc=", 1)[1])
 
 
+@live
 def test_the_retrained_model_is_production_and_learnt_the_readings(byom: Byom) -> None:
-    assert "about 0.86 AUC" in README
+    assert "about 0.86 AUC" in GUIDE
     assert production_auc(byom) > 0.8
 
 
@@ -132,34 +155,37 @@ def server(byom: Byom) -> Iterator[LiveServer]:
 
 
 def curl_body() -> dict[str, Any]:
-    """The JSON the README's curl sends."""
-    sent = re.search(r"-d '(.*)'", readme_block("curl"), re.S)
-    assert sent, "README.md's curl sends no -d '...' body"
+    """The JSON the guide's curl sends."""
+    sent = re.search(r"-d '(.*)'", block("curl"), re.S)
+    assert sent, "docs/byom.md's curl sends no -d '...' body"
     return dict(json.loads(sent.group(1)))
 
 
+@live
 def test_curl_and_bentomls_client_score_readings_by_reading_id(server: LiveServer) -> None:
     answer = httpx.post(f"{server.url}/score", json=curl_body(), timeout=30)
     assert answer.status_code == 200, answer.text
     (result,) = answer.json()["results"]
     assert result["reading_id"] == "r-live-1" and result["status"] == "scored" and 0 <= result["score"] <= 1
-    client_code = readme_block("client").replace("http://127.0.0.1:3001", server.url)
+    client_code = block("client").replace("http://127.0.0.1:3001", server.url)
     namespace: dict[str, Any] = {}
-    # The README's own client example, run as a reader would run it.
+    # The guide's own client example, run as a reader would run it.
     exec(client_code, namespace)
     (by_client,) = namespace["answer"]["results"]
     assert by_client["reading_id"] == "r-live-2" and by_client["status"] == "scored"
 
 
+@live
 def test_a_reading_the_spec_refuses_is_a_422_naming_its_field(server: LiveServer) -> None:
     refused = httpx.post(
         f"{server.url}/score", json={"readings": [{**curl_body()["readings"][0], "vibration": -1}]}, timeout=30
     )
     assert refused.status_code == 422, refused.text
-    assert '`["readings", 0, "vibration"]`' in README
+    assert '`["readings", 0, "vibration"]`' in GUIDE
     assert [problem["loc"] for problem in refused.json()["detail"]] == [["readings", 0, "vibration"]]
 
 
+@live
 def test_lineage_explains_an_online_answer_with_history_and_a_backfilled_one(byom: Byom, server: LiveServer) -> None:
     assert httpx.post(f"{server.url}/score", json=curl_body(), timeout=30).status_code == 200
     online = byom.run("tandem lineage r-live-1")
