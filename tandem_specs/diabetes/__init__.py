@@ -116,6 +116,9 @@ SPEC = ModelSpec(
     example=example,
     label=Label("progressed"),
     demo=demo,
+    # 442 patients: about 60 steps of 64 per epoch's worth of data, not two of 512.
+    train_epochs=60,
+    train_batch_size=64,
     plural="patients",
     record_name="Patient",
     title="Tandem diabetes progression scorer",
