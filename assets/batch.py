@@ -78,7 +78,7 @@ PREDICTIONS_KEY = AssetKey("predictions")
 
 class RiskModelConfig(Config):
     training_days: int = Field(default=7, ge=2, description="most recent stored days used; the last is held out")
-    epochs: int = Field(default=2, ge=1)
+    epochs: int | None = Field(default=None, ge=1, description="unset: the spec's train_epochs")
     max_train_rows: int = Field(default=60_000, ge=1_000)
     seed: int = 7
     force_promote: bool = Field(default=False, description="promote even if not at least as good as production")

@@ -29,7 +29,7 @@ def train_from_store(
     holdout_day: date,
     config: Mapping[str, Any],
     seed: int,
-    epochs: int = 2,
+    epochs: int | None = None,
     max_train_rows: int = 60_000,
 ) -> tuple[LoadedModel, TrainingReport]:
     """Train on valid rows of [first_day, holdout_day), evaluate AUC on holdout_day.
@@ -70,7 +70,8 @@ def train_from_store(
         labels[holdout_positions],
         config=config,
         seed=seed,
-        epochs=epochs,
+        epochs=spec.spec.train_epochs if epochs is None else epochs,
+        batch_size=spec.spec.train_batch_size,
     )
 
 

@@ -123,11 +123,19 @@ def api_models(ls: LoadedSpec) -> ApiModels:
     return ApiModels(record, request, item_result, response, pydantic.TypeAdapter(list[item_result]))  # type: ignore[valid-type]
 
 
+def _degraded_description(ls: LoadedSpec) -> str:
+    if ls.entity is None:
+        return "Always false: the model reads no stored history."
+    # The reference's words ("account history") come from its entity's name ("account_id").
+    owner = ls.entity.name.removesuffix("_id")
+    return f"Scored without {owner} history: the database was down."
+
+
 def _result_fields(ls: LoadedSpec) -> dict[str, Any]:
     categoricals = ", ".join(sorted(field.name for field in ls.categoricals))
     return {
         "status": (Literal["scored", "error"], ...),
-        "score": (float | None, Field(default=None, description="Fraud probability in [0, 1].")),
+        "score": (float | None, Field(default=None, description=ls.spec.score_description)),
         "model_version": (str, ...),
         "path": (
             Literal["online", "batch"],
@@ -140,7 +148,7 @@ def _result_fields(ls: LoadedSpec) -> dict[str, Any]:
         "batch_id": (str | None, None),
         "produced_at": (datetime, ...),
         "input_hash": (str | None, None),
-        "degraded": (bool, Field(default=False, description="Scored without account history: the database was down.")),
+        "degraded": (bool, Field(default=False, description=_degraded_description(ls))),
         "unseen_fields": (
             list[str],
             Field(

@@ -22,7 +22,15 @@ from inference.demo import day_range, demo_day, demo_settings
 from inference.lineage import explain
 from inference.migrate import upgrade
 from inference.settings import TandemSettings, get_settings, settings_error
-from inference.spec import DEFAULT_SPEC_PATH, Categorical, Label, LoadedSpec, configured_spec, load_spec, role_of
+from inference.spec import (
+    Categorical,
+    Label,
+    LoadedSpec,
+    SpecError,
+    configured_spec,
+    load_spec,
+    role_of,
+)
 from inference.store import (
     latest_challenger_report,
     make_engine,
@@ -238,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     challenged.add_argument("tag", nargs="?")
     challenged.add_argument("--clear", action="store_true", help="empty the challenger slot")
     spec = commands.add_parser("spec", help="check a model spec and print its fields, roles and digest")
-    spec.add_argument("path", nargs="?", default=DEFAULT_SPEC_PATH, help="package.module:attribute (the reference)")
+    spec.add_argument(
+        "path",
+        nargs="?",
+        help="package.module:attribute (default: the spec TANDEM_MODEL_SPEC names, else the reference)",
+    )
     lineage = commands.add_parser("lineage", help="why does a record have its score")
     lineage.add_argument("record_id")
     lineage.add_argument("--json", action="store_true", help="machine-readable output")
@@ -257,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = get_settings()
     except ValidationError as error:
         print(f"tandem: {settings_error(error, TandemSettings)}", file=sys.stderr)
+        return 1
+    except SpecError as error:
+        # The settings' defaults read the configured spec: a TANDEM_MODEL_SPEC that cannot be
+        # loaded (its package not on PYTHONPATH, say) is one line, whatever the command.
+        print(f"tandem: {error}", file=sys.stderr)
         return 1
     try:
         return _run(args, settings)
@@ -287,7 +304,7 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
     elif args.command == "lineage":
         return _print_lineage(settings, args.record_id, as_json=args.json)
     elif args.command == "spec":
-        _print_spec(load_spec(args.path))
+        _print_spec(load_spec(args.path) if args.path else configured_spec())
     elif args.command == "store":
         _print_ddl(settings, args.dialect)
     elif args.command == "rejects":

@@ -28,6 +28,7 @@ import pytest  # noqa: E402
 from sqlalchemy.engine import Engine  # noqa: E402
 
 from inference.migrate import upgrade  # noqa: E402
+from inference.spec import LoadedSpec, load_spec  # noqa: E402
 from inference.store import make_engine  # noqa: E402
 from tests.shared import fresh_postgres_database  # noqa: E402
 
@@ -85,6 +86,20 @@ def _migrated(url: str) -> Iterator[Engine]:
         yield migrated
     finally:
         migrated.dispose()
+
+
+# The specs the live tests whose behaviour does not depend on the spec run for: the reference and
+# one of another shape (no entity, K = 0, id `patient_id`).
+SPECS: dict[str, LoadedSpec] = {"reference": REFERENCE, "diabetes": load_spec("tandem_specs.diabetes:SPEC")}
+
+
+@pytest.fixture(params=list(SPECS))
+def spec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> LoadedSpec:
+    """Each spec in turn, TANDEM_MODEL_SPEC set to it: the entry points built in this process
+    (Dagster definitions and resources) and the servers it starts follow it."""
+    loaded = SPECS[request.param]
+    monkeypatch.setenv("TANDEM_MODEL_SPEC", loaded.path)
+    return loaded
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from inference.batch import ingest_day
 from inference.migrate import upgrade
 from inference.model import LoadedModel, build_model, untrained_report
-from inference.spec import load_spec
+from inference.spec import LoadedSpec, load_spec
 from inference.store import make_engine
 from tandem import modelstore
 from tandem_specs.transactions.model import ModelConfig
@@ -174,6 +174,18 @@ def register_untrained_model(
     what it scores is not the point of the tests that use it, that it is stored and served is."""
     torch.manual_seed(seed)
     return register_model(reference_model(config), name, code_version=code_version, promote=promote)
+
+
+def register_untrained_spec_model(ls: LoadedSpec, name: str, *, seed: int = 0) -> str:
+    """An untrained model of `ls` at its own K, seeded, in the BentoML store under `name` and
+    promoted: any spec's counterpart of `register_untrained_model`."""
+    torch.manual_seed(seed)
+    model = build_model(ls, ls.spec.model_config(ls.spec.history_length))
+    model.module.eval()
+    report = dataclasses.replace(untrained_report(model), auc=0.5)
+    tag = modelstore.register(model, report, name=name, code_version="test", spec=ls)
+    modelstore.promote(tag, spec=ls)
+    return tag
 
 
 def free_port() -> int:

@@ -213,6 +213,11 @@ def spec_problems(spec: ModelSpec) -> list[str]:
         problems.append(f"history_length {spec.history_length} outside 0..{MAX_HISTORY_LENGTH}")
     elif spec.history_length and not entities:
         problems.append(f"history_length {spec.history_length} needs an EntityKey")
+    problems += [
+        f"{name} {value} is not a positive whole number"
+        for name, value in (("train_epochs", spec.train_epochs), ("train_batch_size", spec.train_batch_size))
+        if not (isinstance(value, int) and value >= 1)
+    ]
     problems.extend(_code_problems(spec))
     try:
         # The core keeps what it builds from a spec (expressions, schemas, the record model) per

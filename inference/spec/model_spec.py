@@ -50,6 +50,10 @@ class ModelSpec:
     # categorical values masked into the unknown bucket, so that bucket is learnt. Seeded alike,
     # a retrain is reproducible.
     augment_training: Callable[[tuple[np.ndarray, ...], int], tuple[np.ndarray, ...]] | None = None
+    # How Tandem trains a new version unless a run says otherwise: a few large batches suit
+    # thousands of records a day, a small dataset needs more and smaller steps.
+    train_epochs: int = 2
+    train_batch_size: int = 512
     # The record table (default: `name`).
     table: str | None = None
     # The request's list field and the record's schema name in the API documents.
@@ -64,3 +68,5 @@ class ModelSpec:
     demo: DemoHook | None = None
     title: str = "Tandem scorer"
     description: str = ""
+    # What a score means, in the API documents' words.
+    score_description: str = "The model's probability of the label in [0, 1]."

@@ -116,9 +116,13 @@ SPEC = ModelSpec(
     example=example,
     label=Label("progressed"),
     demo=demo,
+    # 442 patients: about 60 steps of 64 per epoch's worth of data, not two of 512.
+    train_epochs=60,
+    train_batch_size=64,
     plural="patients",
     record_name="Patient",
     title="Tandem diabetes progression scorer",
+    score_description="Probability of progression a year on (above 140) in [0, 1].",
     description="Scores a patient visit for disease progression a year on (above 140 on the diabetes "
     "dataset's scale), from its ten baseline measurements.",
 )

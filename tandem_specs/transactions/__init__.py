@@ -87,5 +87,6 @@ SPEC = ModelSpec(
     record_name="Transaction",
     reason_order=REASON_ORDER,
     title="Tandem risk scorer",
+    score_description="Fraud probability in [0, 1].",
     description="Scores payment transactions for fraud risk, reading each account's recent history.",
 )

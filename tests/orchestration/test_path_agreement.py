@@ -4,17 +4,20 @@ run after; batch answers every row anyway, the online answers stay as they were,
 
 from __future__ import annotations
 
-from datetime import date
+from dataclasses import dataclass
+from datetime import date, timedelta
+from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
 from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, ExecuteInProcessResult
 
-from assets.resources import ModelStoreResource
+from assets.resources import TransactionSourceResource
 from inference.agreement import Cause
 from inference.contract import TorchPredictor
-from inference.records import validate
+from inference.records import raw_columns, validate
+from inference.spec import LoadedSpec
 from inference.store import (
     ResultPath,
     StoreHistory,
@@ -24,8 +27,11 @@ from inference.store import (
     upsert_records,
     utc_now,
 )
+from orchestration.definitions import build_definitions
+from orchestration.settings import OrchestrationSettings
 from tests.answers import answer, write_answers
 from tests.orchestration.support import (
+    DEMO_SEED,
     MODEL_NAME,
     PARTITION,
     batch_resources,
@@ -34,7 +40,8 @@ from tests.orchestration.support import (
     rejection_rows,
     run_partition,
 )
-from tests.reference import RAW_COLUMNS, REFERENCE
+from tests.reference import REFERENCE
+from tests.shared import register_untrained_spec_model
 
 DAY = date.fromisoformat(PARTITION)
 ROWS = 600
@@ -142,17 +149,49 @@ def test_path_agreement_names_every_cause_and_warns_about_an_unexplained_pair(
     assert report["unexplained_records"] == [skew["record_id"]]
 
 
-# ------------------------------------------------------------------ the production order
-def _score_online(url: str, frame: pl.DataFrame, request: str) -> list[dict[str, Any]]:
+# ------------------------------------------------------------------ the production order, for each spec
+@dataclass(frozen=True)
+class SpecBatch:
+    """The batch path of one spec over this test's database: its assets, resources and production model."""
+
+    ls: LoadedSpec
+    assets: list[AssetsDefinition]
+    resources: dict[str, Any]
+    version: str
+
+
+@pytest.fixture
+def spec_batch(
+    spec: LoadedSpec, assets: list[AssetsDefinition], production_tag: str, database_url: str, tmp_path: Path
+) -> SpecBatch:
+    """The reference's session assets and model; another spec's own, its demo landing in a folder of
+    its own (the session's demo folders hold the reference's days)."""
+    if spec is REFERENCE:
+        return SpecBatch(spec, assets, _resources(database_url), production_tag)
+    name = f"{MODEL_NAME}_{spec.spec.name}"
+    source = TransactionSourceResource(
+        kind="demo", location=str(tmp_path / "landing"), seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.01
+    )
+    built = build_definitions(OrchestrationSettings(partitions_start=DAY - timedelta(days=2)))
+    return SpecBatch(
+        spec,
+        [asset for asset in built.assets or [] if isinstance(asset, AssetsDefinition)],
+        {**batch_resources(database_url, model_name=name), "source": source},
+        register_untrained_spec_model(spec, name),
+    )
+
+
+def _score_online(batch: SpecBatch, url: str, frame: pl.DataFrame, request: str) -> list[dict[str, Any]]:
     """Each record alone, with history from the store: what the service's scoring step does."""
-    model, version = ModelStoreResource(model_name=MODEL_NAME).production()
-    predictor = TorchPredictor(model=model, model_version=version)
+    model, version = batch.resources["model_store"].production()
+    assert version == batch.version
+    predictor = TorchPredictor(model=model, model_version=version, spec=batch.ls)
     engine = make_engine(url)
     try:
         rows = []
         for i in range(frame.height):
             (scored,) = predictor.predict(
-                frame[i : i + 1].select(RAW_COLUMNS), StoreHistory(REFERENCE, engine)
+                frame[i : i + 1].select(raw_columns(batch.ls)), StoreHistory(batch.ls, engine)
             ).to_dicts()
             assert scored["reject_reason"] is None
             rows.append(
@@ -173,33 +212,40 @@ def _score_online(url: str, frame: pl.DataFrame, request: str) -> list[dict[str,
         engine.dispose()
 
 
-def _stored_valid(url: str) -> pl.DataFrame:
+def _stored_valid(ls: LoadedSpec, url: str) -> pl.DataFrame:
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
-            stored = read_partition_rows(REFERENCE, conn, DAY)
+            stored = read_partition_rows(ls, conn, DAY)
     finally:
         engine.dispose()
-    return validate(REFERENCE, stored.select(RAW_COLUMNS)).filter(pl.col("reject_reason").is_null()).select(RAW_COLUMNS)
+    columns = raw_columns(ls)
+    return validate(ls, stored.select(columns)).filter(pl.col("reject_reason").is_null()).select(columns)
+
+
+def _changed(ls: LoadedSpec, frame: pl.DataFrame, by: float) -> pl.DataFrame:
+    """`frame` with its first numeric moved by `by`: another body of the same records, still valid."""
+    numeric = ls.numerics[0].name
+    return frame.with_columns(pl.col(numeric) + by)
 
 
 def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
-    assets: list[AssetsDefinition], production_tag: str, instance: DagsterInstance, database_url: str
+    spec_batch: SpecBatch, instance: DagsterInstance, database_url: str
 ) -> None:
-    resources = _resources(database_url)
-    assert run_partition(assets, resources, instance, selection=["transactions"]).success
+    ls, resources = spec_batch.ls, spec_batch.resources
+    assert run_partition(spec_batch.assets, resources, instance, selection=[ls.spec.name]).success
 
-    # During the day: some payments scored online, one of them retried with a changed body.
-    answered = _stored_valid(database_url).head(ONLINE_ANSWERED)
-    _score_online(database_url, answered, "req")
-    _score_online(database_url, answered.head(1).with_columns(amount=pl.col("amount") * 10 + 7), "retry")
+    # During the day: some records scored online, one of them retried with a changed body.
+    answered = _stored_valid(ls, database_url).head(ONLINE_ANSWERED)
+    _score_online(spec_batch, database_url, answered, "req")
+    _score_online(spec_batch, database_url, _changed(ls, answered.head(1), 7.0), "retry")
     online_before = _online_rows(database_url)
     assert len(online_before) == ONLINE_ANSWERED + 1
 
     def nightly() -> ExecuteInProcessResult:
         """The nightly run: score D, then compare the paths."""
         return run_partition(
-            assets,
+            spec_batch.assets,
             resources,
             instance,
             selection=["predictions", "path_agreement"],
@@ -217,7 +263,7 @@ def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
 
     assert _online_rows(database_url) == online_before
     batch_ids = {row["record_id"] for row in prediction_rows(database_url)}
-    assert set(answered["transaction_id"]) <= batch_ids, "batch skipped work the online path answered"
+    assert set(answered[ls.id.name]) <= batch_ids, "batch skipped work the online path answered"
 
     report = _metadata(result, "path_agreement")
     assert report["pairs"] == ONLINE_ANSWERED + 1
@@ -226,11 +272,11 @@ def test_batch_after_online_answers_every_row_and_keeps_the_online_answers(
     assert report["abs_difference_p90"] <= 1e-5
 
     # Then a correction of an answered record lands, and the sensors' rescore runs.
-    corrected_id = answered["transaction_id"][1]
+    corrected_id = answered[ls.id.name][1]
     engine = make_engine(database_url)
     with engine.begin() as conn:
-        corrected = answered.filter(pl.col("transaction_id") == corrected_id).with_columns(amount=pl.col("amount") + 1)
-        assert upsert_records(REFERENCE, conn, validate(REFERENCE, corrected), DAY) == 1
+        corrected = _changed(ls, answered.filter(pl.col(ls.id.name) == corrected_id), 1.0)
+        assert upsert_records(ls, conn, validate(ls, corrected), DAY) == 1
     engine.dispose()
     result = nightly()
     assert result.success

@@ -29,14 +29,16 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
+from inference.spec import LoadedSpec
 from inference.store import utc_now
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
+from serving.schemas import api_models
 from serving.scoring import BatchResult, ItemSpec
 from serving.settings import ServingSettings
 from tandem_specs.transactions.demo import DemoConfig, generate_day
-from tests.reference import RAW_COLUMNS, REFERENCE, ItemResult, Transaction
+from tests.reference import RAW_COLUMNS, REFERENCE, Transaction
 from tests.shared import free_port, migrate_and_ingest, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -255,13 +257,14 @@ async def started_scorer(
     model_version: str,
     settings: ServingSettings | None = None,
     metrics: ServingMetrics | None = None,
+    spec: LoadedSpec = REFERENCE,
     **overrides: Any,
 ) -> OnlineScorer:
-    """A started scorer around a hand-written scoring step (one thread of its own), its batch cost
-    calibrated and marked warm as if warm-up had run; results go to `engine`, spills to `outbox`.
-    `settings`, or the defaults with `overrides`."""
+    """A started scorer of `spec` around a hand-written scoring step (one thread of its own), its
+    batch cost calibrated and marked warm as if warm-up had run; results go to `engine`, spills to
+    `outbox`. `settings`, or the defaults with `overrides`."""
     scorer = OnlineScorer(
-        spec=REFERENCE,
+        spec=spec,
         process=process,
         executor=ThreadPoolExecutor(max_workers=1),
         model_version=model_version,
@@ -338,14 +341,15 @@ def scored_batch(
     batch_id: str,
     score: float = 0.5,
     grade: Callable[[ItemSpec], tuple[float, str]] | None = None,
+    ls: LoadedSpec = REFERENCE,
 ) -> BatchResult:
     """Every item of the batch scored: `score` with input hash "h", or the (score, input hash)
-    `grade` gives the item. Its answers and its rows."""
+    `grade` gives the item. Its answers (`ls`'s item results) and its rows."""
     now = utc_now()
     graded = [(spec.record_id, spec, *(grade(spec) if grade else (score, "h"))) for spec in specs]
     results = [
-        ItemResult(
-            transaction_id=tx,
+        api_models(ls).item_result(
+            **{ls.id.name: tx},
             status="scored",
             score=value,
             model_version=model_version,

@@ -9,11 +9,14 @@ import gc
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from inference.spec import LoadedSpec
+from inference.spec.api import record_model
 from inference.store import idempotency_keys, read_predictions
 from serving.breaker import CircuitBreaker
 from serving.idempotency import IdempotencyKeys
@@ -28,10 +31,12 @@ MODEL = "risk_model:fake"
 
 
 class AmountScoring:
-    """Scores each item amount / 1000, so two bodies of one transaction get two answers."""
+    """Scores each item by its spec's first numeric (the reference's amount) / 1000, so two bodies
+    of one record get two answers."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, ls: LoadedSpec = REFERENCE) -> None:
         self.delay_s = delay_s
+        self.ls = ls
         self.started = 0  # batches begun (each then takes delay_s)
         self.scored: list[tuple[str, float]] = []
         self.lock = threading.Lock()
@@ -41,27 +46,36 @@ class AmountScoring:
             self.started += 1
         time.sleep(self.delay_s)
         with self.lock:
-            self.scored.extend((str(spec.raw["transaction_id"]), float(spec.raw["amount"])) for spec in specs)
-        return scored_batch(specs, model_version=MODEL, batch_id="b", grade=_by_amount)
+            self.scored.extend((str(spec.raw[self.ls.id.name]), self._amount(spec)) for spec in specs)
+        return scored_batch(specs, model_version=MODEL, batch_id="b", grade=self._by_amount, ls=self.ls)
 
+    def _amount(self, spec: ItemSpec) -> float:
+        return float(spec.raw[self.ls.numerics[0].name])
 
-def _by_amount(spec: ItemSpec) -> tuple[float, str]:
-    amount = float(spec.raw["amount"])
-    return amount / 1000, f"h{amount}"
+    def _by_amount(self, spec: ItemSpec) -> tuple[float, str]:
+        amount = self._amount(spec)
+        return amount / 1000, f"h{amount}"
 
 
 def body(tx: str, amount: float) -> list[Transaction]:
     return [transaction(tx).model_copy(update={"amount": amount})]
 
 
+def record(ls: LoadedSpec, record_id: str, amount: float) -> list[Any]:
+    """`ls`'s example record as `record_id`, its first numeric set to `amount`: a one-record body."""
+    example = {**ls.spec.example(), ls.id.name: record_id, ls.numerics[0].name: amount}
+    return [record_model(ls).model_validate(example)]
+
+
 async def scorer_on(
     engine: Engine, tmp_path: Path, fake: AmountScoring, name: str, **overrides: object
 ) -> OnlineScorer:
-    """One server process's scorer: its own outbox, the shared store."""
-    return await started_scorer(fake, engine, tmp_path / f"outbox-{name}.sqlite3", model_version=MODEL, **overrides)
+    """One server process's scorer, of its scoring's spec: its own outbox, the shared store."""
+    outbox = tmp_path / f"outbox-{name}.sqlite3"
+    return await started_scorer(fake, engine, outbox, model_version=MODEL, spec=fake.ls, **overrides)
 
 
-async def ask(scorer: OnlineScorer, request_id: str, key: str | None, transactions: list[Transaction]) -> ItemResult:
+async def ask(scorer: OnlineScorer, request_id: str, key: str | None, transactions: list[Any]) -> ItemResult:
     results, _ = await scorer.score(
         transactions, request_id=request_id, idempotency_key=key, deadline=time.monotonic() + 5
     )
@@ -88,19 +102,22 @@ def claimed(engine: Engine, key: str, *, answered: bool = False) -> bool:
     return any(row["response"] is not None or not answered for row in rows)
 
 
-def test_the_same_key_and_body_replays_and_another_body_is_refused(engine: Engine, tmp_path: Path) -> None:
+def test_the_same_key_and_body_replays_and_another_body_is_refused(
+    spec: LoadedSpec, engine: Engine, tmp_path: Path
+) -> None:
     async def scenario() -> tuple[ItemResult, ItemResult, AmountScoring]:
-        fake = AmountScoring()
+        fake = AmountScoring(ls=spec)
         scorer = await scorer_on(engine, tmp_path, fake, "a")
-        first = await ask(scorer, "r1", "key-1", body("demo-1", 42.5))
-        replay = await ask(scorer, "r2", "key-1", body("demo-1", 42.5))
+        first = await ask(scorer, "r1", "key-1", record(spec, "demo-1", 42.5))
+        replay = await ask(scorer, "r2", "key-1", record(spec, "demo-1", 42.5))
         with pytest.raises(KeyReused, match="key-1"):
-            await ask(scorer, "r3", "key-1", body("demo-1", 9999.5))
+            await ask(scorer, "r3", "key-1", record(spec, "demo-1", 99.5))
         await settle(engine, scorer)
         return first, replay, fake
 
     first, replay, fake = asyncio.run(scenario())
-    assert replay == first and first.request_id == "r1"
+    assert replay == first and first.request_id == "r1" and first.score == 0.0425
+    assert getattr(first, spec.id.name) == "demo-1"
     assert fake.scored == [("demo-1", 42.5)], "neither the replay nor the refused body was scored"
     (stored,) = key_rows(engine)
     assert stored["idempotency_key"] == "key-1" and stored["request_id"] == "r1" and stored["response"]

@@ -47,3 +47,22 @@ def test_a_path_that_is_no_spec_is_one_line(capsys: pytest.CaptureFixture[str], 
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"tandem: {said}") and captured.err.count("\n") == 1
+
+
+def test_without_a_path_it_describes_the_spec_the_setting_names(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TANDEM_MODEL_SPEC", "tests.specs.tiny:SPEC")
+    assert main(["spec"]) == 0
+    assert capsys.readouterr().out.startswith("tests.specs.tiny:SPEC: readings scored by reading_model")
+
+
+@pytest.mark.parametrize("argv", [["spec"], ["lineage", "r-1"], ["models", "list"]])
+def test_a_setting_that_names_no_spec_is_one_line_for_every_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    monkeypatch.setenv("TANDEM_MODEL_SPEC", "no_such_package:SPEC")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: TANDEM_MODEL_SPEC: spec 'no_such_package:SPEC': cannot import 'no_such_package'")
+    assert err.count("\n") == 1

@@ -193,3 +193,13 @@ def test_a_spec_without_history_needs_no_entity(module: types.ModuleType) -> Non
     module.SPEC = flat  # type: ignore[attr-defined]
     loaded = load_spec(f"{MODULE}:SPEC")
     assert loaded.entity is None and loaded.categoricals == () and loaded.table == "patients"
+
+
+def test_training_defaults_must_be_positive_whole_numbers() -> None:
+    from inference.spec.loading import spec_problems
+
+    spec = dataclasses.replace(tiny.SPEC, train_epochs=0, train_batch_size=2.5)
+    assert spec_problems(spec) == [
+        "train_epochs 0 is not a positive whole number",
+        "train_batch_size 2.5 is not a positive whole number",
+    ]
