@@ -336,12 +336,16 @@ def model_stage(model: LoadedModel, day: FeatureBatch, plan: PrecisionPlan, forw
         valid_positions=np.arange(CHUNK_ROWS),
         features=chunk,
     )
+    from inference.spec import configured_spec
+
+    spec = configured_spec()
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in PRECISIONS}
     for _ in range(plan.rounds):
         for precision in PRECISIONS:
             predictor = TorchPredictor(
                 model=model,
                 model_version="bench:precision",
+                spec=spec,
                 forward_batch_size=forward_batch,
                 forward=forward_in(precision, model),
             )

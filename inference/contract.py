@@ -17,7 +17,7 @@ import polars as pl
 from inference.features import FeatureBatch, build_features
 from inference.model import LoadedModel, score_batch
 from inference.records import hash_inputs, reason_fields, validate
-from inference.spec import GenericReason, LoadedSpec, load_spec
+from inference.spec import GenericReason, LoadedSpec
 
 # One row per input row, in input order.
 RESULT_SCHEMA: dict[str, pl.DataType] = {
@@ -53,9 +53,7 @@ class FrameHistory:
 
     targets_are_history = True
 
-    def __init__(self, frame: pl.DataFrame, spec: LoadedSpec | None = None) -> None:
-        # `spec` None: the reference's, until scoring takes the configured spec (0012 step 4).
-        spec = spec or load_spec()
+    def __init__(self, spec: LoadedSpec, frame: pl.DataFrame) -> None:
         checked = frame if "reject_reason" in frame.columns else validate(spec, frame)
         valid = checked.filter(pl.col("reject_reason").is_null())
         # Stored rows carry their hash already; a frame from elsewhere gets the same one computed.
@@ -116,8 +114,8 @@ class TorchPredictor:
     model_version: str
     forward_batch_size: int = 4096
     forward: ForwardFn | None = None
-    # The default is the reference until a setting picks the spec; the product passes its own.
-    spec: LoadedSpec = field(default_factory=load_spec)
+    # Required, and by name: the spec the frames are validated, hashed and featurised by.
+    spec: LoadedSpec = field(kw_only=True)
 
     @property
     def history_length(self) -> int:
