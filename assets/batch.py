@@ -330,7 +330,7 @@ PREDICTIONS_CHECKS = [
     AssetCheckSpec(
         "unseen_vocabulary_share",
         asset="predictions",
-        description="share of scored rows with a category, country or currency outside the training "
+        description="share of scored rows with a categorical field's value outside the training "
         "vocabulary (scored through the unknown bucket); a warning that the model wants retraining",
     ),
     AssetCheckSpec(

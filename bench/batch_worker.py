@@ -36,14 +36,14 @@ def main() -> None:
     parser.add_argument("--forward-batch", type=int, default=FORWARD_BATCH_SIZE)
     parser.add_argument("--model-workers", type=int, default=MODEL_WORKERS)
     parser.add_argument("--sequential", action="store_true", help="one chunk after another (the reference)")
-    parser.add_argument("--model-name", default="risk_model")
+    parser.add_argument("--model-name", help="default: the spec's model (ModelSpec.model_name)")
     parser.add_argument(
         "--precision", choices=PRECISIONS, default="fp32", help="the forward pass's (bench/precision.py)"
     )
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    model, version = modelstore.load_production(args.model_name)
     spec = configured_spec()
+    model, version = modelstore.load_production(args.model_name or spec.spec.model_name)
     predictor = TorchPredictor(
         model=model,
         model_version=version,

@@ -6,26 +6,29 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import RunningService
 
-MODEL_NAME = "risk_model"
+if TYPE_CHECKING:  # the bench's own modules start without the platform's imports
+    from inference.spec import LoadedSpec
+
 CHALLENGER_READY_S = 90.0  # pointer poll, the challenger process's start, model load and warm-up
 
 
-def register_untrained(seed: int) -> str:
-    """An untrained version in the store, as bench.run.prepare_environment registers the champion."""
+def register_untrained(ls: LoadedSpec, seed: int) -> str:
+    """An untrained version of the spec's model in the store, as bench.run.prepare_environment
+    registers the champion."""
     import torch
 
     from inference.model import default_model, untrained_report
-    from inference.spec import load_spec
     from tandem import modelstore
 
     torch.manual_seed(seed)
-    model = default_model(load_spec())
-    return modelstore.register(model, untrained_report(model), name=MODEL_NAME, code_version="bench")
+    model = default_model(ls)
+    return modelstore.register(model, untrained_report(model), name=ls.spec.model_name, code_version="bench")
 
 
 # ---------------------------------------------------------------- /metrics

@@ -67,7 +67,7 @@ def main() -> int:
                 results[spec.name] = {"error": service}
                 continue
             try:
-                body = fresh_bodies(good, spec.name)
+                body = fresh_bodies(bench.model_spec, good, spec.name)
                 results[spec.name] = sweep(service, rates, args.seconds, body)
                 if args.profile_rate and spec.name == "tandem":
                     recorders = _profile(service, args.seconds, args.out)

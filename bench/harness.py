@@ -21,13 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import polars as pl
 import psutil
 
 from bench import online_targets
 from bench.loadgen import run_load
+
+if TYPE_CHECKING:  # the bench's own modules start without the platform's imports
+    from inference.spec import LoadedSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_P99_MS = float(os.environ.get("TANDEM_SERVING_P99_TARGET_MS", "50"))
@@ -61,6 +65,7 @@ class BenchEnv:
     database_url: str
     env: dict[str, str]
     drop: Callable[[], None]
+    model_spec: LoadedSpec  # the spec the services run (TANDEM_MODEL_SPEC): its records are the load
 
 
 def fresh_database(root: Path) -> tuple[str, Callable[[], None]]:
@@ -126,14 +131,15 @@ def tandem_spec(workers: int = 1) -> ServiceSpec:
     )
 
 
-def baseline_spec(checkout: Path, commit: str) -> ServiceSpec:
-    """The code before issue 46's work, served from its own checkout as its own bench started it
-    (`bentoml serve serving.service:RiskScorer`, one worker), its packages first on the path."""
+def baseline_spec(checkout: Path, commit: str, data_dir: Path) -> ServiceSpec:
+    """The baseline commit's code, served from its own checkout as its own bench started it
+    (`bentoml serve serving.service:RiskScorer`, one worker), its packages first on the path, its
+    embedded database and local state under `data_dir`."""
     return ServiceSpec(
         "baseline",
         f"{online_targets.baseline_label(commit)}, embedded SQLite",
         _bentoml_serve("serving.service:RiskScorer"),
-        {"TANDEM_SERVING_WORKERS": "1", "PYTHONPATH": str(checkout)},
+        {"TANDEM_SERVING_WORKERS": "1", "PYTHONPATH": str(checkout), "TANDEM_DATA_DIR": str(data_dir)},
         cwd=checkout,
     )
 
@@ -261,23 +267,32 @@ def start_service(spec: ServiceSpec, bench: BenchEnv) -> RunningService | str:
 
 
 def request_bodies(bench: BenchEnv, count: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Good single-transaction bodies of known accounts (a day after the stored ones), and poison."""
+    """Single-record bodies of the spec's demo a day after the stored ones: good records (of known
+    entities, where the spec has one), and poison, records validation refuses."""
     from inference.demo import demo_day
-    from inference.spec import DemoSettings, configured_spec
+    from inference.records import validate
+    from inference.spec import DemoSettings
 
-    settings = DemoSettings(rows_per_day=max(count, 2000), poison_rate=0.05)
-    day = demo_day(configured_spec(), START_DAY + timedelta(days=60), settings)
-    good = day.filter(pl.col("poison_kind").is_null()).head(count)
-    poison = day.filter(
-        pl.col("poison_kind").is_in(
-            ["bad_currency", "malformed_category", "malformed_country", "negative_amount", "absurd_amount"]
-        )
-    )
-    columns = ["transaction_id", "account_id", "amount", "currency", "merchant_category", "country", "event_time"]
+    ls = bench.model_spec
+    day = START_DAY + timedelta(days=60)
+    # A window of that one day: a demo that spreads a fixed set of records over its window lands them all.
+    settings = DemoSettings(start=day, days=1, rows_per_day=max(count, 2000), poison_rate=0.05)
+    records = demo_day(ls, day, settings).select(ls.field_names)
+    good = records.filter(validate(ls, records)["reject_reason"].is_null())
     return (
-        [{"transactions": [row]} for row in good.select(columns).to_dicts()],
-        [{"transactions": [row]} for row in poison.select(columns).to_dicts()],
+        [{ls.spec.plural: [row]} for row in good.head(count).to_dicts()],
+        [{ls.spec.plural: [row]} for row in poison_records(ls, good).to_dicts()],
     )
+
+
+def poison_records(ls: LoadedSpec, good: pl.DataFrame) -> pl.DataFrame:
+    """Good records broken by the generic poison (`inference.spec.poison`), each alone in its
+    request; a duplicated id is kept out, as alone it is a good record."""
+    from inference.spec import POISON_REASON, GenericReason, poison
+
+    broken = poison(good, ls, np.random.default_rng(0), rate=0.05)
+    reason = pl.col(POISON_REASON)
+    return broken.filter(reason.is_not_null() & (reason != GenericReason.DUPLICATE_ID.value)).select(ls.field_names)
 
 
 Body = Callable[[int], tuple[dict[str, Any], bool]]
@@ -295,15 +310,15 @@ def settle(service: RunningService, body: Body, *, limit_s: float = 90.0) -> flo
     return time.monotonic() - started
 
 
-def fresh_bodies(good: list[dict[str, Any]], run: str) -> Body:
-    """Every request a transaction no service of this run has seen: neither an idempotency hit nor,
+def fresh_bodies(ls: LoadedSpec, good: list[dict[str, Any]], run: str) -> Body:
+    """Every request a record no service of this run has seen: neither an idempotency hit nor,
     since services share the database, a cheaper no-op upsert of a row an earlier service wrote."""
     sequence = itertools.count()
+    plural, id_name = ls.spec.plural, ls.id.name
 
     def body(_: int) -> tuple[dict[str, Any], bool]:
         n = next(sequence)
-        template = good[n % len(good)]["transactions"][0]
-        transaction_id = f"{template['transaction_id']}-{run}-{n}"
-        return {"transactions": [{**template, "transaction_id": transaction_id}]}, False
+        template = good[n % len(good)][plural][0]
+        return {plural: [{**template, id_name: f"{template[id_name]}-{run}-{n}"}]}, False
 
     return body

@@ -12,6 +12,7 @@ favours neither. The judging is in `bench.online_targets`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,13 +100,24 @@ def online_environment(bench: BenchEnv, rows_per_day: int, days: int) -> tuple[B
     else:
         postgres_url = None
     say(f"online databases: {sqlite_url}, {postgres_url or 'no PostgreSQL'}")
-    return BenchEnv(bench.root, sqlite_url, env, drop), postgres_url
+    return BenchEnv(bench.root, sqlite_url, env, drop, bench.model_spec), postgres_url
 
 
-def _specs(root: Path, postgres_url: str | None, checkout: Path | str, commit: str) -> dict[str, ServiceSpec | str]:
-    """Every service of the rounds by name, or why it cannot run."""
+def _specs(
+    bench: BenchEnv, postgres_url: str | None, checkout: Path | str, commit: str, drops: list[Callable[[], None]]
+) -> dict[str, ServiceSpec | str]:
+    """Every service of the rounds by name, or why it cannot run. The baseline's databases are
+    copies of Tandem's records at its own schema (`baseline.copy_records`); `drops` gets theirs."""
+    root = bench.root
     specs: dict[str, ServiceSpec | str] = {spec.name: spec for spec in service_specs()}
-    specs["baseline"] = baseline_spec(checkout, commit) if isinstance(checkout, Path) else checkout
+    if isinstance(checkout, str):
+        specs["baseline"] = checkout
+    else:
+        data_dir = root / "online_baseline"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        sqlite_url = f"sqlite:///{(data_dir / 'tandem.db').resolve()}"  # as its TandemSettings resolves it
+        baseline.copy_records(bench.model_spec, bench.database_url, sqlite_url, checkout)
+        specs["baseline"] = baseline_spec(checkout, commit, data_dir)
     for name in ("tandem", "baseline"):
         spec = specs[name]
         if postgres_url is None:
@@ -113,7 +125,11 @@ def _specs(root: Path, postgres_url: str | None, checkout: Path | str, commit: s
         elif isinstance(spec, str):
             specs[f"{name}_postgres"] = spec
         else:
-            specs[f"{name}_postgres"] = on_postgres(spec, postgres_url, root / f"online_{name}_postgres")
+            url = postgres_url
+            if name == "baseline" and isinstance(checkout, Path):
+                url, drop = baseline.database(bench.model_spec, postgres_url, checkout, root / "online_baseline_pg")
+                drops.append(drop)
+            specs[f"{name}_postgres"] = on_postgres(spec, url, root / f"online_{name}_postgres")
     return specs
 
 
@@ -155,15 +171,21 @@ def bench_online(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every service in `rounds` rounds over `rates`, Tandem past its capacity in the last round,
     and the ceiling again over the rates that chose; returns every result (marked) and the verdicts."""
+    drops: list[Callable[[], None]] = []
     with baseline.checkout(commit, bench.root) as checkout:
-        specs = _specs(bench.root, postgres_url, checkout, commit)
-        online: dict[str, Any] = {name: _entry(name, specs[name], commit) for name in ROUND_ORDER}
-        for index in range(rounds):
-            say(f"-- round {index + 1} of {rounds}")
-            for name in round_order(index):
-                spec = specs[name]
-                if isinstance(spec, ServiceSpec):
-                    _service_round(bench, online, spec, index, rates, seconds, good, poison, last=index == rounds - 1)
+        try:
+            specs = _specs(bench, postgres_url, checkout, commit, drops)
+            online: dict[str, Any] = {name: _entry(name, specs[name], commit) for name in ROUND_ORDER}
+            for index in range(rounds):
+                say(f"-- round {index + 1} of {rounds}")
+                for name in round_order(index):
+                    spec = specs[name]
+                    if isinstance(spec, ServiceSpec):
+                        last = index == rounds - 1
+                        _service_round(bench, online, spec, index, rates, seconds, good, poison, last=last)
+        finally:
+            for drop in drops:
+                drop()
     _ceiling_again(bench, online, good, seconds)
     online_targets.mark_online(online)
     for name, service in online.items():
@@ -197,7 +219,7 @@ def _service_round(
         entry["rounds"].append({"error": service})
         return
     try:
-        body = fresh_bodies(good, f"{spec.name}-{index}")
+        body = fresh_bodies(bench.model_spec, good, f"{spec.name}-{index}")
         if index == 0 and spec.name in ("tandem", "stock_bentoml"):
             entry["poison_2pct"] = _poison(service, body, poison, online_targets.LIGHT_LOAD_RPS, seconds)
         service_rates = {
@@ -299,7 +321,7 @@ def _ceiling_again(bench: BenchEnv, online: dict[str, Any], good: list[dict[str,
         return
     bursts: dict[str, dict[str, Any]] = {}
     try:
-        body = fresh_bodies(good, "do_nothing_again")
+        body = fresh_bodies(bench.model_spec, good, "do_nothing_again")
         levels = sweep(service, rates, seconds, body)
         for background_rps in dict.fromkeys(run["burst_64"]["background_rps"] for run in runs):
             settle(service, body)
@@ -374,7 +396,7 @@ def _workers_run(
         return {"error": service}
     try:
         idle_rss = service.rss_mb()
-        body = fresh_bodies(good, spec.name)
+        body = fresh_bodies(bench.model_spec, good, spec.name)
         return {
             "rss_mb_idle": idle_rss,
             "sweep": sweep(service, rates, seconds, body, stop_after_misses=STOP_AFTER_MISSES),

@@ -336,12 +336,16 @@ def model_stage(model: LoadedModel, day: FeatureBatch, plan: PrecisionPlan, forw
         valid_positions=np.arange(CHUNK_ROWS),
         features=chunk,
     )
+    from inference.spec import configured_spec
+
+    spec = configured_spec()
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in PRECISIONS}
     for _ in range(plan.rounds):
         for precision in PRECISIONS:
             predictor = TorchPredictor(
                 model=model,
                 model_version="bench:precision",
+                spec=spec,
                 forward_batch_size=forward_batch,
                 forward=forward_in(precision, model),
             )
@@ -357,14 +361,14 @@ def _complete(predictor: TorchPredictor, prepared: PreparedBatch) -> int:
 def train_model(database_url: str, history_days: int) -> tuple[LoadedModel, dict[str, Any]]:
     """The reference model trained on the bench's history (the last day held out), registered and
     promoted as MODEL_NAME for the end-to-end workers."""
-    from inference.spec import load_spec
+    from inference.spec import configured_spec
     from inference.store import make_engine
     from inference.training import train_from_store
     from tandem import modelstore
 
     engine = make_engine(database_url)
     try:
-        spec = load_spec()
+        spec = configured_spec()
         model, report = train_from_store(
             engine,
             spec,
@@ -381,7 +385,7 @@ def train_model(database_url: str, history_days: int) -> tuple[LoadedModel, dict
 
 def scored_day(database_url: str, day: date, rows: int, history_length: int) -> FeatureBatch:
     """A demo day ingested and featurised after the stored history, as a partition is scored:
-    each row's history is its account's earlier valid rows."""
+    each row's history is its entity's earlier valid rows."""
     from inference.batch import ingest_day
     from inference.demo import demo_day
     from inference.features import build_features
@@ -403,7 +407,7 @@ def scored_day(database_url: str, day: date, rows: int, history_length: int) -> 
 
 
 def stored_scores(database_url: str, day: date) -> dict[str, float]:
-    """The batch scores a partition holds, by transaction."""
+    """The batch scores a partition holds, by record."""
     import sqlalchemy as sa
 
     from inference.store import make_engine
@@ -421,7 +425,7 @@ def stored_scores(database_url: str, day: date) -> dict[str, float]:
 
 
 def compare_stored(first: Mapping[str, float], second: Mapping[str, float], threshold: float) -> dict[str, Any]:
-    """Two runs' stored scores of the same partition, over the transactions both scored."""
+    """Two runs' stored scores of the same partition, over the records both scored."""
     common = sorted(first.keys() & second.keys())
     a = np.array([first[t] for t in common], dtype=np.float64)
     b = np.array([second[t] for t in common], dtype=np.float64)

@@ -90,8 +90,7 @@ def write_report(
         *targets_section(verdicts),
         "## Raw model forward (the limit)",
         "",
-        f"{raw['parameter_count']:,} parameters, {raw['flops_per_item'] / 1e6:.1f} MFLOP per item, "
-        f"{raw['threads']} threads.",
+        f"{raw['parameter_count']:,} parameters, {_flops(raw.get('flops_per_item'))}, {raw['threads']} threads.",
         "",
         f"| batch size | items/s, {raw['threads']} threads | items/s, 1 thread |{_again_header(raw)}",
         f"| ---: | ---: | ---: |{_again_header(raw, rule=True)}",
@@ -585,6 +584,11 @@ def _rate(value: float | None) -> str:
     return "" if value is None else f"{value:,.0f}"
 
 
+def _flops(per_item: float | None) -> str:
+    """A module that counts no FLOPs (`flops_per_item`) leaves the figure out."""
+    return "FLOPs per item not counted by the model" if per_item is None else f"{per_item / 1e6:.1f} MFLOP per item"
+
+
 def best_raw_forward(raw: dict[str, Any]) -> tuple[float, str]:
     """The best raw forward rate measured at any batch size and thread count, before or after the
     batch path (`raw["after_batch"]`), and where: this machine's speed drifts by a quarter within
@@ -810,7 +814,7 @@ def _precision_end_to_end(precision: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Stored scores of the partition, first bf16 run against the first fp32 run: {d['items']:,} "
-            f"transactions, max abs difference {d['max_abs']:.2e}, p99 {d['p99_abs']:.2e}, {d['flips']} "
+            f"records, max abs difference {d['max_abs']:.2e}, p99 {d['p99_abs']:.2e}, {d['flips']} "
             f"decisions flipped ({d['flip_share']:.3%}).",
         ]
     judged = precision.get("verdict_by_variant", {})

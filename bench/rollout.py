@@ -74,7 +74,7 @@ def rollout_run(
     from tandem import modelstore
 
     plan = RolloutPlan.for_mode(quick)
-    candidate = modelstore.challenge(register_untrained(2))
+    candidate = modelstore.challenge(register_untrained(bench.model_spec, 2))
     base = tandem_spec()
     spec = type(base)(
         "rollout",
@@ -89,7 +89,7 @@ def rollout_run(
         return run | {"error": service}
     try:
         run["challenger_ready_s"] = round(wait_for_challenger(service, candidate), 1)
-        body = fresh_bodies(good, "rollout")
+        body = fresh_bodies(bench.model_spec, good, "rollout")
         run_load(service.url, 20, 2.0, body)  # warm-up, as the shadow levels
         settle(service, body)
         swap: dict[str, Any] = {}

@@ -193,37 +193,44 @@ def prepare_environment(rows_per_day: int, days: int) -> BenchEnv:
 
     torch.manual_seed(0)
     model = default_model(spec)
-    modelstore.promote(modelstore.register(model, untrained_report(model), name="risk_model", code_version="bench"))
-    return BenchEnv(root, database_url, dict(os.environ), drop)
+    modelstore.promote(
+        modelstore.register(model, untrained_report(model), name=spec.spec.model_name, code_version="bench")
+    )
+    return BenchEnv(root, database_url, dict(os.environ), drop, spec)
 
 
 # ---------------------------------------------------------------- raw model
+def forward_inputs(rows: int) -> Any:
+    """A FeatureBatch of `rows` records of the configured spec's demo (its rows repeated where a
+    day holds fewer), each with its history among the day's earlier records: what the model reads."""
+    from inference.demo import demo_day
+    from inference.features import FeatureBatch, build_features
+    from inference.records import split_valid
+    from inference.spec import DemoSettings, configured_spec
+
+    ls = configured_spec()
+    settings = DemoSettings(start=START_DAY, days=1, rows_per_day=rows, poison_rate=0.0)
+    valid, _ = split_valid(ls, demo_day(ls, START_DAY, settings).select(ls.field_names))
+    features = build_features(ls, valid, valid, ls.spec.history_length)
+    repeat = np.arange(rows) % len(features)
+    return FeatureBatch([str(i) for i in range(rows)], tuple(a[repeat] for a in features.arrays), [None] * rows)
+
+
 def bench_raw_forward(seconds: float) -> dict[str, Any]:
     import torch
 
-    from inference.features import FeatureBatch
-    from inference.model import default_model, score_batch
-    from inference.spec import load_spec
+    from inference.model import default_model, score_batch, untrained_report
+    from inference.spec import configured_spec
 
     torch.manual_seed(0)
-    model = default_model(load_spec())
+    model = default_model(configured_spec())
     model.module.eval()
-    rng = np.random.default_rng(0)
+    inputs = forward_inputs(max(RAW_FORWARD_SIZES + FORWARD_BATCH_SWEEP))
     threads = torch.get_num_threads()
     results: dict[str, Any] = {"threads": threads, "items_per_second": {}, "items_per_second_1_thread": {}}
 
     def rate(size: int) -> float:
-        batch = FeatureBatch(
-            [str(i) for i in range(size)],
-            (
-                rng.integers(0, 5, (size, 5)).astype(np.int64),
-                rng.random((size, 8), dtype=np.float32),
-                rng.integers(0, 5, (size, 16, 2)).astype(np.int64),
-                rng.random((size, 16, 4), dtype=np.float32),
-                np.ones((size, 16), dtype=bool),
-            ),
-            [None] * size,
-        )
+        batch = inputs.slice(0, size)
         score_batch(model, batch)
         done, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
@@ -241,7 +248,7 @@ def bench_raw_forward(seconds: float) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     results["parameter_count"] = model.parameter_count
-    results["flops_per_item"] = model.module.flops_per_item()  # type: ignore[operator]
+    results["flops_per_item"] = untrained_report(model).flops_per_item  # None: the module counts none
     say(f"raw forward items/s, {threads} threads: { ({k: round(v) for k, v in results['items_per_second'].items()}) }")
     say(f"raw forward items/s, 1 thread: { ({k: round(v) for k, v in results['items_per_second_1_thread'].items()}) }")
     return results
@@ -335,20 +342,27 @@ def _against_baseline(
     first: Callable[[], dict[str, Any]],
     score: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
-    """`day` scored by Tandem and by the baseline checkout's own worker, in alternating order."""
+    """`day` scored by Tandem and by the baseline checkout's own worker, in alternating order, the
+    baseline on a copy of the records in a database at its own schema."""
     if isinstance(checkout, str):
         return {"tandem": [first()], "baseline": [], "error": checkout}
+    from inference.store import make_engine
+
+    url, drop = baseline.database(bench.model_spec, bench.database_url, checkout, bench.root / "baseline_batch")
+    theirs_engine = make_engine(url)
 
     def theirs() -> dict[str, Any] | str:
-        _clear_partition(engine, day)
-        env = {**bench.env, "PYTHONPATH": str(checkout)}
-        result = batch_baseline.run_worker(
-            batch_baseline.worker_command(bench.database_url, day.isoformat()), checkout, env
-        )
+        _clear_partition(theirs_engine, day)
+        env = {**bench.env, "PYTHONPATH": str(checkout), "DATABASE_URL": url}
+        result = batch_baseline.run_worker(batch_baseline.worker_command(url, day.isoformat()), checkout, env)
         say(f"batch partition {day}, baseline: {result}")
         return result
 
-    return batch_baseline.side_by_side(first, lambda: score(day), theirs)
+    try:
+        return batch_baseline.side_by_side(first, lambda: score(day), theirs)
+    finally:
+        theirs_engine.dispose()
+        drop()
 
 
 def _clear_partition(engine: Any, day: date) -> None:

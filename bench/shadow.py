@@ -33,7 +33,6 @@ from typing import Any
 
 from bench import online_targets
 from bench.challenger import (
-    MODEL_NAME,
     Metrics,
     metric_sum,
     register_untrained,
@@ -101,10 +100,12 @@ def standalone_environment(rows_per_day: int, days: int) -> BenchEnv:
     os.environ.pop("DATABASE_URL", None)  # the embedded default, as the main Tandem bench
     sqlite_url = f"sqlite:///{(data_dir / 'tandem.db').resolve()}"
     seed_history(sqlite_url, rows_per_day, days)
+    from inference.spec import configured_spec
     from tandem import modelstore
 
-    modelstore.promote(register_untrained(0))
-    return BenchEnv(root, sqlite_url, dict(os.environ), lambda: None)
+    ls = configured_spec()
+    modelstore.promote(register_untrained(ls, 0))
+    return BenchEnv(root, sqlite_url, dict(os.environ), lambda: None, ls)
 
 
 def last_capacity(results: Path = ROOT / "bench" / "results" / "online_targets.json") -> tuple[float, str]:
@@ -235,7 +236,7 @@ def _shadow_run(
         if sample > 0:
             run["challenger_ready_s"] = round(wait_for_challenger(service, tag), 1)
             say(f"challenger {tag} shadowing after {run['challenger_ready_s']} s")
-        body = fresh_bodies(good, f"shadow-{round_}-{sample:g}")
+        body = fresh_bodies(bench.model_spec, good, f"shadow-{round_}-{sample:g}")
         run["levels"] = _levels(service, rates, seconds, body, shadowing=sample > 0)
     except RuntimeError as error:
         say(f"{spec.name}: {error}")
@@ -251,7 +252,11 @@ def _ceiling_run(bench: BenchEnv, rates: list[int], seconds: float, good: list[d
     if isinstance(service, str):
         return {"error": service}
     try:
-        return {"levels": _levels(service, rates, seconds, fresh_bodies(good, f"shadow-ceiling-{n}"), shadowing=False)}
+        return {
+            "levels": _levels(
+                service, rates, seconds, fresh_bodies(bench.model_spec, good, f"shadow-ceiling-{n}"), shadowing=False
+            )
+        }
     finally:
         service.stop()
 
@@ -361,10 +366,11 @@ def bench_shadow(
     plan = ShadowPlan.for_mode(quick)
     started = time.perf_counter()
     rates = rates_for(capacity_rps)
-    champion = modelstore.production_tag(MODEL_NAME)
+    model_name = bench.model_spec.spec.model_name
+    champion = modelstore.production_tag(model_name)
     if champion is None:
-        raise RuntimeError(f"no {MODEL_NAME} in production to shadow")
-    challenger = modelstore.challenge(register_untrained(1))
+        raise RuntimeError(f"no {model_name} in production to shadow")
+    challenger = modelstore.challenge(register_untrained(bench.model_spec, 1))
     say(
         f"shadow scoring: champion {champion}, challenger {challenger}, rates {rates} rps "
         f"({'/'.join(f'{s:.0%}' for s in RATE_SHARES)} of {capacity_rps:.0f} rps from {capacity_source}), "
@@ -378,13 +384,13 @@ def bench_shadow(
         for round_ in range(plan.rounds):
             for sample in SAMPLES:
                 runs.append(_shadow_run(bench, sample, round_, rates, plan.load_seconds, good, challenger))
-        modelstore.clear_challenger(MODEL_NAME)
+        modelstore.clear_challenger(model_name)
         # Last, at the higher rate: it promotes a version and then puts the champion back.
         rollout = rollout_run(bench, rates[-1], good, champion, quick=quick)
         if plan.rounds > 1:
             ceilings.append(_ceiling_run(bench, rates, plan.load_seconds, good, 1))
     finally:
-        modelstore.clear_challenger(MODEL_NAME)
+        modelstore.clear_challenger(model_name)
     # The worst ceiling p99 at each rate decides whether the generator vouches for that rate.
     ceiling = {
         rate: max(c["levels"][i]["p99_ms"] for c in ceilings if "levels" in c)

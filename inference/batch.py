@@ -309,13 +309,13 @@ class _PartitionScoring:
         checked = validate(ls, chunk.select(records.raw_columns)).with_columns(chunk["input_hash"])
         earlier = pl.concat([before, self.carry])
         history = FrameHistory(
+            ls,
             pl.concat(
                 [
                     validate(ls, earlier.select(records.raw_columns)).with_columns(earlier["input_hash"]),
                     checked,
                 ]
             ),
-            spec=ls,
         )
         work = self.staged.prepare(checked, history) if self.staged is not None else (checked, history)
         if records.entity is not None and self.history_length > 0:

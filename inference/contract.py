@@ -17,7 +17,7 @@ import polars as pl
 from inference.features import FeatureBatch, build_features
 from inference.model import LoadedModel, score_batch
 from inference.records import hash_inputs, reason_fields, validate
-from inference.spec import GenericReason, LoadedSpec, load_spec
+from inference.spec import GenericReason, LoadedSpec
 
 # One row per input row, in input order.
 RESULT_SCHEMA: dict[str, pl.DataType] = {
@@ -29,15 +29,14 @@ RESULT_SCHEMA: dict[str, pl.DataType] = {
     "input_hash": pl.String(),
     # Digest of the stored records the features read as history; null for a rejected row.
     "history_hash": pl.String(),
-    # Comma-separated, sorted names of the fields (among merchant_category, country, currency)
-    # outside the training vocabulary, scored through the model's unknown bucket; null when none
-    # and for a rejected row.
+    # Comma-separated, sorted names of the categorical fields whose value is outside the training
+    # vocabulary, scored through the model's unknown bucket; null when none and for a rejected row.
     "unseen_fields": pl.String(),
 }
 
 
 class HistorySource(Protocol):
-    """Where an account's earlier transactions come from: a frame in memory, or the store.
+    """Where an entity's earlier records come from: a frame in memory, or the store.
 
     A source may say `targets_are_history = True` (FrameHistory: the targets are rows of the frame,
     so an earlier target is a later one's history); any other source is read alone for each target.
@@ -45,7 +44,7 @@ class HistorySource(Protocol):
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         """Valid rows (RAW columns + event_ts) holding at least each target's last
-        `history_length` earlier rows of its account."""
+        `history_length` earlier rows of its entity."""
         ...
 
 
@@ -54,9 +53,7 @@ class FrameHistory:
 
     targets_are_history = True
 
-    def __init__(self, frame: pl.DataFrame, spec: LoadedSpec | None = None) -> None:
-        # `spec` None: the reference's, until scoring takes the configured spec (0012 step 4).
-        spec = spec or load_spec()
+    def __init__(self, spec: LoadedSpec, frame: pl.DataFrame) -> None:
         checked = frame if "reject_reason" in frame.columns else validate(spec, frame)
         valid = checked.filter(pl.col("reject_reason").is_null())
         # Stored rows carry their hash already; a frame from elsewhere gets the same one computed.
@@ -117,8 +114,8 @@ class TorchPredictor:
     model_version: str
     forward_batch_size: int = 4096
     forward: ForwardFn | None = None
-    # The default is the reference until a setting picks the spec; the product passes its own.
-    spec: LoadedSpec = field(default_factory=load_spec)
+    # Required, and by name: the spec the frames are validated, hashed and featurised by.
+    spec: LoadedSpec = field(kw_only=True)
 
     @property
     def history_length(self) -> int:

@@ -12,7 +12,6 @@ from typing import Final, Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from inference.spec import load_spec
 from serving.settings import ServingSettings
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -73,8 +72,15 @@ def latency_buckets(p99_target_ms: float) -> tuple[float, ...]:
 
 
 class ServingMetrics:
-    def __init__(self, code_version: str = "unknown", settings: ServingSettings | None = None) -> None:
-        """`settings` unset: the defaults of ServingSettings (not the environment), as in tests."""
+    def __init__(
+        self,
+        code_version: str = "unknown",
+        settings: ServingSettings | None = None,
+        vocabulary_fields: tuple[str, ...] = (),
+    ) -> None:
+        """`settings` unset: the defaults of ServingSettings (not the environment), as in tests.
+        `vocabulary_fields`: the spec's categorical fields, whose unseen-value counts are exported
+        at 0 from the start (others appear with their first count)."""
         resolved = settings if settings is not None else ServingSettings.model_construct()
         self.code_version = code_version
         self.target_s = target_seconds(resolved.p99_target_ms)
@@ -85,7 +91,7 @@ class ServingMetrics:
         self._gauge = functools.partial(Gauge, registry=self.registry)
         self._histogram = functools.partial(Histogram, registry=self.registry)
         self._define_request_metrics(latency_buckets(resolved.p99_target_ms))
-        self._define_batch_metrics(latency_buckets(resolved.p99_target_ms))
+        self._define_batch_metrics(latency_buckets(resolved.p99_target_ms), vocabulary_fields)
         self._define_model_metrics()
         self._shadowing: str | None = None
         self.p99_target.set(self.target_s)
@@ -137,7 +143,7 @@ class ServingMetrics:
             buckets=SCORE_BUCKETS,
         )
 
-    def _define_batch_metrics(self, buckets: tuple[float, ...]) -> None:
+    def _define_batch_metrics(self, buckets: tuple[float, ...], vocabulary_fields: tuple[str, ...]) -> None:
         self.queue_depth = self._gauge(
             "tandem_serving_queue_depth", "Items waiting for a batch.", multiprocess_mode="livesum"
         )
@@ -187,8 +193,7 @@ class ServingMetrics:
             ["field"],
         )
         # Children exported at 0 from the start, so rate() and increase() see the first one.
-        vocabulary_fields = tuple(sorted(field.name for field in load_spec().categoricals))
-        self.unseen_values = Children(unseen_values, "field", exported=vocabulary_fields)
+        self.unseen_values = Children(unseen_values, "field", exported=tuple(sorted(vocabulary_fields)))
 
     def _define_model_metrics(self) -> None:
         self.model_info = self._gauge(

@@ -126,7 +126,7 @@ def api_models(ls: LoadedSpec) -> ApiModels:
 def _degraded_description(ls: LoadedSpec) -> str:
     if ls.entity is None:
         return "Always false: the model reads no stored history."
-    # The reference's words ("account history") come from its entity's name ("account_id").
+    # The words name the entity without its id suffix ("sensor history" for "sensor_id").
     owner = ls.entity.name.removesuffix("_id")
     return f"Scored without {owner} history: the database was down."
 

@@ -140,7 +140,11 @@ class RiskScorer:
             engine=engine,
             settings=serving,
             outbox=Outbox(settings.data_dir / "serving" / "outbox.sqlite3"),
-            metrics=ServingMetrics(code_version=self.worker_config.code_version, settings=serving),
+            metrics=ServingMetrics(
+                code_version=self.worker_config.code_version,
+                settings=serving,
+                vocabulary_fields=tuple(field.name for field in self.spec.categoricals),
+            ),
         )
         # Not ready until real inferences have run end to end.
         self.scorer.warm_up()

@@ -7,12 +7,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from inference.spec import configured_spec
+
+# Read once at start, so a request pays for nothing the spec could add.
+_SPEC = configured_spec()
+_PLURAL, _ID = _SPEC.spec.plural, _SPEC.id.name
+
 
 async def score(request: Request) -> JSONResponse:
     body = await request.json()
-    return JSONResponse(
-        {"results": [{"transaction_id": t.get("transaction_id"), "score": 0.0} for t in body["transactions"]]}
-    )
+    return JSONResponse({"results": [{_ID: record.get(_ID), "score": 0.0} for record in body[_PLURAL]]})
 
 
 async def ready(_request: Request) -> JSONResponse:

@@ -11,20 +11,26 @@ from typing import Any
 
 import bentoml
 import polars as pl
+import pydantic
 
 from inference.features import build_features
 from inference.model import load_model, score_batch
 from inference.records import EVENT_TS_DTYPE, hash_inputs, raw_frame, validate
 from inference.settings import TandemSettings
-from inference.spec import load_spec
+from inference.spec import configured_spec
 from inference.spec.api import record_model
 from inference.store import ResultPath, StoreHistory, make_engine, upsert_predictions, utc_now
 from tandem import modelstore
 from tandem.version import code_version
 
 _SETTINGS = TandemSettings()
-RECORD_SPEC = load_spec()
+RECORD_SPEC = configured_spec()
 _RECORD = record_model(RECORD_SPEC)
+_ID = RECORD_SPEC.id.name
+# The body a plain batchable API takes: one list, under the spec's plural. BentoML hands a batchable
+# API its batch as the one argument, whatever the field is named.
+_REQUEST_FIELDS: dict[str, Any] = {RECORD_SPEC.spec.plural: (list[dict[str, Any]], ...)}
+_REQUEST = pydantic.create_model("StockRequest", __base__=bentoml.IODescriptor, **_REQUEST_FIELDS)
 _TAG = modelstore.production_tag(_SETTINGS.model_name) or f"{_SETTINGS.model_name}:latest"
 
 
@@ -38,9 +44,9 @@ class StockScorer:
         self.engine = make_engine(_SETTINGS.resolved_database_url())
         self.history = StoreHistory(RECORD_SPEC, self.engine)
 
-    @bentoml.api(batchable=True)
-    def score(self, transactions: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        records = [_RECORD(**t).to_raw() for t in transactions]  # raises on poison: whole batch fails
+    @bentoml.api(batchable=True, input_spec=_REQUEST)
+    def score(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        records = [_RECORD(**record).to_raw() for record in batch]  # raises on poison: whole batch fails
         checked = validate(RECORD_SPEC, raw_frame(RECORD_SPEC, records)).drop("reject_reason")
         # With input hashes, the features digest the history they read.
         checked = checked.with_columns(hash_inputs(RECORD_SPEC, checked))
@@ -50,7 +56,7 @@ class StockScorer:
         request_id = uuid.uuid4().hex
         rows = pl.DataFrame(
             {
-                "record_id": checked["transaction_id"],
+                "record_id": checked[_ID],
                 "model_version": self.version,
                 "score": scores,
                 "path": ResultPath.ONLINE.value,
@@ -75,6 +81,4 @@ class StockScorer:
         )
         with self.engine.begin() as conn:
             upsert_predictions(conn, rows)
-        return [
-            {"transaction_id": t, "score": float(s)} for t, s in zip(checked["transaction_id"], scores, strict=True)
-        ]
+        return [{_ID: record_id, "score": float(s)} for record_id, s in zip(checked[_ID], scores, strict=True)]

@@ -134,7 +134,7 @@ _REPEATED_CSV_NAME = re.compile(r"^(?P<name>.*)_duplicated_\d+$")
 
 
 def _named(ls: LoadedSpec, frame: pl.DataFrame, where: str) -> pl.DataFrame:
-    """Column names without surrounding blanks (`id, amount` as written by hand); a required or
+    """Column names without surrounding blanks (`id, price` as written by hand); a required or
     label column given twice is the file's error, since either copy could be the one meant."""
     meant = [name.strip() for name in frame.columns]
     for name in meant:

@@ -65,8 +65,8 @@ def _as_received(
     columns: tuple[str, ...], rejected: pl.DataFrame, raw_rows: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Each row's payload with every field as received where a source handed it beside the value
-    read (`RECEIVED_PREFIX`: "12;50" rather than no amount, " US$ " rather than "US$"), and the
-    received texts the RAW values do not hold ("12;50" and "12;5O" both read as no amount), which
+    read (`RECEIVED_PREFIX`: "12;50" rather than no number, " US$ " rather than "US$"), and the
+    received texts the RAW values do not hold ("12;50" and "12;5O" both read as no number), which
     key the rejection too, so that a changed record is a new rejection."""
     payloads = [dict(raw) for raw in raw_rows]
     as_received = [""] * rejected.height

@@ -11,7 +11,6 @@ from datetime import UTC, date, datetime, time, timedelta
 import numpy as np
 import polars as pl
 
-from inference.records import raw_columns
 from inference.spec import DemoSettings, LoadedSpec, poison
 from tandem_specs.diabetes import MEASUREMENTS
 
@@ -59,5 +58,5 @@ def demo(ls: LoadedSpec, day: date, settings: DemoSettings) -> pl.DataFrame:
     settings' rate (`inference.spec.poison`, from its own seed per day). Every patient lands once
     in the window, so the settings' rows per day do not apply."""
     visits = landing_day(day, seed=settings.seed, start=settings.start, days=settings.days)
-    frame = visits.select(*raw_columns(ls), PROGRESSED)
+    frame = visits.select(*ls.field_names, PROGRESSED)
     return poison(frame, ls, np.random.default_rng([settings.seed, day.toordinal()]), settings.poison_rate)

@@ -116,7 +116,9 @@ def untrained_model() -> LoadedModel:
 
 
 def untrained_predictor(model_version: str = "risk:untrained", forward_batch_size: int = 4096) -> TorchPredictor:
-    return TorchPredictor(model=untrained_model(), model_version=model_version, forward_batch_size=forward_batch_size)
+    return TorchPredictor(
+        model=untrained_model(), model_version=model_version, spec=REFERENCE, forward_batch_size=forward_batch_size
+    )
 
 
 def ingest_days(engine: Engine, config: DemoConfig, days: list[date]) -> dict[date, IngestReport]:

@@ -363,7 +363,7 @@ def test_a_late_record_reads_the_history_the_online_path_reads(
     assert batch["record_id"].to_list() == sorted(r["transaction_id"] for r in late + today)
     assert batch["history_hash"].to_list() == online["history_hash"].to_list()
     assert np.allclose(batch["score"].to_numpy(), online["score"].to_numpy(), rtol=0, atol=PARITY_TOLERANCE)
-    no_history = scorer.predict(raw_frame(REFERENCE, late[:1]), FrameHistory(raw_frame(REFERENCE, late[:1])))
+    no_history = scorer.predict(raw_frame(REFERENCE, late[:1]), FrameHistory(REFERENCE, raw_frame(REFERENCE, late[:1])))
     assert batch["history_hash"][0] != no_history["history_hash"][0]
 
 
@@ -397,7 +397,11 @@ def test_a_record_one_model_refused_is_no_longer_rejected_once_another_scores_it
         return scores
 
     v1 = TorchPredictor(
-        model=untrained_model(), model_version="risk:v1", forward_batch_size=1, forward=overflows_on_large_amounts
+        model=untrained_model(),
+        model_version="risk:v1",
+        spec=REFERENCE,
+        forward_batch_size=1,
+        forward=overflows_on_large_amounts,
     )
     ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [record(), record(transaction_id="tx-2", amount=9000.0)]), DAY)
 

@@ -67,6 +67,7 @@ def predictor(forward: FakeForward | None = None, forward_batch_size: int = 4096
     return TorchPredictor(
         model=tiny_model(),
         model_version="test:1",
+        spec=REFERENCE,
         forward_batch_size=forward_batch_size,
         forward=forward,
     )
@@ -80,7 +81,7 @@ def expected_fake_scores(frame: pl.DataFrame) -> dict[str, float]:
 
 def test_one_row_per_input_row_in_input_order_with_poison_rejected() -> None:
     frame = day(400, poison_rate=0.05)
-    results = predictor().predict(frame, FrameHistory(frame))
+    results = predictor().predict(frame, FrameHistory(REFERENCE, frame))
 
     assert results.schema == pl.Schema(RESULT_SCHEMA)
     assert results.height == frame.height
@@ -103,7 +104,7 @@ def test_one_row_per_input_row_in_input_order_with_poison_rejected() -> None:
 
 def test_default_forward_is_the_model() -> None:
     frame = day(300, poison_rate=0.0)
-    results = predictor().predict(frame, FrameHistory(frame))
+    results = predictor().predict(frame, FrameHistory(REFERENCE, frame))
     valid, _ = split_valid(REFERENCE, frame)
     expected = score_batch(tiny_model(), build_features(REFERENCE, valid, valid, K))
     assert np.array_equal(results["score"].to_numpy(), expected)
@@ -113,8 +114,8 @@ def test_shuffled_input_gives_the_same_result_per_row() -> None:
     frame = day(300, poison_rate=0.05).with_row_index("row")
     shuffled = frame.sample(fraction=1.0, shuffle=True, seed=1)
     forward = FakeForward()
-    in_order = predictor(forward).predict(frame.drop("row"), FrameHistory(frame))
-    reordered = predictor(forward).predict(shuffled.drop("row"), FrameHistory(frame))
+    in_order = predictor(forward).predict(frame.drop("row"), FrameHistory(REFERENCE, frame))
+    reordered = predictor(forward).predict(shuffled.drop("row"), FrameHistory(REFERENCE, frame))
 
     assert reordered["record_id"].equals(shuffled["transaction_id"])
     # Duplicated ids are excluded: which copy counts as "first" changes with the order.
@@ -129,7 +130,7 @@ def test_a_forward_that_raises_fails_only_the_item_that_causes_it(forward_batch_
     frame = day(300, poison_rate=0.0)
     poison_id = frame["transaction_id"][137]
     forward = FakeForward(raising={poison_id})
-    results = predictor(forward, forward_batch_size).predict(frame, FrameHistory(frame))
+    results = predictor(forward, forward_batch_size).predict(frame, FrameHistory(REFERENCE, frame))
     expected = expected_fake_scores(frame)
 
     assert results["record_id"].equals(frame["transaction_id"])
@@ -150,7 +151,7 @@ def test_a_forward_that_raises_fails_only_the_item_that_causes_it(forward_batch_
 def test_a_nonfinite_or_out_of_range_score_fails_only_its_item(bad_value: float) -> None:
     frame = day(200, poison_rate=0.0)
     odd_id = frame["transaction_id"][50]
-    results = predictor(FakeForward(bad_values={odd_id: bad_value})).predict(frame, FrameHistory(frame))
+    results = predictor(FakeForward(bad_values={odd_id: bad_value})).predict(frame, FrameHistory(REFERENCE, frame))
 
     reasons = dict(zip(results["record_id"], results["reject_reason"], strict=True))
     assert reasons.pop(odd_id) == "nonfinite_score"
@@ -164,7 +165,7 @@ def test_mixed_failures_and_validation_rejects_in_one_batch() -> None:
     clean = frame.filter(pl.col("poison_kind").is_null())["transaction_id"]
     raising, nan_id = {clean[10], clean[200]}, clean[300]
     forward = FakeForward(raising=raising, bad_values={nan_id: math.nan})
-    results = predictor(forward).predict(frame, FrameHistory(frame))
+    results = predictor(forward).predict(frame, FrameHistory(REFERENCE, frame))
 
     for kind, transaction_id, reason in zip(
         frame["poison_kind"], frame["transaction_id"], results["reject_reason"], strict=True
@@ -190,7 +191,7 @@ def test_bisection_costs_k_log_n_forwards_not_n(poison_count: int) -> None:
     n = frame.height
     raising = set(frame["transaction_id"].gather([5, 500, 1000][:poison_count]))
     forward = FakeForward(raising=raising)
-    results = predictor(forward).predict(frame, FrameHistory(frame))
+    results = predictor(forward).predict(frame, FrameHistory(REFERENCE, frame))
 
     assert set(results.filter(pl.col("reject_reason").is_not_null())["record_id"]) == raising
     assert results["score"].null_count() == poison_count
@@ -208,7 +209,7 @@ def test_bisection_costs_k_log_n_forwards_not_n(poison_count: int) -> None:
 def test_nothing_valid_means_no_forward_at_all() -> None:
     frame = day(40, poison_rate=0.0).with_columns(currency=pl.lit("US$"))
     forward = FakeForward()
-    results = predictor(forward).predict(frame, FrameHistory(frame))
+    results = predictor(forward).predict(frame, FrameHistory(REFERENCE, frame))
     assert forward.calls == 0
     assert set(results["reject_reason"]) == {"bad_currency"}
     assert results["score"].null_count() == frame.height
@@ -216,7 +217,7 @@ def test_nothing_valid_means_no_forward_at_all() -> None:
 
 def test_an_empty_frame_gives_an_empty_result() -> None:
     frame = day(10, poison_rate=0.0).clear()
-    results = predictor(FakeForward()).predict(frame, FrameHistory(frame))
+    results = predictor(FakeForward()).predict(frame, FrameHistory(REFERENCE, frame))
     assert results.height == 0
     assert results.schema == pl.Schema(RESULT_SCHEMA)
 
@@ -234,7 +235,7 @@ def with_unseen_values(frame: pl.DataFrame) -> pl.DataFrame:
 def test_unseen_values_are_scored_finite_and_flagged_per_row() -> None:
     frame = with_unseen_values(generate_day(DAY, DemoConfig(seed=8, rows_per_day=300, poison_rate=0.05, unseen_rate=0)))
     assert frame["poison_kind"].slice(3, 4).null_count() == 4, "the rows given unseen values are clean"
-    results = predictor().predict(frame, FrameHistory(frame))
+    results = predictor().predict(frame, FrameHistory(REFERENCE, frame))
 
     flags = results["unseen_fields"].to_list()
     assert flags[3:7] == ["merchant_category", "country", "currency", "country,currency,merchant_category"]
@@ -253,9 +254,9 @@ def test_an_unseen_value_changes_the_score_only_through_its_bucket() -> None:
     frame = generate_day(DAY, DemoConfig(seed=8, rows_per_day=120, poison_rate=0.0, unseen_rate=0))
     first = frame.with_columns(merchant_category=pl.lit("ev_charging"))
     second = frame.with_columns(merchant_category=pl.lit("space tourism"))
-    one = predictor().predict(first, FrameHistory(first))
-    other = predictor().predict(second, FrameHistory(second))
+    one = predictor().predict(first, FrameHistory(REFERENCE, first))
+    other = predictor().predict(second, FrameHistory(REFERENCE, second))
     assert one["score"].equals(other["score"])
     assert set(one["unseen_fields"]) == {"merchant_category"}
-    known = predictor().predict(frame, FrameHistory(frame))
+    known = predictor().predict(frame, FrameHistory(REFERENCE, frame))
     assert not known["score"].equals(one["score"])

@@ -146,7 +146,7 @@ def test_frame_history_and_store_history_agree_for_a_whole_day(stores: dict[int,
     # Over 500 targets: more than SQLite allows as terms of one compound SELECT.
     assert last_day.height > 500
 
-    in_memory = build_features(load_spec(), last_day, FrameHistory(everything).history_for(last_day, k), k)
+    in_memory = build_features(load_spec(), last_day, FrameHistory(REFERENCE, everything).history_for(last_day, k), k)
     from_store = build_features(
         load_spec(), last_day, StoreHistory(REFERENCE, stores[seed]).history_for(last_day, k), k
     )

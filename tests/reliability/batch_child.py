@@ -31,7 +31,7 @@ LAST_CHUNK = "LAST_CHUNK_WRITTEN"
 
 def hang_before_commit(url: str, partition_key: str, total_rows: int) -> None:
     model, version = modelstore.load_production(MODEL_NAME)
-    predictor = TorchPredictor(model, version, forward_batch_size=CHUNK_ROWS)
+    predictor = TorchPredictor(model, version, forward_batch_size=CHUNK_ROWS, spec=REFERENCE)
     engine = make_engine(url)
 
     def on_chunk(progress: ChunkProgress) -> None:

@@ -54,7 +54,7 @@ MEASURED: dict[str, Any] = {}
 def predictor(reliability_model: str) -> TorchPredictor:
     model, version = modelstore.load_production(MODEL_NAME)
     assert version == reliability_model
-    return TorchPredictor(model, version, forward_batch_size=CHUNK_ROWS)
+    return TorchPredictor(model, version, forward_batch_size=CHUNK_ROWS, spec=REFERENCE)
 
 
 def _score(url: str, predictor: TorchPredictor, run_id: str) -> None:

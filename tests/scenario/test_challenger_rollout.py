@@ -170,7 +170,7 @@ def test_a_challenger_is_shadowed_replayed_judged_and_promoted_through_the_gate(
         assert all(answer["status"] == "scored" for answer in answers), answers
         assert {answer["model_version"] for answer in answers} == {champion}, "every answer is the champion's"
         # Exactly the champion's answer: the record scored alone against the stored history.
-        predictor = TorchPredictor(model=modelstore.load(champion), model_version=champion)
+        predictor = TorchPredictor(model=modelstore.load(champion), model_version=champion, spec=REFERENCE)
         history = StoreHistory(REFERENCE, engine)
         expected = pl.concat([predictor.predict(pl.DataFrame([row]), history) for row in requests[:60]])
         got = {answer["transaction_id"]: answer["score"] for answer in answers}

@@ -245,8 +245,8 @@ def test_promotion_and_rollback_under_load_fail_nothing(swap_server: SwapServer)
     # record of its first batches re-scored alone against the stored history (records of one batch
     # never read each other).
     by_id = {str(row["transaction_id"]): row for row in server.requests.to_dicts()}
-    predictor = TorchPredictor(server.models[server.v2], server.v2)
-    history = FrameHistory(server.history)
+    predictor = TorchPredictor(server.models[server.v2], server.v2, spec=REFERENCE)
+    history = FrameHistory(REFERENCE, server.history)
     first_batches = list(
         dict.fromkeys(str(a.result["batch_id"]) for a in ordered if a.result and a.version == server.v2)
     )

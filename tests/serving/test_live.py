@@ -29,7 +29,7 @@ from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
 from inference.model import LoadedModel
 from inference.store import make_engine, read_predictions
-from tests.reference import COUNTRIES, RAW_COLUMNS
+from tests.reference import COUNTRIES, RAW_COLUMNS, REFERENCE
 from tests.serving.support import DemoServer, StartDemoServer
 from tests.shared import reference_model, register_model, until
 
@@ -102,11 +102,11 @@ def test_online_score_equals_the_batch_score(server: Server) -> None:
     assert response.status_code == 200
     online = {r["transaction_id"]: r for r in response.json()["results"]}
 
-    predictor = TorchPredictor(server.model, server.model_version)
+    predictor = TorchPredictor(server.model, server.model_version, spec=REFERENCE)
     # Each record against the stored history alone: records of one request (or one adaptive
     # batch) never read each other, so an answer does not depend on what was sent with it.
     frame = pl.DataFrame(rows).select(RAW_COLUMNS)
-    history = FrameHistory(server.history)
+    history = FrameHistory(REFERENCE, server.history)
     batch = pl.concat([predictor.predict(frame.slice(i, 1), history) for i in range(frame.height)])
     accounts = frame["account_id"]
     assert accounts.n_unique() < accounts.len(), "the request holds several records of one account"

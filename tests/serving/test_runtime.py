@@ -351,7 +351,7 @@ def test_unseen_vocabulary_is_scored_and_flagged_in_the_answer_and_the_stored_ro
     flagged, in the ItemResult and in the `predictions` row the writer stores."""
     torch.manual_seed(0)
     config = ModelConfig(history_length=4, embedding_dim=4, history_dim=16, hidden_dim=32, head_tail_dim=8)
-    predictor = TorchPredictor(model=reference_model(config), model_version=MODEL)
+    predictor = TorchPredictor(model=reference_model(config), model_version=MODEL, spec=REFERENCE)
     core = ScoringCore(REFERENCE, predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
 
     def drifted(tx: str, **changes: str) -> Transaction:
@@ -398,7 +398,7 @@ def test_an_answer_replayed_from_the_scoring_process_memory_is_the_one_given_and
     garbage collector stops tracking, so its full collections do not walk 50,000 answers."""
     torch.manual_seed(0)
     config = ModelConfig(history_length=4, embedding_dim=4, history_dim=16, hidden_dim=32, head_tail_dim=8)
-    predictor = TorchPredictor(model=reference_model(config), model_version=MODEL)
+    predictor = TorchPredictor(model=reference_model(config), model_version=MODEL, spec=REFERENCE)
     core = ScoringCore(REFERENCE, predictor, sqlite_engine, CircuitBreaker(3, 1.0), code_version="test")
     drifted = transaction("drifted").model_copy(update={"country": "KR", "currency": "KRW"})
     sent = [transaction("known"), drifted]

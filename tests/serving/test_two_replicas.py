@@ -33,7 +33,7 @@ from inference.model import LoadedModel
 from inference.store import make_engine
 from inference.store.schema import predictions
 from tandem import modelstore
-from tests.reference import RAW_COLUMNS
+from tests.reference import RAW_COLUMNS, REFERENCE
 from tests.serving.support import LiveServer, demo_day, serve
 from tests.shared import (
     fresh_postgres_database,
@@ -172,8 +172,8 @@ def send_at_once(sends: list[tuple[Replica, list[dict[str, Any]]]], key: str) ->
 def expected(pair: Pair, tag: str, rows: list[dict[str, Any]]) -> dict[str, tuple[float, str]]:
     """Each record scored alone by `tag` against the stored history, as the service answers it:
     (score, input hash) by transaction id."""
-    predictor = TorchPredictor(pair.models[tag], tag)
-    history = FrameHistory(pair.history)
+    predictor = TorchPredictor(pair.models[tag], tag, spec=REFERENCE)
+    history = FrameHistory(REFERENCE, pair.history)
     frame = pl.DataFrame(rows).select(RAW_COLUMNS)
     scored = pl.concat([predictor.predict(frame.slice(i, 1), history) for i in range(frame.height)])
     return {

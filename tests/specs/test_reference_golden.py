@@ -68,7 +68,7 @@ class StoredHistory:
     hashes. It does not say `targets_are_history`, so each target reads it alone, as a request does."""
 
     def __init__(self, stored: pl.DataFrame) -> None:
-        self.valid_rows = FrameHistory(stored).valid_rows
+        self.valid_rows = FrameHistory(REFERENCE, stored).valid_rows
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
         return self.valid_rows.join(targets.select("account_id").unique(), on="account_id", how="semi")
@@ -80,7 +80,7 @@ def digest(values: list[Any]) -> str:
 
 def reference_predictor() -> TorchPredictor:
     torch.manual_seed(MODEL_SEED)
-    return TorchPredictor(reference_model(), model_version="golden")
+    return TorchPredictor(reference_model(), model_version="golden", spec=REFERENCE)
 
 
 def float_summary(values: np.ndarray) -> dict[str, Any]:
@@ -153,7 +153,7 @@ def batch_section(predictor: TorchPredictor, day: pl.DataFrame) -> dict[str, Any
     """The day scored as the batch path scores a partition: validated once, its own history."""
     checked = validate(REFERENCE, day.select(RAW_COLUMNS))
     checked = checked.with_columns(hash_inputs(REFERENCE, checked))
-    prepared = predictor.prepare(checked, FrameHistory(checked))
+    prepared = predictor.prepare(checked, FrameHistory(REFERENCE, checked))
     result = predictor.complete(prepared)
     assert prepared.features is not None
     return {
