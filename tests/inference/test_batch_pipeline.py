@@ -29,6 +29,7 @@ from tests.inference.support import (
     untrained_model,
     untrained_predictor,
 )
+from tests.reference import REFERENCE
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -161,6 +162,7 @@ def test_a_stage_failing_on_chunk_three_leaves_the_old_partition_and_no_thread(
     failing = FailsOnChunk(
         model=untrained_model(),
         model_version=version,
+        spec=REFERENCE,
         forward_batch_size=FORWARD_BATCH_SIZE,
         failing_stage=failing_stage,
     )
@@ -250,7 +252,9 @@ RUNAWAY_S = 0.3
 
 def test_a_stalled_worker_does_not_let_the_others_results_pile_up(engine: Engine) -> None:
     ingest_days(engine, CONFIG, DAYS)
-    slow = StallsFirstForward(model=untrained_model(), model_version="slow", forward_batch_size=FORWARD_BATCH_SIZE)
+    slow = StallsFirstForward(
+        model=untrained_model(), model_version="slow", spec=REFERENCE, forward_batch_size=FORWARD_BATCH_SIZE
+    )
 
     def merged(progress: ChunkProgress) -> None:
         with slow.changed:
