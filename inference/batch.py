@@ -293,8 +293,8 @@ class _PartitionScoring:
                 close()
 
     def _earlier_days(self, chunk: pl.DataFrame) -> pl.DataFrame:
-        entity = self.records.entity
-        if entity is None or self.history_length < 1:
+        entity = self.spec.history_entity(self.history_length)
+        if entity is None:
             return pl.DataFrame(schema=self.records.history_schema)
         earliest = chunk.group_by(entity).agg(pl.col("event_ts").min())
         with self.engine.connect() as conn:
@@ -318,11 +318,12 @@ class _PartitionScoring:
             ),
         )
         work = self.staged.prepare(checked, history) if self.staged is not None else (checked, history)
-        if records.entity is not None and self.history_length > 0:
+        entity = ls.history_entity(self.history_length)
+        if entity is not None:
             # The last entity may go on in the next chunk: its latest rows are that chunk's history.
             self.carry = (
                 history.valid_rows.select(*records.history_schema)
-                .filter(pl.col(records.entity) == chunk[records.entity][-1])
+                .filter(pl.col(entity) == chunk[entity][-1])
                 .tail(self.history_length)
             )
         return work

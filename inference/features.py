@@ -159,7 +159,7 @@ def _timeline(
     # One lazy query up to the timeline, then numpy: as eager operations, the same steps were a
     # dozen polars queries, each with a fixed cost larger than one online record's work.
     wanted = targets.lazy().select(columns).with_columns(target_position=pl.int_range(pl.len(), dtype=pl.Int64))
-    if k == 0 or spec.entity is None:
+    if spec.history_entity(k) is None:
         # No history: each target is a timeline of its own, in target order.
         timeline_key, together = "target_position", wanted
     else:

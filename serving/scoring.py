@@ -88,11 +88,6 @@ def read_reconnecting(engine: Engine, read: Callable[[Connection], _R]) -> _R:
         return read(conn)
 
 
-def reads_history(spec: LoadedSpec, history_length: int) -> bool:
-    """Whether a model reads stored history: only with an entity and K > 0."""
-    return spec.entity is not None and history_length > 0
-
-
 class GuardedHistory:
     """Entity history from the store behind the breaker; an unreachable store yields no history.
     A model that reads none (K = 0, or a spec without an entity) reads nothing from the store."""
@@ -104,7 +99,7 @@ class GuardedHistory:
         self.degraded = False
 
     def history_for(self, targets: pl.DataFrame, history_length: int) -> pl.DataFrame:
-        if not reads_history(self.spec, history_length):
+        if self.spec.history_entity(history_length) is None:
             # The features read no history at K = 0: an empty frame of any schema will do.
             return pl.DataFrame(schema=record_table(self.spec).history_schema)
         if self.breaker.allow():

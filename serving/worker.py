@@ -22,7 +22,7 @@ from inference.model import load_model
 from inference.spec import LoadedSpec, load_spec
 from inference.store import make_engine, warm_history_statements
 from serving.breaker import CircuitBreaker
-from serving.scoring import BatchResult, ItemSpec, ScoringCore, reads_history
+from serving.scoring import BatchResult, ItemSpec, ScoringCore
 from serving.scoring_process import ScoringProcess
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def initialize(config: WorkerConfig) -> None:
     )
     # No ping per checkout: a batch's reads retry once on a dropped connection (`read_reconnecting`).
     engine = make_engine(config.database_url, **{**config.engine_options, "pool_pre_ping": False})
-    if reads_history(spec, predictor.history_length):
+    if spec.history_entity(predictor.history_length) is not None:
         _prepare_history_reads(spec, engine, config.forward_batch_size)
     breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
     _core = ScoringCore(spec, predictor, engine, breaker, code_version=config.code_version)

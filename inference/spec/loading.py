@@ -86,6 +86,12 @@ class LoadedSpec:
     def table(self) -> str:
         return self.spec.table or self.spec.name
 
+    def history_entity(self, history_length: int) -> str | None:
+        """The field whose earlier records a model at K = `history_length` reads as history; None
+        when it reads none (no entity, or K = 0). The one rule both paths, the store and the
+        sensors ask."""
+        return self.entity.name if self.entity is not None and history_length > 0 else None
+
     @property
     def field_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.spec.fields)

@@ -128,10 +128,11 @@ def fetch_history(ls: LoadedSpec, conn: Connection, targets: pl.DataFrame, histo
     request, never the entity's total history. Without an entity there is none."""
     rt = record_table(ls)
     schema = rt.history_schema
-    if targets.is_empty() or rt.entity is None or history_length < 1:
+    entity = ls.history_entity(history_length)
+    if targets.is_empty() or entity is None:
         return pl.DataFrame(schema=schema)
     # Column by column: a `select` would be a polars query of its own, more than this batch's reads.
-    rows = list(zip(targets[rt.entity].to_list(), targets["event_ts"].to_list(), targets[rt.id].to_list(), strict=True))
+    rows = list(zip(targets[entity].to_list(), targets["event_ts"].to_list(), targets[rt.id].to_list(), strict=True))
     frames = []
     # SQLite refuses a compound SELECT of more than 500 terms, so large target sets go in groups.
     for group in _chunks(rows, _TARGETS_PER_STATEMENT):
@@ -231,9 +232,9 @@ def prior_history(
     """
     rt = record_table(ls)
     schema = rt.history_schema
-    if rt.entity is None or history_length < 1:
+    entity = ls.history_entity(history_length)
+    if entity is None:
         return pl.DataFrame(schema=schema)
-    entity = rt.entity
     bounds = earliest.filter(pl.col(entity).is_not_null() & pl.col("event_ts").is_not_null())
     if bounds.is_empty():
         return pl.DataFrame(schema=schema)

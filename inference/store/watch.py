@@ -53,7 +53,7 @@ def stale_scored_partitions(
     rt = record_table(ls)
     changed = _changed_without_batch_result(rt, changed_after)
     parts: list[sa.Select[Any]] = [sa.select(changed.c.partition_date, changed.c.ingested_at)]
-    if rt.entity is not None and history_length > 0:
+    if ls.history_entity(history_length) is not None:
         timeline = _entities_timeline(rt, changed)
         parts += [
             _followers_of_new_place(changed, timeline, history_length),
