@@ -29,7 +29,6 @@ from orchestration.alerts import build_run_failure_alert
 from orchestration.deadline import build_deadline_sensor
 from orchestration.sensors import (
     DAILY_JOB,
-    INGEST_JOB,
     ONLINE_PREDICTIONS,
     RESCORE_JOB,
     SensorSettings,
@@ -38,6 +37,7 @@ from orchestration.sensors import (
     build_online_observer,
     build_production_model_observer,
     build_sensors,
+    ingest_job_name,
 )
 from orchestration.settings import OrchestrationSettings
 
@@ -64,7 +64,7 @@ def asset_jobs(ls: LoadedSpec) -> list[tuple[str, tuple[str, ...], str]]:
             "Rescore stored partitions (late records, a promoted model) and compare them again.",
         ),
         (
-            INGEST_JOB,
+            ingest_job_name(records_key(ls)),
             (records,),
             "Re-ingest days whose source files changed; late_records_sensor rescores what that changed.",
         ),
@@ -98,7 +98,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         )
         for name, selected, description in asset_jobs(spec)
     }
-    daily_job, ingest_job = jobs[DAILY_JOB], jobs[INGEST_JOB]
+    daily_job, ingest_job = jobs[DAILY_JOB], jobs[ingest_job_name(records_key(spec))]
     nightly = build_nightly_schedule(
         daily_job,
         partitions,

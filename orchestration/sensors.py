@@ -57,8 +57,12 @@ AssetJob = Any
 
 DAILY_JOB = "daily_scoring"
 RESCORE_JOB = "rescore_predictions"
-INGEST_JOB = "ingest_transactions"
 ONLINE_PREDICTIONS = AssetKey("online_predictions")
+
+
+def ingest_job_name(records: AssetKey) -> str:
+    """The job that re-ingests changed days: named after the spec's records (`ingest_transactions`)."""
+    return f"ingest_{records.to_python_identifier()}"
 
 
 class SensorSettings(BaseSettings):
@@ -342,7 +346,7 @@ def build_landing_sensor(
         jobs=list(jobs),
         **settings.sensor_args(),
         description="New day files in the landing location -> daily_scoring; a changed day file -> "
-        "ingest_transactions (late_records_sensor then rescores what changed). Demo and files sources.",
+        f"{ingest_job_name(records)} (late_records_sensor then rescores what changed). Demo and files sources.",
     )
     def landing_sensor(
         context: SensorEvaluationContext, source: TransactionSourceResource
@@ -368,7 +372,7 @@ def build_landing_sensor(
                 continue  # maybe writing this very file (the demo): decide once it is done
             ingested, last_ingest = _last_ingest(context.instance, records, key)
             if ingested != version:
-                job = INGEST_JOB if _is_scored(context.instance, key) else DAILY_JOB
+                job = ingest_job_name(records) if _is_scored(context.instance, key) else DAILY_JOB
                 requests.append(
                     RunRequest(
                         # From the day's last ingest to this file: keyed by the file alone, a file

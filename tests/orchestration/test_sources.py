@@ -27,10 +27,11 @@ from dagster import (
 from pydantic import ValidationError
 
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.scoring import records_key
 from inference.sources import FileSource
 from inference.store import make_engine, rejected_records
 from orchestration.definitions import build_definitions
-from orchestration.sensors import DAILY_JOB, INGEST_JOB
+from orchestration.sensors import DAILY_JOB, ingest_job_name
 from tests.orchestration.support import (
     MODEL_NAME,
     PARTITION,
@@ -40,6 +41,8 @@ from tests.orchestration.support import (
     run_partition,
 )
 from tests.reference import RAW_COLUMNS, RECORDS, REFERENCE
+
+INGEST_JOB = ingest_job_name(records_key(REFERENCE))
 
 FOLDER_PATTERN = "{date:%Y-%m-%d}/"
 CATEGORIES = ("grocery", "restaurant", "fuel", "pharmacy", "travel")

@@ -41,6 +41,8 @@ def test_the_assets_and_jobs_are_named_by_the_spec(diabetes: None) -> None:
     assert not keys & {AssetKey("transactions"), AssetKey("risk_model")}
     daily = defs.resolve_job_def("daily_scoring")
     assert AssetKey("patients") in daily.asset_layer.selected_asset_keys
+    assert defs.resolve_job_def("ingest_patients").asset_layer.selected_asset_keys == {AssetKey("patients")}
+    assert not any(job.name == "ingest_transactions" for job in defs.resolve_all_job_defs())
 
 
 def test_a_spec_without_history_is_ingested_trained_and_scored_through_dagster(diabetes: None, tmp_path: Path) -> None:

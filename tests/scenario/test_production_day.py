@@ -46,12 +46,13 @@ from dagster import (
 )
 
 from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.scoring import records_key
 from inference.agreement import Cause, summarize
 from inference.records import validate
 from inference.sources import demo_path
 from inference.store import answer_pairs, make_engine, predictions
 from orchestration.definitions import build_definitions
-from orchestration.sensors import DAILY_JOB, INGEST_JOB, RESCORE_JOB
+from orchestration.sensors import DAILY_JOB, RESCORE_JOB, ingest_job_name
 from orchestration.settings import OrchestrationSettings
 from tandem import modelstore
 from tandem_specs.transactions.demo import DemoConfig, generate_day
@@ -59,6 +60,8 @@ from tests.orchestration.support import select_rows
 from tests.reference import RAW_COLUMNS, RECORDS, REFERENCE
 from tests.serving.support import LiveServer, serve
 from tests.shared import service_env, until
+
+INGEST_JOB = ingest_job_name(records_key(REFERENCE))
 
 pytestmark = [pytest.mark.live, pytest.mark.postgres]
 
