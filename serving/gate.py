@@ -221,7 +221,7 @@ class ScoreGate:
                 headers={"Connection": "close"},
             ) from late
         cpu_started = time.thread_time()
-        limit = scorer.settings.max_transactions_per_request
+        limit = scorer.settings.max_records_per_request
         plural = scorer.spec.spec.plural
         try:
             parsed = scorer.api.request.model_validate_json(body)

@@ -49,7 +49,7 @@ class Limits:
 def limits_of(spec: LoadedSpec, serving: ServingSettings, security: SecuritySettings) -> Limits:
     return Limits(
         plural=spec.spec.plural,
-        max_records=serving.max_transactions_per_request,
+        max_records=serving.max_records_per_request,
         max_body_bytes=security.max_body_bytes,
         default_deadline_ms=min(serving.request_timeout_ms, serving.max_deadline_ms),
         max_deadline_ms=serving.max_deadline_ms,

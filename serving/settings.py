@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # BentoML's own per-request timeout (`traffic.timeout`) is a backstop behind the requests' deadlines
@@ -13,7 +13,7 @@ MIN_BACKSTOP_TIMEOUT_S = 10
 
 
 class ServingSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_SERVING_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="TANDEM_SERVING_", extra="ignore", validate_by_name=True)
 
     workers: int = Field(
         default=1,
@@ -42,7 +42,15 @@ class ServingSettings(BaseSettings):
         description="The ceiling of the AIMD limit on admitted requests in flight (admission.AimdLimit), where it "
         "starts: a burst up to it is admitted whole while answers stay within the p99 target.",
     )
-    max_transactions_per_request: int = Field(default=256, ge=1)
+    max_records_per_request: int = Field(
+        default=256,
+        ge=1,
+        # The second name is the one the reference spec's deployments were configured with.
+        validation_alias=AliasChoices(
+            "TANDEM_SERVING_MAX_RECORDS_PER_REQUEST", "TANDEM_SERVING_MAX_TRANSACTIONS_PER_REQUEST"
+        ),
+        description="The most records one request may list; more is refused with 413.",
+    )
     request_timeout_ms: float = Field(
         default=2000.0,
         gt=0,
@@ -82,7 +90,7 @@ class ServingSettings(BaseSettings):
         ge=0,
         le=1,
         description="Share of admitted, scored items the challenger also scores in shadow while one is set "
-        "(`tandem models challenge`); chosen by transaction id, so a retry is sampled alike. 0 turns shadowing off.",
+        "(`tandem models challenge`); chosen by record id, so a retry is sampled alike. 0 turns shadowing off.",
     )
 
     @property

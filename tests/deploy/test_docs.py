@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from pydantic import AliasChoices
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings
 
@@ -96,7 +97,9 @@ def test_slo_declares_the_score_targets_the_service_enforces() -> None:
 @pytest.mark.parametrize("path", sorted(OPERATIONS_TEXT))
 def test_settings_named_in_docs_and_deploy_exist(path: str) -> None:
     real = {
-        f"TANDEM_SERVING_{name.upper()}" for name in [*ServingSettings.model_fields, *SecuritySettings.model_fields]
+        name
+        for settings in (ServingSettings, SecuritySettings)
+        for name in [*_variables(settings), *_older_names(settings)]
     }
     assert not REQUESTED_SETTINGS & real, "a requested setting exists now: update docs/slo.md and this test"
     named = set(re.findall(r"TANDEM_SERVING_[A-Z0-9_]+", OPERATIONS_TEXT[path]))
@@ -268,9 +271,22 @@ def _variables(settings: type[BaseSettings]) -> dict[str, object]:
     prefix = str(settings.model_config.get("env_prefix", ""))
     found: dict[str, object] = {}
     for name, field in settings.model_fields.items():
-        alias = field.validation_alias if isinstance(field.validation_alias, str) else None
-        found[alias or f"{prefix}{name}".upper()] = field.default
+        # A field read under several names (AliasChoices) is documented under its first.
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            alias = alias.choices[0]
+        found[alias if isinstance(alias, str) else f"{prefix}{name}".upper()] = field.default
     return found
+
+
+def _older_names(settings: type[BaseSettings]) -> set[str]:
+    """The names a renamed setting is still read under (an AliasChoices' later choices)."""
+    return {
+        str(choice)
+        for field in settings.model_fields.values()
+        if isinstance(field.validation_alias, AliasChoices)
+        for choice in field.validation_alias.choices[1:]
+    }
 
 
 def _all_variables() -> dict[str, object]:
@@ -326,8 +342,8 @@ def test_relative_links_point_at_files_that_exist(page: Path) -> None:
 def test_readme_states_the_request_limits_the_service_enforces() -> None:
     text = README.read_text()
     serving, security = ServingSettings.model_fields, SecuritySettings.model_fields
-    assert f"at most {serving['max_transactions_per_request'].default} transactions" in text
-    assert "TANDEM_SERVING_MAX_TRANSACTIONS_PER_REQUEST" in text
+    assert f"at most {serving['max_records_per_request'].default} records" in text
+    assert "TANDEM_SERVING_MAX_RECORDS_PER_REQUEST" in text
     assert security["max_body_bytes"].default == 1024 * 1024
     assert "1 MiB" in text and "TANDEM_SERVING_MAX_BODY_BYTES" in text
 
@@ -342,7 +358,11 @@ def test_readme_says_which_request_id_an_idempotent_replay_repeats() -> None:
 
 @pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_environment_variables_named_in_the_docs_exist(page: Path) -> None:
-    real = set(_all_variables()) | OTHER_VARIABLES
+    real = (
+        set(_all_variables())
+        | OTHER_VARIABLES
+        | {old for group in _settings_classes().values() for s in group for old in _older_names(s)}
+    )
     named = set(re.findall(r"\b(?:TANDEM|DAGSTER|BENTOML)_[A-Z0-9_]*[A-Z0-9]\b|\bDATABASE_URL\b", page.read_text()))
     unknown = {name for name in named - real if not any(variable.startswith(f"{name}_") for variable in real)}
     if PROPOSED_STATUS in page.read_text():

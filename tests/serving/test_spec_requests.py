@@ -56,7 +56,7 @@ async def tiny_client(engine: Engine, tmp_path: Path) -> AsyncIterator[tuple[htt
     model = build_model(TINY, {"history_length": 0})
     predictor = TorchPredictor(model=model, model_version=MODEL_VERSION, spec=TINY)
     core = ScoringCore(TINY, predictor, engine, CircuitBreaker(3, 1.0), code_version="test")
-    settings = ServingSettings(max_transactions_per_request=3, p99_target_ms=60_000, max_batch_size=4)
+    settings = ServingSettings(max_records_per_request=3, p99_target_ms=60_000, max_batch_size=4)
     scorer = OnlineScorer(
         spec=TINY,
         process=core.score,
