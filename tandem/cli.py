@@ -312,7 +312,10 @@ def _run(args: argparse.Namespace, settings: TandemSettings) -> int:
     elif args.action == "list":
         current = modelstore.production_tag(settings.model_name)
         challenger = modelstore.challenger_tag(settings.model_name)
-        for version in modelstore.versions(settings.model_name):
+        stored = modelstore.versions(settings.model_name)
+        if not stored:
+            _say(modelstore.missing_production(settings.model_name))
+        for version in stored:
             marker = "*" if version.tag == current else "c" if version.tag == challenger else " "
             _say(f"{marker} {version.tag}  created {version.created_at}  auc={version.metadata.get('auc')}")
     else:

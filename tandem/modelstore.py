@@ -191,10 +191,12 @@ def model_config(tag: str, spec: LoadedSpec | None = None) -> dict[str, Any]:
 
 
 def versions(name: str) -> list[ModelVersion]:
-    found = [
-        ModelVersion(str(m.tag), dict(m.info.metadata), m.info.creation_time.isoformat())
-        for m in bentoml.models.list(name)
-    ]
+    """Every stored version of `name`, oldest first; none when nothing of that name was stored yet."""
+    try:
+        stored = bentoml.models.list(name)
+    except bentoml.exceptions.NotFound:
+        return []
+    found = [ModelVersion(str(m.tag), dict(m.info.metadata), m.info.creation_time.isoformat()) for m in stored]
     return sorted(found, key=lambda v: v.created_at)
 
 
@@ -291,7 +293,7 @@ def missing_production(name: str) -> str:
     looked_in = bentoml_home()
     return (
         f"no production version of {name!r} in {resolve_homes().model_store_hint(looked_in)}: "
-        "`make run`, `tandem demo` or the risk_model asset trains and promotes one there"
+        f"`make run`, `tandem demo` or the {configured_spec().spec.model_name} asset trains and promotes one there"
     )
 
 

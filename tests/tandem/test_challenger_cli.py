@@ -348,3 +348,18 @@ def test_the_refusal_says_the_report_time_in_utc_whatever_the_database_time_zone
     assert_promotion_refused(
         store, capsys, f"challenger_report {failed} (2026-11-08 09:30 UTC) failed", challenger=store.challenger
     )
+
+
+def test_listing_a_name_with_no_versions_says_how_to_get_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = f"risk_cli_empty_{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("TANDEM_MODEL_NAME", name)
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path / "data"))
+
+    code, out, err = run(capsys, "models", "list")
+
+    assert (code, err) == (0, [])
+    assert len(out) == 1 and f"no production version of {name!r}" in out[0]
+    assert "risk_model asset trains" in out[0]  # the training asset the configured spec declares
+    assert modelstore.versions(name) == []
