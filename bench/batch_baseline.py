@@ -20,7 +20,9 @@ from typing import Any
 # at most this share; less is never a miss.
 CPU_PER_RECORD_MARGIN = 0.10
 MET, MISSED, NOT_MEASURABLE = "met", "missed", "not measurable"
-ROUNDS = 2
+# Runs per side: one side's own runs of a 1M-row partition spread up to 17% on the 2-core machine
+# (bench/results/spec-boundary/), wider than the margin, so a median of two decided little.
+ROUNDS = 3
 
 Score = Callable[[], dict[str, Any]]
 
@@ -47,7 +49,7 @@ def run_worker(command: list[str], cwd: Path, env: dict[str, str]) -> dict[str, 
 
 
 def side_by_side(first: Score, tandem: Score, baseline: Callable[[], dict[str, Any] | str]) -> dict[str, Any]:
-    """ROUNDS rounds, Tandem first in even rounds and the baseline first in odd ones (ABBA), so a
+    """ROUNDS rounds, Tandem first in even rounds and the baseline first in odd ones (ABBAAB), so a
     machine drifting during the comparison favours neither. `first` is Tandem's run already made
     just before, reused as round 0's. Stops at the baseline's first failure, keeping its reason."""
     runs: dict[str, list[Any]] = {"tandem": [], "baseline": []}

@@ -104,9 +104,10 @@ class Plan:
             )
             + len(FORWARD_BATCH_SWEEP) * (PROCESS_START_S + min(self.partitions) / SCORE_ROWS_PER_S)
             + 100_000 * 2 / INGEST_ROWS_PER_S  # the upsert benchmark: insert, then replay
-            # The baseline's worktree, then the largest partition 3 times more: ABBA after Tandem's run.
+            # The baseline's worktree, then the largest partition scored again by each side in
+            # turn, Tandem's first run reused (batch_baseline.side_by_side).
             + 10
-            + 3 * (PROCESS_START_S + max(self.partitions) / SCORE_ROWS_PER_S),
+            + (2 * batch_baseline.ROUNDS - 1) * (PROCESS_START_S + max(self.partitions) / SCORE_ROWS_PER_S),
             "precision": PrecisionPlan.for_mode(self.quick).estimate_s(self.rows_per_day * self.history_days),
         }
         if batch_only:

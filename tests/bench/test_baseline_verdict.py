@@ -55,9 +55,9 @@ def test_the_two_sides_alternate_and_a_baseline_failure_stops_the_comparison() -
         return score
 
     runs = side_by_side(scorer("first", run(1)), scorer("tandem", run(2)), scorer("baseline", run(3)))
-    assert calls == ["first", "baseline", "baseline", "tandem"]
-    assert [r["cpu_ms_per_record"] for r in runs["tandem"]] == [1, 2]
-    assert [r["cpu_ms_per_record"] for r in runs["baseline"]] == [3, 3]
+    assert calls == ["first", "baseline", "baseline", "tandem", "tandem", "baseline"]
+    assert [r["cpu_ms_per_record"] for r in runs["tandem"]] == [1, 2, 2]
+    assert [r["cpu_ms_per_record"] for r in runs["baseline"]] == [3, 3, 3]
     calls.clear()
     failed = side_by_side(scorer("first", run(1)), scorer("tandem", run(2)), scorer("baseline", "no worker"))
     assert calls == ["first", "baseline"]
