@@ -34,7 +34,7 @@ from pydantic import Field, model_validator
 from assets.automation import PRODUCTION_MODEL, rescore_after_promotion
 from assets.metadata import score_distribution, table_metadata, table_schema
 from assets.model import build_production_model, challenger_model_observation, production_model_observation
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from assets.retries import fail_at_once, retry_only_transient_errors
 from assets.scoring import (
     DATABASE_POOL,
@@ -180,7 +180,7 @@ def records_asset(ls: LoadedSpec, partitions: DailyPartitionsDefinition) -> Asse
 def ingest_records(
     context: AssetExecutionContext,
     database: DatabaseResource,
-    source: TransactionSourceResource,
+    source: RecordSourceResource,
     model_store: ModelStoreResource,
 ) -> MaterializeResult:
     """The body of the records asset: the run's day read from the source and stored."""

@@ -107,8 +107,9 @@ class ModelStoreResource(ConfigurableResource):
 SourceKind = Literal["demo", "files", "sql"]
 
 
-class TransactionSourceResource(ConfigurableResource):
-    """Where `transactions` reads a day: files in a landing location, a SQL query, or the demo.
+class RecordSourceResource(ConfigurableResource):
+    """Where the records asset (the spec's `name`) reads a day: files in a landing location, a SQL
+    query, or the demo.
 
     A field left unset takes its TANDEM_SOURCE_* / TANDEM_DEMO_* value (TandemSettings), read when
     the run asks for records, never at import. The demo writes its generated day as a CSV file into

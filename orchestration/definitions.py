@@ -21,7 +21,7 @@ from assets.automation import PRODUCTION_MODEL
 from assets.batch import build_batch_assets
 from assets.challenger import build_challenger_assets
 from assets.deadline import build_deadline_check
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from assets.scoring import records_key
 from inference.settings import TandemSettings
 from inference.spec import LoadedSpec, configured_spec
@@ -147,7 +147,7 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
         resources={
             "database": DatabaseResource(),
             "model_store": ModelStoreResource(model_name=TandemSettings().model_name),
-            "source": TransactionSourceResource(),
+            "source": RecordSourceResource(),
         },
         # One process per run: a partition's fixed cost (imports, model load) is paid once, not per step.
         executor=in_process_executor,

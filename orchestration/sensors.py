@@ -42,7 +42,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICTIONS
 from assets.model import NO_CHALLENGER, challenger_model_observation, production_model_observation
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from inference.store import (
     PartitionChange,
     fixed_rejection_partitions,
@@ -348,9 +348,7 @@ def build_landing_sensor(
         description="New day files in the landing location -> daily_scoring; a changed day file -> "
         f"{ingest_job_name(records)} (late_records_sensor then rescores what changed). Demo and files sources.",
     )
-    def landing_sensor(
-        context: SensorEvaluationContext, source: TransactionSourceResource
-    ) -> SensorResult | SkipReason:
+    def landing_sensor(context: SensorEvaluationContext, source: RecordSourceResource) -> SensorResult | SkipReason:
         files = source.file_source()
         if files is None:
             return SkipReason("the source is a SQL query: no landing location to watch")

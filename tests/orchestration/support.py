@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult, materialize
 
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from inference.settings import TandemSettings
 from inference.store import make_engine, predictions, rejected_records
 from orchestration.definitions import build_definitions
@@ -57,14 +57,14 @@ def batch_resources(
     }
 
 
-def demo_source(*, rows_per_day: int, poison_rate: float) -> TransactionSourceResource:
+def demo_source(*, rows_per_day: int, poison_rate: float) -> RecordSourceResource:
     """The demo source, landing in a folder of its own per demo config.
 
     The demo writes a day only if its file is not there yet, and these tests share one data
     folder per session, so days of another size must not land where this one reads.
     """
     landing = TandemSettings().data_dir / "landing" / f"demo-{DEMO_SEED}-{rows_per_day}-{poison_rate}"
-    return TransactionSourceResource(
+    return RecordSourceResource(
         kind="demo", location=str(landing), seed=DEMO_SEED, rows_per_day=rows_per_day, poison_rate=poison_rate
     )
 

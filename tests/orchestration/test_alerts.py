@@ -18,7 +18,7 @@ from dagster import (
 )
 from dagster._core.storage.tags import WILL_RETRY_TAG
 
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from orchestration.alerts import build_run_failure_alert
 from tests.e2e.deployment import WebhookReceiver
 from tests.shared import free_port
@@ -41,7 +41,7 @@ def failed_run(
             resources={
                 "database": DatabaseResource(url=f"sqlite:///{tmp_path / 'tandem.db'}"),
                 "model_store": ModelStoreResource(model_name="risk_model"),
-                "source": TransactionSourceResource(kind="files", location=str(tmp_path / "empty-landing")),
+                "source": RecordSourceResource(kind="files", location=str(tmp_path / "empty-landing")),
             },
             raise_on_error=False,
         )

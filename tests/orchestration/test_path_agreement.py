@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 from dagster import AssetCheckSeverity, AssetsDefinition, DagsterInstance, ExecuteInProcessResult
 
-from assets.resources import TransactionSourceResource
+from assets.resources import RecordSourceResource
 from inference.agreement import Cause
 from inference.contract import TorchPredictor
 from inference.records import raw_columns, validate
@@ -169,7 +169,7 @@ def spec_batch(
     if spec is REFERENCE:
         return SpecBatch(spec, assets, _resources(database_url), production_tag)
     name = f"{MODEL_NAME}_{spec.spec.name}"
-    source = TransactionSourceResource(
+    source = RecordSourceResource(
         kind="demo", location=str(tmp_path / "landing"), seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.01
     )
     built = build_definitions(OrchestrationSettings(partitions_start=DAY - timedelta(days=2)))

@@ -26,7 +26,7 @@ from dagster import (
 )
 from pydantic import ValidationError
 
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from assets.scoring import records_key
 from inference.sources import FileSource
 from inference.store import make_engine, rejected_records
@@ -78,7 +78,7 @@ def _resources(url: str, landing: Path, pattern: str = FOLDER_PATTERN) -> dict[s
     return {
         "database": DatabaseResource(url=url),
         "model_store": ModelStoreResource(model_name=MODEL_NAME),
-        "source": TransactionSourceResource(kind="files", location=str(landing), pattern=pattern),
+        "source": RecordSourceResource(kind="files", location=str(landing), pattern=pattern),
     }
 
 
@@ -204,11 +204,11 @@ def test_the_demo_source_is_bounded_as_its_settings_are(
 ) -> None:
     # Unbounded, 0 rows a day and a poison rate of 1.5 ran and succeeded; TANDEM_DEMO_* refuse them.
     with pytest.raises(ValidationError, match=field):
-        TransactionSourceResource(kind="demo", location=str(tmp_path), **{field: value})
-    TransactionSourceResource(kind="demo", location=str(tmp_path), rows_per_day=1, poison_rate=1.0)
+        RecordSourceResource(kind="demo", location=str(tmp_path), **{field: value})
+    RecordSourceResource(kind="demo", location=str(tmp_path), rows_per_day=1, poison_rate=1.0)
 
     # Given as run config, the run fails before the step reads a day.
-    resources = _resources(sqlite_url, tmp_path) | {"source": TransactionSourceResource.configure_at_launch()}
+    resources = _resources(sqlite_url, tmp_path) | {"source": RecordSourceResource.configure_at_launch()}
     config = {"kind": "demo", "location": str(tmp_path), field: value}
     result = run_partition(
         assets,
@@ -233,7 +233,7 @@ def _landing_sensor() -> SensorDefinition:
 def _tick(
     instance: DagsterInstance, landing: Path, cursor: str | None = None, kind: str = "files"
 ) -> SensorResult | SkipReason:
-    source = TransactionSourceResource(kind=kind, location=str(landing), pattern="{date:%Y-%m-%d}.csv")
+    source = RecordSourceResource(kind=kind, location=str(landing), pattern="{date:%Y-%m-%d}.csv")
     with build_sensor_context(instance=instance, resources={"source": source}, cursor=cursor) as context:
         result = _landing_sensor()(context)
     assert isinstance(result, SensorResult | SkipReason)
@@ -357,7 +357,7 @@ def test_a_day_already_ingested_from_this_file_requests_nothing(
     assets: list, instance: DagsterInstance, sqlite_url: str, tmp_path: Path
 ) -> None:
     """The demo writes its file inside the ingest; a run started by hand read it too."""
-    demo = TransactionSourceResource(kind="demo", location=str(tmp_path), rows_per_day=200, poison_rate=0.0)
+    demo = RecordSourceResource(kind="demo", location=str(tmp_path), rows_per_day=200, poison_rate=0.0)
     resources = _resources(sqlite_url, tmp_path) | {"source": demo}
     assert run_partition(assets, resources, instance, selection=["transactions"]).success
 
@@ -449,6 +449,6 @@ def test_a_tick_that_finds_nothing_new_logs_nothing_at_info(
 
 
 def test_a_sql_source_has_no_landing_folder_to_watch(instance: DagsterInstance, tmp_path: Path) -> None:
-    source = TransactionSourceResource(kind="sql", url="sqlite://", query="SELECT 1")
+    source = RecordSourceResource(kind="sql", url="sqlite://", query="SELECT 1")
     with build_sensor_context(instance=instance, resources={"source": source}) as context:
         assert isinstance(_landing_sensor()(context), SkipReason)

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from dagster import AssetKey, AssetsDefinition, DagsterInstance, materialize
 
-from assets.resources import TransactionSourceResource
+from assets.resources import RecordSourceResource
 from inference.spec import load_spec
 from inference.store import predictions, rejected_records
 from orchestration.definitions import build_definitions
@@ -52,7 +52,7 @@ def test_a_spec_without_history_is_ingested_trained_and_scored_through_dagster(d
     # A landing folder of its own: the session's demo folders hold the reference's days.
     resources = {
         **batch_resources(url, model_name=MODEL_NAME),
-        "source": TransactionSourceResource(kind="demo", location=str(tmp_path / "landing")),
+        "source": RecordSourceResource(kind="demo", location=str(tmp_path / "landing")),
     }
     with DagsterInstance.ephemeral() as instance:
         for day in DAYS:

@@ -35,7 +35,7 @@ import pytest
 import sqlalchemy as sa
 from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult, materialize
 
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from inference.agreement import Cause, summarize
 from inference.demo import demo_day
 from inference.records import raw_columns, validate
@@ -77,7 +77,7 @@ class Batch:
         self.model_name = f"{ls.spec.model_name}_any_spec_day"
         built = build_definitions(OrchestrationSettings(partitions_start=date.fromisoformat(HISTORY[0])))
         self.assets = [a for a in built.assets or [] if isinstance(a, AssetsDefinition)]
-        self.source = TransactionSourceResource(
+        self.source = RecordSourceResource(
             kind="demo", location=str(landing), seed=11, rows_per_day=300, poison_rate=0.02
         )
         self.resources: dict[str, Any] = {

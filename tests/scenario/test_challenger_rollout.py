@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from dagster import AssetsDefinition, DagsterInstance, ExecuteInProcessResult, materialize
 from prometheus_client.parser import text_string_to_metric_families
 
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from inference.contract import TorchPredictor
 from inference.demo import day_range
 from inference.records import validate
@@ -66,7 +66,7 @@ class Platform:
         self.resources: dict[str, Any] = {
             "database": DatabaseResource(url=database_url),
             "model_store": ModelStoreResource(model_name=MODEL_NAME),
-            "source": TransactionSourceResource(
+            "source": RecordSourceResource(
                 kind="demo", location=str(landing), seed=DEMO.seed, rows_per_day=DEMO.rows_per_day
             ),
         }

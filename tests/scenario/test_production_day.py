@@ -45,7 +45,7 @@ from dagster import (
     materialize,
 )
 
-from assets.resources import DatabaseResource, ModelStoreResource, TransactionSourceResource
+from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from assets.scoring import records_key
 from inference.agreement import Cause, summarize
 from inference.records import validate
@@ -96,7 +96,7 @@ class Day:
         self.resources: dict[str, Any] = {
             "database": DatabaseResource(url=database_url),
             "model_store": ModelStoreResource(model_name=MODEL_NAME),
-            "source": TransactionSourceResource(kind="files", location=str(landing)),
+            "source": RecordSourceResource(kind="files", location=str(landing)),
         }
         self.defs = Definitions(
             assets=built.assets,
