@@ -183,7 +183,13 @@ def upsert_predictions(conn: Connection, rows: pl.DataFrame, *, table: sa.Table 
         .unique(["record_id", "model_version", "path", "answer_key"], keep="last")
     )
     key = ["record_id", "model_version", "path", "answer_key"]
-    return _merge(conn, table, frame, key, functools.partial(_prediction_conflict, table))
+    return _merge(conn, table, frame, key, _conflict_policy(table))
+
+
+@functools.cache
+def _conflict_policy(table: sa.Table) -> Any:
+    """One policy object per table, so the merge's statement cache finds it again."""
+    return functools.partial(_prediction_conflict, table)
 
 
 def _prediction_conflict(table: sa.Table, excluded: Any) -> tuple[dict[str, Any], Any]:

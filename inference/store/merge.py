@@ -7,6 +7,7 @@ what the policy allows), so retries and reruns never duplicate.
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
@@ -19,6 +20,9 @@ from inference.store.engine import _chunks
 
 # SQLite's default host-parameter limit is 32766; stay well below it per statement.
 _SQLITE_ROWS_PER_STATEMENT = 500
+# Up to this many rows, a PostgreSQL upsert sends its rows to one INSERT ... ON CONFLICT (psycopg
+# pipelines them): a staging table's five statements cost more for the online writer's few rows.
+POSTGRES_ROWS_WITHOUT_STAGING = 32
 
 
 def _insert_for(conn: Connection, table: sa.Table) -> Any:
@@ -37,24 +41,35 @@ def _merge(
 ) -> int:
     """Upsert `frame` into `table`; `on_conflict` says what an existing key gets, and when.
 
-    PostgreSQL: COPY into a temporary staging table, then one INSERT ... SELECT ... ON CONFLICT in
-    key order (a fixed lock order, so concurrent merges cannot deadlock). SQLite: batched
-    INSERT ... ON CONFLICT DO UPDATE. Either way the caller's transaction decides atomicity.
+    PostgreSQL, past POSTGRES_ROWS_WITHOUT_STAGING rows: COPY into a temporary staging table, then
+    one INSERT ... SELECT ... ON CONFLICT. Otherwise, and on SQLite: INSERT ... ON CONFLICT DO
+    UPDATE with the rows as parameters. Rows go in key order either way (a fixed lock order, so
+    concurrent merges cannot deadlock), and the caller's transaction decides atomicity.
     """
-    if conn.dialect.name == "postgresql":
+    postgres = conn.dialect.name == "postgresql"
+    if postgres and frame.height > POSTGRES_ROWS_WITHOUT_STAGING:
         staging = _copy_to_staging(conn, table, frame)
         source = sa.select(*(staging.c[name] for name in frame.columns)).order_by(*(staging.c[k] for k in keys))
         merge = postgresql.insert(table).from_select(list(frame.columns), source)
         set_, where = on_conflict(merge.excluded)
         statement = merge.on_conflict_do_update(index_elements=keys, set_=set_, where=where)
         return int(conn.execute(statement, execution_options={"preserve_rowcount": True}).rowcount)
-    upsert = sqlite.insert(table)
-    set_, where = on_conflict(upsert.excluded)
-    statement_sqlite = upsert.on_conflict_do_update(index_elements=keys, set_=set_, where=where)
+    upsert = _upsert_statement(conn.dialect.name, table, tuple(keys), on_conflict)
+    rows = _python_rows(frame.sort(keys) if postgres else frame)
     changed = 0
-    for chunk in _chunks(_python_rows(frame), _SQLITE_ROWS_PER_STATEMENT):
-        changed += conn.execute(statement_sqlite, chunk).rowcount
+    for chunk in _chunks(rows, _SQLITE_ROWS_PER_STATEMENT):
+        changed += conn.execute(upsert, chunk, execution_options={"preserve_rowcount": True}).rowcount
     return changed
+
+
+@functools.lru_cache(maxsize=16)
+def _upsert_statement(dialect: str, table: sa.Table, keys: tuple[str, ...], on_conflict: ConflictPolicy) -> Any:
+    """INSERT ... ON CONFLICT DO UPDATE for `table`, built once per policy: building it (the
+    `excluded` columns) cost more than the write of one online answer. A policy made per call
+    (a closure) only misses."""
+    insert = postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
+    set_, where = on_conflict(insert.excluded)
+    return insert.on_conflict_do_update(index_elements=list(keys), set_=set_, where=where)
 
 
 def _overwrite_when_changed(table: sa.Table, keys: list[str], change_column: str) -> ConflictPolicy:

@@ -29,6 +29,7 @@ from inference.store import (
     stream_partition_rows,
     upsert_records,
 )
+from inference.store.merge import POSTGRES_ROWS_WITHOUT_STAGING
 from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.answers import answer, write_answers
 from tests.inference.store_worker import PRODUCED_AT, prediction_rows, upsert_repeatedly
@@ -94,6 +95,21 @@ def test_a_key_repeated_in_one_write_keeps_the_last_row(engine: Engine) -> None:
     stored = predictions_of(engine)
     assert stored["input_hash"].to_list() == ["hash-2"]
     assert stored["score"].to_list() == [0.2]
+
+
+@pytest.mark.parametrize("count", [POSTGRES_ROWS_WITHOUT_STAGING, POSTGRES_ROWS_WITHOUT_STAGING + 1])
+def test_a_write_with_or_without_staging_stores_and_counts_alike(engine: Engine, count: int) -> None:
+    """PostgreSQL upserts a few rows as parameters and more through a staging table: the rows
+    stored and the changes counted must not tell the two apart (nor SQLite's one way)."""
+    ids = [f"tx-{i:03d}" for i in reversed(range(count))]  # out of key order
+    first = prediction_rows(ids, input_hash="hash-1")
+    assert write(engine, first) == count
+    assert write(engine, first) == 0  # a replay changes nothing
+
+    corrected = prediction_rows(ids[: count // 2], input_hash="hash-2", run_id="run-2")
+    assert write(engine, pl.concat([corrected, first.slice(count // 2)])) == count // 2
+    expected = pl.concat([corrected, first.slice(count // 2)]).sort("record_id")
+    assert predictions_of(engine).select(PREDICTION_COLUMNS).equals(expected)
 
 
 @pytest.mark.postgres
