@@ -61,7 +61,10 @@ def initialize(config: WorkerConfig) -> None:
         forward_batch_size=config.forward_batch_size,
     )
     # No ping per checkout: a batch's reads retry once on a dropped connection (`read_reconnecting`).
-    engine = make_engine(config.database_url, **{**config.engine_options, "pool_pre_ping": False})
+    # Autocommit: this process only reads, a statement at a time, so a batch's reads need no BEGIN
+    # and ROLLBACK round trips around them.
+    options = {**config.engine_options, "pool_pre_ping": False, "isolation_level": "AUTOCOMMIT"}
+    engine = make_engine(config.database_url, **options)
     if spec.history_entity(predictor.history_length) is not None:
         _prepare_history_reads(spec, engine, config.forward_batch_size)
     breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
