@@ -17,7 +17,7 @@ from inference.spec import LoadedSpec
 from inference.spec.api import record_model
 from serving.batcher import ProcessFn
 from serving.scoring import BatchResult, ItemSpec
-from serving.scoring_process import run_on
+from serving.scoring_process import run_on, terminate
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class _BatchDispatch(Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.target.shutdown(wait, cancel_futures=cancel_futures)
+
+    def terminate(self) -> None:
+        terminate(self.target)
 
 
 class BackendSwitch:

@@ -2,7 +2,8 @@
 
 One batch runs at a time; whatever queued meanwhile is the next batch (up to `max_batch`), so the
 batch size follows the load without a timing window. An item past its deadline is dropped before
-work starts on it, and a batch that raises is retried item by item, so one item fails alone.
+work starts on it, and a batch that raises is retried item by item, so one item fails alone. A
+scoring process that dies, or runs one call past `stuck_after_s`, fails its batch as a server fault.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import BrokenExecutor, Executor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from inference.store import utc_now
@@ -21,7 +23,7 @@ from serving.background import BackgroundTask
 from serving.metrics import ServingMetrics
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
-from serving.scoring_process import run_on
+from serving.scoring_process import run_on, terminate
 
 logger = logging.getLogger(__name__)
 # The reason on items whose batch was lost with the scoring process: a server fault (503).
@@ -87,6 +89,7 @@ class AdaptiveBatcher:
         metrics: ServingMetrics,
         model_version: str,
         results: type[ItemResult],
+        stuck_after_s: float | None = None,
         on_batch: BatchHook | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -100,6 +103,7 @@ class AdaptiveBatcher:
         self.on_batch = on_batch
         self.model_version = model_version
         self.results = results
+        self.stuck_after_s = stuck_after_s
         self.clock = clock
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._live = 0  # queued items someone still waits for
@@ -220,7 +224,8 @@ class AdaptiveBatcher:
             finally:
                 self._in_flight_since = None
             elapsed = self.clock() - started
-            self.cost.observe(len(batch), elapsed)
+            if not self.broken:  # a lost batch's time says nothing of what a batch costs
+                self.cost.observe(len(batch), elapsed)
             self.metrics.batch_size.observe(len(batch))
             self.metrics.batch_seconds.observe(elapsed)
             for item, result in zip(batch, outcome.results, strict=True):
@@ -234,23 +239,18 @@ class AdaptiveBatcher:
 
     async def _process_isolated(self, specs: list[ItemSpec]) -> BatchResult:
         try:
-            return await run_on(self.executor, self.process, specs)
+            return await self._call(specs)
         except BrokenExecutor:
-            self.broken = True
-            logger.exception("the scoring process died; a new one will be started")
-            died = [
-                _internal_error(
-                    self.results, spec, "scoring process died", self.model_version, reason=SCORING_PROCESS_DIED
-                )
-                for spec in specs
-            ]
-            return BatchResult(results=died)
+            return self._lost(specs)
         except Exception:  # retried item by item below, so one bad item fails alone
             logger.exception("batch of %d failed outside the predictor; retrying items alone", len(specs))
         merged = BatchResult(results=[])
-        for spec in specs:
+        for index, spec in enumerate(specs):
             try:
-                single = await run_on(self.executor, self.process, [spec])
+                single = await self._call([spec])
+            except BrokenExecutor:
+                merged.results.extend(self._lost(specs[index:]).results)
+                break
             except Exception as error:  # noqa: BLE001 - reported on this item only
                 merged.results.append(
                     _internal_error(self.results, spec, f"{type(error).__name__}: {error}", self.model_version)
@@ -262,6 +262,30 @@ class AdaptiveBatcher:
             merged.degraded = merged.degraded or single.degraded
             merged.cpu_seconds += single.cpu_seconds
         return merged
+
+    async def _call(self, specs: list[ItemSpec]) -> BatchResult:
+        """`process(specs)` on the executor. A call still running after `stuck_after_s` can answer
+        none of its items in time and holds every later batch back: its process is stuck, so it is
+        stopped (and replaced as a dead one is)."""
+        try:
+            async with asyncio.timeout(self.stuck_after_s) as limit:
+                return await run_on(self.executor, self.process, specs)
+        except TimeoutError:
+            if not limit.expired():
+                raise  # the scoring step's own error, not ours
+        logger.error("a batch of %d ran past %g s: stopping the stuck scoring process", len(specs), self.stuck_after_s)
+        await asyncio.to_thread(terminate, self.executor)
+        raise BrokenProcessPool(f"the scoring process was stuck for {self.stuck_after_s:g} s")
+
+    def _lost(self, specs: list[ItemSpec]) -> BatchResult:
+        """The items of a batch lost with its scoring process: a server fault (503), never their own."""
+        self.broken = True
+        logger.exception("the scoring process died; a new one will be started")
+        died = [
+            _internal_error(self.results, spec, "scoring process died", self.model_version, reason=SCORING_PROCESS_DIED)
+            for spec in specs
+        ]
+        return BatchResult(results=died)
 
 
 def _internal_error(

@@ -131,6 +131,8 @@ class OnlineScorer:
             metrics=self.metrics,
             model_version=self.model_version,
             results=self.api.item_result,
+            # Past the longest deadline a request can have, no item of a batch is waited for.
+            stuck_after_s=self.settings.max_deadline_ms / 1000,
             on_batch=self._after_batch,
         )
         self.batcher.start()

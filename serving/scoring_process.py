@@ -59,6 +59,21 @@ class LoopRunner(Protocol):
     async def run_on_loop(self, fn: Callable[..., _T], /, *args: Any) -> _T: ...
 
 
+@runtime_checkable
+class Terminable(Protocol):
+    """An executor whose work can be stopped at once, whatever it is doing."""
+
+    def terminate(self) -> None: ...
+
+
+def terminate(executor: Executor) -> None:
+    """Stop `executor`'s work now where it can be (a process); otherwise cancel what is queued."""
+    if isinstance(executor, Terminable):
+        executor.terminate()
+    else:  # a thread pool (tests): a running thread cannot be stopped
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
 async def run_on(executor: Executor, fn: Callable[..., _T], /, *args: Any) -> _T:
     """`fn(*args)` on `executor`, awaited: straight over the pipe where it is a `LoopRunner`,
     else through `run_in_executor` (a thread pool in tests)."""

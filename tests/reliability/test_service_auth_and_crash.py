@@ -4,6 +4,7 @@ scoring process SIGKILLed under load, and replaced by the server itself."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -166,6 +167,34 @@ def test_scoring_process_sigkilled_under_load_fails_fast_then_is_replaced(server
         "livez_during_outage": liveness_during_outage[0],
         "first_200_after_kill_s": round(min(served_again) - killed_at[0], 2) if served_again else None,
     }
+
+
+def test_a_stuck_scoring_process_is_stopped_and_replaced(server: SuiteServer) -> None:
+    """A scoring process that is alive but never answers (SIGSTOP stands in for a wedged native
+    call): requests get their 504s, then the server stops it and serves again from a new one."""
+    (stuck,) = server.scoring_processes()
+    os.kill(stuck.pid, signal.SIGSTOP)
+    stopped_at = time.perf_counter()
+    try:
+        late = server.score(server.take(1), headers={"X-Deadline-Ms": "1000"})
+        assert late.status_code == 504, late.text
+        answers: list[httpx.Response] = []
+
+        def served() -> bool:
+            answers.append(server.score(server.take(1), headers={"X-Deadline-Ms": "2000"}))
+            return answers[-1].status_code == 200
+
+        until(served, timeout_s=90, interval_s=0.5, message=lambda: f"never served again: {answers[-1].text}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stuck.pid, signal.SIGCONT)
+    assert {response.status_code for response in answers} <= {200, 503, 504}
+    assert answers[-1].json()["results"][0]["status"] == "scored"
+    (replacement,) = server.scoring_processes()
+    assert replacement.pid != stuck.pid and not stuck.is_running(), "the stuck process was stopped"
+    assert httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200
+    MEASURED["stuck_worker"] = {"served_again_after_s": round(time.perf_counter() - stopped_at, 1)}
+    assert "ran past" in server.log_text()
 
 
 def test_the_token_and_the_database_password_never_reach_the_log(server: SuiteServer) -> None:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -332,6 +333,14 @@ def prediction_rows(count: int, model_version: str) -> list[dict[str, Any]]:
     """Rows t0, t1, ... with one production time, as one batch spilled to the outbox leaves them."""
     now = utc_now()
     return [prediction_row(f"t{i}", model_version, produced_at=now) for i in range(count)]
+
+
+def score_or_hang(specs: list[ItemSpec]) -> BatchResult:
+    """A scoring step that never returns for a batch holding the record "hang" (a wedged native
+    call); module-level, so a scoring process can unpickle it."""
+    if any(spec.record_id == "hang" for spec in specs):
+        threading.Event().wait()
+    return scored_batch(specs, model_version="risk_model:fake", batch_id="b")
 
 
 def scored_batch(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable
@@ -32,9 +33,10 @@ from serving.outbox import Outbox, PartlyWritten
 from serving.runtime import RESTORE_ATTEMPTS_BEFORE_RESTART, DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec, ScoringCore
+from serving.scoring_process import ScoringProcess
 from tandem_specs.transactions.model import ModelConfig
 from tests.reference import REFERENCE, Transaction
-from tests.serving.support import scored_batch, started_scorer, transaction
+from tests.serving.support import score_or_hang, scored_batch, started_scorer, transaction
 from tests.shared import reference_model, until_async
 
 MODEL = "risk_model:fake"
@@ -263,6 +265,73 @@ def test_a_dead_scoring_process_is_replaced_and_liveness_fails_only_when_that_ke
 
     asyncio.run(scenario())
     assert attempts == [MODEL] * (RESTORE_ATTEMPTS_BEFORE_RESTART + 1)
+
+
+def test_a_stuck_scoring_process_is_stopped_and_replaced(sqlite_engine: Engine, tmp_path: Path) -> None:
+    """A scoring process alive but never answering held its batch, and every later one, forever:
+    each request a 504. Past the longest deadline its batch is lost as a dead process's is."""
+
+    async def scenario() -> None:
+        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path)
+        stuck = ScoringProcess(multiprocessing.get_context("forkserver"))
+        scorer.swap(ScoringBackend(MODEL, stuck, score_or_hang))
+        assert scorer.batcher is not None
+        scorer.batcher.stuck_after_s = 1.0
+        learnt = scorer.cost.batch_seconds(1)
+
+        started = time.monotonic()
+        results, _ = await scorer.score(
+            [transaction("hang")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5
+        )
+        assert 1.0 <= time.monotonic() - started < 5, "lost at the stuck bound, not at the deadline"
+        assert results[0].error is not None and results[0].error.reason == SCORING_PROCESS_DIED
+        assert not stuck.process.is_alive()
+        assert not scorer.scoring_available() and not scorer.ready() and scorer.alive()
+        assert scorer.cost.batch_seconds(1) == learnt, "the lost batch taught the cost model nothing"
+
+        supervisor = PoolSupervisor(
+            scorer,
+            load=lambda tag: ScoringBackend(tag, ThreadPoolExecutor(max_workers=1), FakeScoring()),
+            interval_s=60,
+            load_timeout_s=5,
+        )
+        assert await supervisor.restore_once()
+        results, _ = await scorer.score(
+            [transaction("tx-2")], request_id="r2", idempotency_key=None, deadline=time.monotonic() + 5
+        )
+        assert results[0].status == "scored"
+        await scorer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_scoring_step_that_raises_timeout_error_fails_its_item_not_the_process(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """The stuck bound is the batcher's own: a TimeoutError the scoring step raises is that
+    item's failure, and the process serves on."""
+
+    def times_out(specs: list[ItemSpec]) -> BatchResult:
+        if any(spec.record_id == POISON for spec in specs):
+            raise TimeoutError("a read timed out")
+        return scored_batch(specs, model_version=MODEL, batch_id="b")
+
+    async def scenario() -> None:
+        scorer = await scorer_for(times_out, sqlite_engine, tmp_path)
+        assert scorer.batcher is not None
+        scorer.batcher.stuck_after_s = 5.0
+        results, _ = await scorer.score(
+            [transaction(POISON), transaction("tx-1")],
+            request_id="r1",
+            idempotency_key=None,
+            deadline=time.monotonic() + 5,
+        )
+        assert [r.status for r in results] == ["error", "scored"]
+        assert results[0].error is not None and results[0].error.reason == "internal_error"
+        assert scorer.scoring_available()
+        await scorer.close()
+
+    asyncio.run(scenario())
 
 
 def test_an_admitted_request_holds_a_place_in_the_queue_until_its_items_take_it(
