@@ -67,7 +67,8 @@ class Terminable(Protocol):
 
 
 def terminate(executor: Executor) -> None:
-    """Stop `executor`'s work now where it can be (a process); otherwise cancel what is queued."""
+    """Dispose of `executor` waiting for nothing: its process may be stuck (a load or a batch that
+    never returns), so it is stopped rather than asked to finish; a thread pool's queue is cancelled."""
     if isinstance(executor, Terminable):
         executor.terminate()
     else:  # a thread pool (tests): a running thread cannot be stopped

@@ -32,6 +32,7 @@ from serving.openapi import ApiDocs, service_document
 from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
 from serving.schemas import ScoreResponseBase, api_models
+from serving.scoring_process import terminate
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from serving.shadow import SHADOW_NICE
@@ -161,7 +162,7 @@ class RiskScorer:
                 interval_s=serving.model_poll_interval_s,
                 load_timeout_s=MODEL_LOAD_TIMEOUT_S,
                 retry_max_s=MODEL_RETRY_MAX_S,
-                discard=worker.discard_pool,
+                discard=terminate,
             )
             if follow
             else None
@@ -175,7 +176,7 @@ class RiskScorer:
                 interval_s=serving.model_poll_interval_s,
                 load_timeout_s=MODEL_LOAD_TIMEOUT_S,
                 retry_max_s=MODEL_RETRY_MAX_S,
-                discard=worker.discard_pool,
+                discard=terminate,
             )
             if follow and serving.shadow_sample > 0
             else None
@@ -186,7 +187,7 @@ class RiskScorer:
             load=self.load_version,
             interval_s=POOL_CHECK_INTERVAL_S,
             load_timeout_s=MODEL_LOAD_TIMEOUT_S,
-            discard=worker.discard_pool,
+            discard=terminate,
         )
 
     @bentoml.api(route="/score", input_spec=API.request, output_spec=API.response)

@@ -8,7 +8,6 @@ import gc
 import logging
 import multiprocessing
 import os
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,12 +95,3 @@ def start_pool(config: WorkerConfig) -> ScoringProcess:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     return ScoringProcess(context, initializer=initialize, initargs=(config,))
-
-
-def discard_pool(pool: Executor) -> None:
-    """Dispose of a pool that failed to come up, waiting for nothing: its process may be stuck in
-    a load that never returns, so it is terminated rather than asked to finish."""
-    if isinstance(pool, ScoringProcess):
-        pool.terminate()
-    else:  # a thread pool (tests): nothing to terminate
-        pool.shutdown(wait=False, cancel_futures=True)

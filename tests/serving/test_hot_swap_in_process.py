@@ -31,9 +31,8 @@ from serving.outbox import Outbox
 from serving.runtime import OnlineScorer
 from serving.schemas import ItemError
 from serving.scoring import BatchResult, ItemSpec
-from serving.scoring_process import ScoringProcess
+from serving.scoring_process import ScoringProcess, terminate
 from serving.settings import ServingSettings
-from serving.worker import discard_pool
 from tests.reference import REFERENCE, ItemResult
 from tests.serving.support import FakeClock, scored_batch, transaction
 from tests.shared import WAIT_S, until_async
@@ -155,7 +154,7 @@ def watcher_for(scorer: OnlineScorer, store: FakeStore, clock: FakeClock, **over
         scorer,
         production_tag=store.production_tag,
         load=store.load,
-        discard=discard_pool,
+        discard=terminate,
         clock=clock,
         **options,
     )
@@ -370,7 +369,7 @@ def test_discarding_a_pool_stops_a_process_stuck_in_its_load() -> None:
     processes = [pool.process]
     assert processes and all(process.is_alive() for process in processes)
     started = time.monotonic()
-    discard_pool(pool)
+    terminate(pool)
     assert time.monotonic() - started < 12
     # By pid, not is_alive(): a process reaped elsewhere still says is_alive() True.
     assert not any(_running(process.pid) for process in processes)
