@@ -129,6 +129,10 @@ class AdaptiveBatcher:
         """A batch is being scored or items are waiting for one."""
         return self._in_flight_since is not None or self._live > 0
 
+    def in_flight_for(self) -> float:
+        """Seconds the batch in flight has run; 0 when none is."""
+        return 0.0 if self._in_flight_since is None else self.clock() - self._in_flight_since
+
     def in_flight_remaining(self) -> float:
         if self._in_flight_since is None:
             return 0.0

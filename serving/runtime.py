@@ -188,6 +188,10 @@ class OnlineScorer:
     def ready(self) -> bool:
         if not self.warm or self.batcher is None or not self.scoring_available():
             return False
+        # A batch running past the default deadline answers no newcomer in time: out of rotation
+        # until it ends, or until the stuck bound stops its process.
+        if self.batcher.in_flight_for() > self.settings.request_timeout_ms / 1000:
+            return False
         if self.breaker.state is BreakerState.CLOSED:
             return True
         try:

@@ -171,13 +171,21 @@ def test_scoring_process_sigkilled_under_load_fails_fast_then_is_replaced(server
 
 def test_a_stuck_scoring_process_is_stopped_and_replaced(server: SuiteServer) -> None:
     """A scoring process that is alive but never answers (SIGSTOP stands in for a wedged native
-    call): requests get their 504s, then the server stops it and serves again from a new one."""
+    call): requests get their 504s and /readyz its 503, then the server stops it and serves again
+    from a new one."""
     (stuck,) = server.scoring_processes()
     os.kill(stuck.pid, signal.SIGSTOP)
     stopped_at = time.perf_counter()
     try:
         late = server.score(server.take(1), headers={"X-Deadline-Ms": "1000"})
         assert late.status_code == 504, late.text
+        # Past the default deadline (2 s) the stuck batch takes the pod out of rotation.
+        until(
+            lambda: httpx.get(f"{server.url}/readyz", timeout=5).status_code == 503,
+            timeout_s=6,
+            interval_s=0.2,
+            message="/readyz stayed 200 while the batch was stuck",
+        )
         answers: list[httpx.Response] = []
 
         def served() -> bool:

@@ -272,18 +272,23 @@ def test_a_stuck_scoring_process_is_stopped_and_replaced(sqlite_engine: Engine, 
     each request a 504. Past the longest deadline its batch is lost as a dead process's is."""
 
     async def scenario() -> None:
-        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path)
+        scorer = await scorer_for(FakeScoring(), sqlite_engine, tmp_path, request_timeout_ms=500)
         stuck = ScoringProcess(multiprocessing.get_context("forkserver"))
         scorer.swap(ScoringBackend(MODEL, stuck, score_or_hang))
         assert scorer.batcher is not None
-        scorer.batcher.stuck_after_s = 1.0
+        scorer.batcher.stuck_after_s = 1.5
         learnt = scorer.cost.batch_seconds(1)
 
         started = time.monotonic()
-        results, _ = await scorer.score(
-            [transaction("hang")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5
+        hanging = asyncio.create_task(
+            scorer.score([transaction("hang")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5)
         )
-        assert 1.0 <= time.monotonic() - started < 5, "lost at the stuck bound, not at the deadline"
+        await until_async(lambda: scorer.batcher is not None and scorer.batcher.in_flight_for() > 0)
+        assert scorer.ready(), "a batch within the default deadline keeps the service in rotation"
+        await until_async(lambda: not scorer.ready(), timeout_s=1.4)
+        assert not hanging.done() and scorer.scoring_available(), "out of rotation before the stuck bound"
+        results, _ = await hanging
+        assert 1.5 <= time.monotonic() - started < 5, "lost at the stuck bound, not at the deadline"
         assert results[0].error is not None and results[0].error.reason == SCORING_PROCESS_DIED
         assert not stuck.process.is_alive()
         assert not scorer.scoring_available() and not scorer.ready() and scorer.alive()
