@@ -45,4 +45,4 @@ USER 10001:10001
 # 3001: the scoring service; 3030: the Dagster code location's gRPC server.
 EXPOSE 3001 3030
 
-CMD ["bentoml", "serve", "serving.service:RiskScorer", "--host", "0.0.0.0", "--port", "3001"]
+CMD ["bentoml", "serve", "serving.service:TandemScorer", "--host", "0.0.0.0", "--port", "3001"]

@@ -124,7 +124,7 @@ def tandem_spec(workers: int = 1) -> ServiceSpec:
     return ServiceSpec(
         "tandem" if workers == 1 else f"tandem_workers_{workers}",
         "Tandem (embedded SQLite, the default)" if workers == 1 else f"Tandem, {workers} workers",
-        _bentoml_serve("serving.service:RiskScorer"),
+        _bentoml_serve("serving.service:TandemScorer"),
         # Explicit even for 1, so a TANDEM_SERVING_WORKERS in the caller's environment cannot leak in.
         {"TANDEM_SERVING_WORKERS": str(workers)},
         workers=workers,

@@ -187,7 +187,7 @@ def platform_commands(settings: PlatformSettings, *, code_port: int, workspace: 
         ],
         "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", str(workspace), "--log-level", "warning"],
         "bentoml": [
-            *(str(bin_dir / "bentoml"), "serve", "serving.service:RiskScorer"),
+            *(str(bin_dir / "bentoml"), "serve", "serving.service:TandemScorer"),
             *("--host", host, "--port", str(settings.service_port)),
         ],
     }

@@ -1,5 +1,5 @@
 """The BentoML service, the composition root of the online path:
-`bentoml serve serving.service:RiskScorer` (127.0.0.1:3001; Dagster has 3000).
+`bentoml serve serving.service:TandemScorer` (127.0.0.1:3001; Dagster has 3000).
 
 One worker by default: on two cores one runs the event loop and one the scoring process. Workers
 share the outbox file and the Prometheus values. The class-scope model is served at start; a
@@ -84,7 +84,7 @@ def api_document() -> dict[str, typing.Any]:
 
 
 def current_scorer() -> OnlineScorer:
-    service: RiskScorer = get_current_service()
+    service: TandemScorer = get_current_service()
     return service.scorer
 
 
@@ -108,7 +108,7 @@ API = api_models(SPEC)
     # No trace exporter is configured; BentoML's tracing middleware costs event-loop CPU per request.
     tracing={"excluded_urls": ["/score"]},
 )
-class RiskScorer:
+class TandemScorer:
     model_ref = production_model()
 
     def __init__(self) -> None:
@@ -246,6 +246,9 @@ class RiskScorer:
 
 # Before BentoML reads or parses the body: a refusal costs no parse, and a schema error is Tandem's
 # 422 (naming the field, the items quarantined) rather than BentoML's 400.
-typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(ScoreGate, get_scorer=current_scorer)
+typing.cast("bentoml.Service[TandemScorer]", TandemScorer).add_asgi_middleware(ScoreGate, get_scorer=current_scorer)
 # BentoML's /docs.json (and its docs page) with every answer /score gives, the limits and the model.
-typing.cast("bentoml.Service[RiskScorer]", RiskScorer).add_asgi_middleware(ApiDocs, document=api_document)
+typing.cast("bentoml.Service[TandemScorer]", TandemScorer).add_asgi_middleware(ApiDocs, document=api_document)
+
+# The service's name before it served any team's model: deployments started with it serve on.
+RiskScorer = TandemScorer

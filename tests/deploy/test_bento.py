@@ -73,7 +73,7 @@ def test_bentoml_build_packs_the_production_model_by_reference(built: tuple[str,
     name, version = bento_tag.split(":")
     manifest = yaml.safe_load((home / "bentos" / name / version / "bento.yaml").read_text())
     (service,) = manifest["services"]
-    assert manifest["service"] == BENTOFILE["service"] and service["name"] == "RiskScorer"
+    assert manifest["service"] == BENTOFILE["service"] and service["name"] == "TandemScorer"
     # The class-scope BentoModel: the version that was production when the Bento was built.
     assert [model["tag"] for model in service["models"]] == [model_tag]
     packed = home / "bentos" / name / version / "src"

@@ -63,7 +63,7 @@ def test_base_image_is_the_python_the_project_requires() -> None:
 def test_cmd_is_the_deployment_command() -> None:
     cmd: Any = json.loads(_one("CMD"))  # exec form: no shell between the kubelet's SIGTERM and bentoml
     assert cmd == CONTAINER["command"]
-    assert cmd[:3] == ["bentoml", "serve", "serving.service:RiskScorer"]
+    assert cmd[:3] == ["bentoml", "serve", "serving.service:TandemScorer"]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
 
 

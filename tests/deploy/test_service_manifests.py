@@ -125,7 +125,7 @@ def test_the_metrics_route_the_pods_advertise_exists() -> None:
 def test_server_listens_on_all_interfaces_on_the_container_port() -> None:
     # serving/service.py binds 127.0.0.1 for local use; in a pod the kubelet and the Service need 0.0.0.0.
     command = _container()["command"]
-    assert command[:3] == ["bentoml", "serve", "serving.service:RiskScorer"]
+    assert command[:3] == ["bentoml", "serve", "serving.service:TandemScorer"]
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert command[command.index("--port") + 1] == str(SERVICE_PORT)
 

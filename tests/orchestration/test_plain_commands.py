@@ -116,7 +116,7 @@ def test_bring_your_own_data_after_make_run_from_a_plain_shell(tmp_path: Path) -
 
     # `bentoml serve` opens its store before it imports the service: with BENTOML_HOME unset that is
     # ~/bentoml, and the service refuses in one line naming the variable and Tandem's store.
-    serve = [str(BIN / "bentoml"), "serve", "serving.service:RiskScorer", "--host", "127.0.0.1"]
+    serve = [str(BIN / "bentoml"), "serve", "serving.service:TandemScorer", "--host", "127.0.0.1"]
     refused = run_child([*serve, "--port", str(free_port())], cwd=project, env=shell, timeout_s=180)
     assert refused.returncode != 0
     assert f"export BENTOML_HOME={project / 'data' / 'bentoml'}" in refused.stdout + refused.stderr

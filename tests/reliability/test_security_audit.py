@@ -84,9 +84,9 @@ def test_dagster_webserver_and_service_bind_loopback_by_default(
     assert webserver_cli.DEFAULT_WEBSERVER_HOST == "127.0.0.1"
     monkeypatch.setenv("TANDEM_MODEL_NAME", MODEL_NAME)
     monkeypatch.setenv("TANDEM_SERVING_MODEL_TAG", reliability_model)
-    from serving.service import RiskScorer
+    from serving.service import TandemScorer
 
-    assert getattr(RiskScorer, "config")["http"]["host"] == "127.0.0.1"  # noqa: B009 - bentoml's Service
+    assert getattr(TandemScorer, "config")["http"]["host"] == "127.0.0.1"  # noqa: B009 - bentoml's Service
 
 
 # ------------------------------------------------------------------ secrets in Dagster's records

@@ -147,7 +147,7 @@ def serve(
     env: Mapping[str, str],
     log_path: Path,
     *,
-    target: str = "serving.service:RiskScorer",
+    target: str = "serving.service:TandemScorer",
     **fields: Any,
 ) -> Iterator[S]:
     """`bentoml serve <target>` (the service, or a built Bento's tag) on a free port, this

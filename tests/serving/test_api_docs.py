@@ -26,7 +26,7 @@ def bentoml_like_spec() -> dict[str, Any]:
     return {
         "openapi": "3.0.2",
         "info": {
-            "title": "RiskScorer",
+            "title": "TandemScorer",
             "description": "This is a Machine Learning Service created with BentoML.",
             "version": "None",
         },

@@ -1,5 +1,5 @@
 """Two replicas of the online path on one PostgreSQL database, the topology of issue 46 (one
-`bentoml serve serving.service:RiskScorer` per pod, no proxy: docs/decisions/0009): two real server
+`bentoml serve serving.service:TandemScorer` per pod, no proxy: docs/decisions/0009): two real server
 processes on two ports, each with a data folder (outbox) of its own, sharing the database and the
 BentoML model store.
 
