@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import operator
 import re
@@ -102,7 +103,7 @@ def raw_frame(ls: LoadedSpec, records: list[dict[str, Any]]) -> pl.DataFrame:
         if name in numerics:
             columns[name] = [_as_float(value) for value in values]
         else:
-            columns[name] = [None if value is None else str(value) for value in values]
+            columns[name] = [None if value is None else _as_text(value) for value in values]
     for name in stripped_columns(ls):
         columns[name] = [None if value is None else value.strip(WHITESPACE) for value in columns[name]]
     return pl.DataFrame(columns, schema=raw_schema(ls))
@@ -122,7 +123,7 @@ def received_columns(ls: LoadedSpec, records: list[dict[str, Any]]) -> list[pl.S
     for name in (*stripped_columns(ls), *numerics):
         values = [record.get(name) for record in records]
         if name in numerics:
-            received = [value if _read_number(value)[1] else None for value in values]
+            received = [_as_text(value) if _read_number(value)[1] else None for value in values]
         else:
             received = [
                 value if isinstance(value, str) and value.strip(WHITESPACE) != value else None for value in values
@@ -132,14 +133,27 @@ def received_columns(ls: LoadedSpec, records: list[dict[str, Any]]) -> list[pl.S
     return columns
 
 
+def _as_text(value: Any) -> str:
+    """A value in a text field as its sender wrote it: a request's JSON list, object or boolean as
+    JSON (`["US"]`, not Python's `['US']`), anything else as its own text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list | dict | bool):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    return str(value)
+
+
 def _as_float(value: Any) -> float | None:
     return _read_number(value)[0]
 
 
 def _read_number(value: Any) -> tuple[float | None, bool]:
-    """(the number, NaN when it is none; whether it was text that is no number)."""
-    if value is None or isinstance(value, bool):
+    """(the number, NaN when it is none; whether it was something other than a number: text that
+    reads as none, or a request's JSON boolean, list or object)."""
+    if value is None:
         return None, False
+    if isinstance(value, list | dict | bool):
+        return math.nan, True
     if isinstance(value, str):
         # Read as a CSV cell is (polars' cast after a strip): ASCII digits, sign, point, exponent.
         # Python's float() alone also reads "1_000" as 1000 and "١٢" or "１２" as 12, which a file

@@ -16,7 +16,7 @@ import polars as pl
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from inference.records import raw_frame, validate
+from inference.records import raw_frame, received_columns, validate
 from inference.spec import LoadedSpec
 from inference.store import (
     RejectStage,
@@ -125,7 +125,8 @@ class ResultWriter:
         records = [(index, item) for index, item in enumerate(items) if isinstance(item, dict) and index in details]
         if not records:
             return
-        frame = raw_frame(self.spec, [item for _, item in records])
+        received = [item for _, item in records]
+        frame = raw_frame(self.spec, received).with_columns(received_columns(self.spec, received))
         reasons = validate(self.spec, frame)["reject_reason"].to_list()
         rows = []
         for (index, item), reason in zip(records, reasons, strict=True):
@@ -292,7 +293,9 @@ class ResultWriter:
 
     def _quarantine(self, rows: list[dict[str, Any]]) -> None:
         # Best effort: a quarantine row lost to an outage costs a diagnostic, never an answer.
+        # The payload keeps each field as received ("12;50", not the NaN it reads as).
         frame = raw_frame(self.spec, rows).with_columns(
+            *received_columns(self.spec, rows),
             reject_reason=pl.Series([row["reject_reason"] for row in rows], dtype=pl.String),
             reject_detail=pl.Series([row.get("reject_detail") for row in rows], dtype=pl.String),
         )

@@ -489,7 +489,10 @@ def test_the_tiny_spec_has_its_own_raw_schema_and_default_order() -> None:
         ({"level": "12;5"}, "level_unparsable"),
         ({"level": math.nan}, "level_not_finite"),
         ({"level": None}, "level_not_finite"),
-        ({"level": True}, "level_not_finite"),
+        # A request's JSON boolean, list or object is no number: its text is kept as received.
+        ({"level": True}, "level_unparsable"),
+        ({"level": [1]}, "level_unparsable"),
+        ({"level": {"v": 1}}, "level_unparsable"),
         ({"level": -0.5}, "level_below_minimum"),
         ({"level": 100.5}, "level_above_maximum"),
         ({"colour": "Red"}, "malformed_colour"),

@@ -28,7 +28,7 @@ from bentoml.exceptions import BentoMLException
 from bench.loadgen import heap_frozen
 from inference.contract import FrameHistory, TorchPredictor
 from inference.model import LoadedModel
-from inference.store import make_engine, read_predictions
+from inference.store import make_engine, read_predictions, rejection_rows
 from tests.reference import COUNTRIES, RAW_COLUMNS, REFERENCE
 from tests.serving.support import DemoServer, StartDemoServer
 from tests.shared import reference_model, register_model, until
@@ -141,6 +141,36 @@ def test_values_the_batch_path_quarantines_are_422_online(server: Server, field:
     assert response.status_code == 422
     errors = {tuple(e["loc"]): e["msg"] for e in response.json()["detail"]}
     assert reason in errors[("transactions", 0, field)]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason", "kept"),
+    [
+        ("amount", "12;50", "amount_unparsable", "12;50"),
+        ("amount", [1], "amount_unparsable", "[1]"),
+        ("amount", True, "amount_unparsable", "true"),
+        ("country", ["US"], "malformed_country", '["US"]'),
+    ],
+)
+def test_a_refused_item_is_quarantined_as_it_was_sent(
+    server: Server, field: str, value: Any, reason: str, kept: str
+) -> None:
+    """The 422's items land in quarantine with the value the client wrote and the reason the
+    batch path would give: before, "12;50" was stored as NaN with `amount_not_finite`."""
+    row = {**_rows(server, 22, 1)[0], "transaction_id": f"quarantined-{uuid.uuid4().hex[:12]}", field: value}
+    assert server.score([row]).status_code == 422
+    engine = make_engine(server.database_url)
+    try:
+
+        def stored() -> list[dict[str, Any]]:
+            with engine.connect() as conn:
+                return rejection_rows(conn, row["transaction_id"])
+
+        (rejection,) = until(stored, interval_s=0.1, message="the refused item was never quarantined")
+    finally:
+        engine.dispose()
+    assert rejection["reason"] == reason and rejection["path"] == "online"
+    assert json.loads(rejection["payload"])[field] == kept
 
 
 def test_poison_mixed_with_good_requests_fails_only_itself(server: Server) -> None:
