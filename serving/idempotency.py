@@ -140,7 +140,8 @@ class IdempotencyKeys:
         self._unstored_lock = threading.Lock()
 
     async def admit(self, key: str, fingerprint: str, *, request_id: str, deadline: float) -> Admission:
-        """Raises KeyReused, KeyInProgress, or asyncio.TimeoutError past `deadline`."""
+        """Raises KeyReused; KeyInProgress past `deadline` while the key's first request is being
+        answered; TimeoutError past it once that request gave up unanswered."""
         local = self._local.get(key)
         if isinstance(local, tuple):
             answered_fingerprint, answer = local
@@ -154,6 +155,9 @@ class IdempotencyKeys:
             self._local.move_to_end(key)
             try:
                 results = await asyncio.wait_for(asyncio.shield(local.answered), timeout=deadline - time.monotonic())
+            except TimeoutError:
+                # The first request under the key is still being answered: told so, as across processes.
+                raise KeyInProgress(key) from None
             except _OwnerGaveUp:
                 if time.monotonic() >= deadline:
                     raise TimeoutError from None

@@ -258,6 +258,30 @@ def test_a_duplicate_still_in_progress_past_its_deadline_is_told_so(engine: Engi
     asyncio.run(scenario())
 
 
+def test_a_duplicate_in_the_same_process_still_in_progress_past_its_deadline_is_told_so(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """It waits on the first request in-process; past its own deadline it was answered 504, as if
+    its key were free, where the other process's duplicate was told 409 with Retry-After."""
+
+    async def scenario() -> None:
+        a = await scorer_on(engine, tmp_path, AmountScoring(delay_s=0.5), "a")
+        first_task = asyncio.create_task(ask(a, "r1", "key-1", body("demo-1", 3.0)))
+        await until_async(lambda: claimed(engine, "key-1"))  # the first holds the key, scoring for 0.5 s
+        with pytest.raises(KeyInProgress):
+            await a.score(
+                body("demo-1", 3.0), request_id="r2", idempotency_key="key-1", deadline=time.monotonic() + 0.1
+            )
+        first = await first_task
+        again = await a.score(
+            body("demo-1", 3.0), request_id="r3", idempotency_key="key-1", deadline=time.monotonic() + 2
+        )
+        assert again[0] == [first], "the retry gets the first request's answer"
+        await settle(engine, a)
+
+    asyncio.run(scenario())
+
+
 def test_a_refused_request_frees_its_key_for_the_retry(engine: Engine, tmp_path: Path) -> None:
     async def scenario() -> ItemResult:
         scoring = AmountScoring(delay_s=0.3)
