@@ -91,12 +91,15 @@ def admit(
     remaining_deadline_s: float,
 ) -> Decision:
     """The one admission rule: a bounded queue that admits a newcomer only when its expected wait
-    fits both the p99 target and its remaining deadline; a refusal now beats an answer too late."""
+    fits the p99 target and, with its own batch, its remaining deadline; a refusal now beats an
+    answer too late."""
     wait = predicted_wait(queued, in_flight_remaining_s, max_batch, cost)
     limit = min(target_s, remaining_deadline_s)
     if queued + items > capacity:
         return Decision(False, wait, limit, "queue_full")
-    if wait > remaining_deadline_s:
+    # A deadline shorter than the newcomer's own batch could only end in a 504 after the work.
+    own_batch = cost.batch_seconds(min(queued % max_batch + items, max_batch))
+    if wait + own_batch > remaining_deadline_s:
         return Decision(False, wait, limit, "over_deadline")
     if wait > target_s:
         return Decision(False, wait, limit, "over_target")

@@ -85,6 +85,19 @@ def test_a_tight_deadline_is_refused_before_the_target_is() -> None:
     assert (decision.admitted, decision.reason) == (False, "over_deadline")
 
 
+def test_a_deadline_shorter_than_the_newcomers_own_batch_is_refused_on_an_idle_service() -> None:
+    """Nothing queued or in flight: the wait is 0, but the answer takes a batch (12.3 ms here). A
+    10 ms deadline was admitted and answered 504 after the work was done."""
+    cost = calibrated()
+    assert (decide(cost, remaining_deadline_s=0.010).reason, decide(cost, remaining_deadline_s=0.015).admitted) == (
+        "over_deadline",
+        True,
+    )
+    # Its batch is the partial one it joins: 63 queued ahead fill it, the 64th starts the next one.
+    assert decide(cost, queued=63, remaining_deadline_s=0.025).reason == "over_deadline"
+    assert decide(cost, queued=64, in_flight_remaining_s=0.0, remaining_deadline_s=0.05).admitted
+
+
 def test_the_queue_bound_holds_whatever_the_estimate() -> None:
     cost = BatchCostModel(decay=0.9)  # uncalibrated: predicts zero wait
     decision = decide(cost, items=10, queued=1020)
