@@ -141,8 +141,6 @@ class ScoreGate:
         try:
             call, body = await self._admit(request, scorer, request_id)
         except Refused as refused:
-            if refused.drain_body:  # after _admit let go of its place: a slow sender holds none
-                await drain_before_close(request)
             response = refused.response(scorer.metrics, request_id)
             await response(scope, receive, send)
             return response.status_code
@@ -201,9 +199,11 @@ class ScoreGate:
         call.reservation = admitted
         try:
             body = await self._read_and_parse(request, scorer, call)
-        except BaseException:
+        except BaseException as error:
             admitted.release()  # refused for its body (or the client left): no latency to learn from
             scorer.finished(None)
+            if isinstance(error, Refused) and error.drain_body:  # its place let go: a slow sender holds none
+                await drain_before_close(request, within_s=deadline - time.monotonic())
             raise
         return call, body
 

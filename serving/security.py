@@ -89,11 +89,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(received)
 
 
-async def drain_before_close(request: Request) -> None:
+async def drain_before_close(request: Request, *, within_s: float) -> None:
     """Read and drop the rest of a body refused for its size when the client asked for
     `Connection: close`, before answering: closing with body still arriving makes the kernel reset
     the connection, and a client that sends its whole body first sees a reset instead of its 413.
-    Bounded in bytes and time, as nginx's lingering close.
+    Bounded in bytes and time, as nginx's lingering close, and by the request's deadline
+    (`within_s` from now): past it the answer is due, reset or not.
     """
     if "close" not in request.headers.get("connection", "").lower() or "expect" in request.headers:
         return
@@ -102,7 +103,7 @@ async def drain_before_close(request: Request) -> None:
         return
     drained = 0
     with contextlib.suppress(ClientDisconnect, TimeoutError):
-        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+        async with asyncio.timeout(min(DRAIN_TIMEOUT_S, max(within_s, 0.0))):
             try:
                 async for chunk in request.stream():
                     drained += len(chunk)

@@ -265,6 +265,23 @@ def test_oversized_body_from_a_client_that_closes_the_connection_gets_its_413(
     assert json.loads(refused.value.read())["error"] == "payload_too_large"
 
 
+def test_an_oversized_body_that_stops_arriving_is_refused_within_its_deadline(server: SuiteServer) -> None:
+    """Draining a refused body before a `Connection: close` answer is bounded by the request's
+    deadline: a client that declared 2 MB, sent a little and waits got its 413 after 5 s."""
+    head = (
+        b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"X-Deadline-Ms: 300\r\nConnection: close\r\nContent-Length: 2000000\r\n\r\n"
+    )
+
+    started = time.perf_counter()
+    # A few bytes of the body, then the client only waits for the answer.
+    status, response, _ = raw_exchange(server.port, head, iter([b'{"transactions": [']))
+    answered_s = time.perf_counter() - started
+    assert status == 413, response[:300]
+    assert response_json(response)["error"] == "payload_too_large"
+    assert answered_s < 0.3 + DEADLINE_SLACK_S
+
+
 def test_a_body_slower_than_its_deadline_is_refused_408_and_the_server_serves_on(server: SuiteServer) -> None:
     """The gate reads the body itself, so it bounds the read by the request's deadline: a client that
     sends its headers and then stalls holds its place in the queue for the deadline, not until
