@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from inference.records import has_nul
+from inference.records import WHITESPACE, has_nul
 from inference.spec import LoadedSpec
 from serving.admission import Decision
 from serving.batcher import Reservation
@@ -240,9 +240,17 @@ class ScoreGate:
         return body
 
 
+def _one_header(headers: Headers, name: str) -> str | None:
+    """A header sent once, or repeated with one value; two values are a 400, not the first one's."""
+    values = headers.getlist(name)
+    if len(set(values)) > 1:
+        raise Refused(400, "bad_header", f"{name} sent twice with different values")
+    return values[0] if values else None
+
+
 def _deadline_header(headers: Headers) -> float | None:
     """X-Deadline-Ms in ms, None when absent, or a 400 when it is not a positive number."""
-    raw = headers.get(DEADLINE_HEADER)
+    raw = _one_header(headers, DEADLINE_HEADER)
     if raw is None:
         return None
     try:
@@ -255,8 +263,17 @@ def _deadline_header(headers: Headers) -> float | None:
 
 
 def _key_header(headers: Headers) -> str | None:
-    key = headers.get(IDEMPOTENCY_HEADER)
-    if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
+    """Idempotency-Key as the client wrote it: UTF-8 (HTTP hands header bytes over as latin-1) and
+    without surrounding whitespace, as the body's `idempotency_key` is read, so a key is one key
+    whichever way it is sent."""
+    raw = _one_header(headers, IDEMPOTENCY_HEADER)
+    if raw is None:
+        return None
+    try:
+        key = raw.encode("latin-1").decode("utf-8").strip(WHITESPACE)
+    except UnicodeDecodeError:
+        raise Refused(400, "bad_header", f"{IDEMPOTENCY_HEADER} must be UTF-8 text") from None
+    if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
         raise Refused(400, "bad_header", f"{IDEMPOTENCY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY} chars")
     return key
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import bentoml
 import pydantic
@@ -95,18 +95,22 @@ def api_models(ls: LoadedSpec) -> ApiModels:
     request_fields: dict[str, Any] = {
         plural: (list[record], records),  # type: ignore[valid-type]
         "idempotency_key": (
-            str | None,
+            # Read without surrounding whitespace, as the header is (serving.gate._key_header).
+            Annotated[str, pydantic.StringConstraints(strip_whitespace=True, min_length=1, max_length=200)] | None,
             Field(
                 default=None,
-                min_length=1,
-                max_length=200,
                 description="The Idempotency-Key header, for clients that cannot set headers (BentoML's); "
                 "the header wins when both are sent and equal, and they must not differ.",
             ),
         ),
         "deadline_ms": (
             float | None,
-            Field(default=None, gt=0, description="The X-Deadline-Ms header, for clients that cannot set headers."),
+            Field(
+                default=None,
+                gt=0,
+                allow_inf_nan=False,  # refused as the header's "inf" is
+                description="The X-Deadline-Ms header, for clients that cannot set headers.",
+            ),
         ),
     }
     request = pydantic.create_model("ScoreRequest", __base__=ScoreRequestBase, __module__=__name__, **request_fields)

@@ -4,12 +4,18 @@ deadline_ms, else the default, cut to the longest (`ScoreCall.resolve`)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 
 from serving.gate import ScoreCall, _check_one_key, _deadline_header, _key_header
 from serving.refusals import Refused
+from serving.schemas import api_models
 from serving.settings import ServingSettings
+from tests.inference.support import record
+from tests.reference import REFERENCE
 
 
 def headers_of(headers: dict[str, str]) -> Headers:
@@ -89,3 +95,32 @@ def test_a_header_key_and_a_different_body_key_are_a_400() -> None:
     with pytest.raises(Refused) as refused:
         _check_one_key("one", "another", 3)
     assert (refused.value.status, refused.value.error) == (400, "bad_request")
+
+
+def test_an_idempotency_key_header_is_read_as_utf_8_without_surrounding_whitespace() -> None:
+    """Header bytes reach the app as latin-1: "clé" sent as UTF-8 was the key "clÃ©", another key
+    than the body's "clé", so one key sent both ways was a 400 "differ"."""
+    assert _key_header(headers_of({"Idempotency-Key": "clé-🔑"})) == "clé-🔑"
+    assert _key_header(headers_of({"Idempotency-Key": "K9\u00a0"})) == "K9"
+    with pytest.raises(Refused) as refused:
+        _key_header(Headers(raw=[(b"idempotency-key", b"\xff\xfe")]))
+    assert (refused.value.status, refused.value.error) == (400, "bad_header")
+
+
+def test_the_body_key_is_read_as_the_header_is_and_its_deadline_must_be_finite() -> None:
+    request = api_models(REFERENCE).request
+    for key, expected in ((" K9\u00a0", "K9"), ("clé", "clé")):
+        assert request.model_validate({"transactions": [record()], "idempotency_key": key}).idempotency_key == expected
+    for deadline in ("Infinity", "NaN"):  # the header's "inf" is a 400; its field's was accepted
+        with pytest.raises(ValidationError):
+            request.model_validate_json(f'{{"transactions": [{json.dumps(record())}], "deadline_ms": {deadline}}}')
+
+
+@pytest.mark.parametrize("name", ["Idempotency-Key", "X-Deadline-Ms"])
+def test_a_header_sent_twice_with_different_values_is_a_400(name: str) -> None:
+    """The first value used to win silently, whatever the second said."""
+    read = _key_header if name == "Idempotency-Key" else _deadline_header
+    assert read(Headers(raw=[(name.lower().encode(), b"100"), (name.lower().encode(), b"100")])) in ("100", 100.0)
+    with pytest.raises(Refused) as refused:
+        read(Headers(raw=[(name.lower().encode(), b"100"), (name.lower().encode(), b"200")]))
+    assert (refused.value.status, refused.value.error) == (400, "bad_header")
