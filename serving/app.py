@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from inference.lineage import explain
+from inference.records import WHITESPACE
 from inference.settings import TandemSettings
 from inference.spec.api import RecordBase
 from serving.batcher import SCORING_PROCESS_DIED
@@ -84,7 +85,8 @@ async def _lineage(request: Request, request_id: str, edge: _Edge, scorer: Onlin
     refusal = edge.auth.check(request.headers.get("authorization"))
     if refusal is not None:
         raise refusal
-    record_id = str(request.path_params["record_id"])
+    # Stripped as a request's ids are where records come in: " x " was scored and stored as "x".
+    record_id = str(request.path_params["record_id"]).strip(WHITESPACE)
     longest = scorer.spec.id.max_length
     if not 0 < len(record_id) <= longest or "\x00" in record_id:
         raise Refused(422, "invalid_request", f"{scorer.spec.id.name} must be 1-{longest} characters, no NUL")

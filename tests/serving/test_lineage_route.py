@@ -52,3 +52,14 @@ def test_an_id_nothing_is_known_of_is_404(client: TestClient) -> None:
 
     assert answer.status_code == 404
     assert answer.json()["error"] == "not_found"
+
+
+def test_an_id_is_looked_up_as_it_was_stored_without_surrounding_whitespace(
+    client: TestClient, sqlite_engine: Engine
+) -> None:
+    cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id="tx-padded").items()})
+    ingest_day(
+        REFERENCE, sqlite_engine, conform(REFERENCE, cells.with_columns(amount=pl.lit("x")), "d.csv", typed=False), DAY
+    )
+
+    assert client.get("/lineage/%C2%A0tx-padded%20").status_code == 200
