@@ -6,8 +6,10 @@ from datetime import date
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from inference.features import MAX_HISTORY_LENGTH
 from inference.homes import default_data_dir
@@ -64,6 +66,7 @@ class TandemSettings(BaseSettings):
     )
     model_name: str = Field(
         default_factory=lambda: configured_spec().spec.model_name,
+        min_length=1,
         description="the BentoML model name; unset: the spec's model_name",
     )
     dagster_ui_url: str = Field(default="http://127.0.0.1:3000", description="for links in lineage answers")
@@ -84,6 +87,28 @@ class TandemSettings(BaseSettings):
     source_format: SourceFormat | None = Field(default=None, description="unset: from the file extension")
     source_url: str | None = Field(default=None, description="SQLAlchemy URL of the source database (sql)")
     source_query: str | None = Field(default=None, description="SQL with :start, :end (UTC, [start, end)) and :day")
+
+    @field_validator("database_url")
+    @classmethod
+    def _kept_beyond_the_process(cls, url: str | None) -> str | None:
+        """Every command and process opens the store anew: an in-memory SQLite database would take
+        a run's results with it when the process ends, and its run would still say it succeeded."""
+        try:
+            parsed = make_url(url) if url else None
+        except ArgumentError:
+            return url  # not a URL: refused, naming the variable, where the store is opened
+        if parsed is not None and parsed.get_backend_name() == "sqlite":
+            database = parsed.database or ""
+            if (
+                database in ("", ":memory:")
+                or database.startswith("file::memory:")
+                or "memory" in parsed.query.values()
+            ):
+                raise ValueError(
+                    "an in-memory SQLite database is lost when each process ends; name a file "
+                    "(sqlite:////absolute/path/tandem.db) or leave DATABASE_URL unset for the default"
+                )
+        return url
 
     @model_validator(mode="after")
     def _source_complete(self) -> Self:

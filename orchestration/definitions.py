@@ -15,6 +15,8 @@ from dagster import (
     define_asset_job,
     in_process_executor,
 )
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
 from assets.agreement import build_agreement_assets
 from assets.automation import PRODUCTION_MODEL
@@ -23,7 +25,7 @@ from assets.challenger import build_challenger_assets
 from assets.deadline import build_deadline_check
 from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from assets.scoring import records_key
-from inference.settings import TandemSettings
+from inference.settings import TandemSettings, settings_error
 from inference.spec import LoadedSpec, configured_spec
 from orchestration.alerts import build_run_failure_alert
 from orchestration.deadline import build_deadline_sensor
@@ -154,4 +156,21 @@ def build_definitions(settings: OrchestrationSettings) -> Definitions:
     )
 
 
-defs = build_definitions(OrchestrationSettings())
+class SettingsRefused(Exception):
+    """A setting of the environment refused, in one line naming its variable: Dagster shows the
+    code location's load error, and pydantic's own text names a Python field over several lines."""
+
+
+def checked_settings() -> OrchestrationSettings:
+    """Every settings class the code location and its runs read, checked as it loads."""
+    read: dict[str, type[BaseSettings]] = {
+        settings.__name__: settings for settings in (TandemSettings, OrchestrationSettings, SensorSettings)
+    }
+    try:
+        TandemSettings(), SensorSettings()
+        return OrchestrationSettings()
+    except ValidationError as error:
+        raise SettingsRefused(settings_error(error, read[error.title])) from None
+
+
+defs = build_definitions(checked_settings())

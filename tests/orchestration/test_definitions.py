@@ -19,7 +19,7 @@ from dagster import (
     instance_for_test,
 )
 
-from orchestration.definitions import defs
+from orchestration.definitions import SettingsRefused, checked_settings, defs
 
 PARTITIONED = ("transactions", "predictions", "path_agreement")
 
@@ -113,3 +113,17 @@ def test_automation_and_alerts_are_on_by_default() -> None:
     for name in ("production_model_observer", "run_failure_alert_sensor"):
         assert defs.resolve_sensor_def(name).default_status == DefaultSensorStatus.RUNNING, name
     assert "model_promotion_sensor" not in {sensor.name for sensor in defs.sensors or []}
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("TANDEM_SOURCE_FORMAT", "xml"), ("DATABASE_URL", "sqlite://"), ("TANDEM_SCHEDULE_HOUR_UTC", "25")],
+)
+def test_a_refused_setting_fails_the_code_location_in_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """Dagster shows the load error; pydantic's own named the Python field over several lines."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsRefused) as refused:
+        checked_settings()
+    assert str(refused.value).startswith(f"{variable}={value!r}: ") and "\n" not in str(refused.value)

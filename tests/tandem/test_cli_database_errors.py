@@ -181,3 +181,17 @@ def test_store_ddl_speaks_the_dialect_of_database_url_or_refuses_in_one_line(
     monkeypatch.setenv("DATABASE_URL", "sqlite:///tandem.db")
     assert main(["store", "ddl"]) == 0
     assert "CREATE TABLE transactions (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "url", ["sqlite://", "sqlite:///", "sqlite:///:memory:", "sqlite:///t.db?mode=memory&uri=true"]
+)
+def test_an_in_memory_sqlite_database_is_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, url: str
+) -> None:
+    """Each process opens the store anew: `tandem demo` on one trained and promoted a model, then
+    failed for want of the tables its first step had written into a database already gone."""
+    monkeypatch.setenv("BENTOML_HOME", str(tmp_path / "bentoml"))
+    said = _one_line_error(capsys, monkeypatch, url, "demo")
+    assert said.startswith(f"tandem: DATABASE_URL={url!r}: an in-memory SQLite database is lost")
+    assert not (tmp_path / "bentoml" / "models").exists(), "nothing was trained or promoted"
