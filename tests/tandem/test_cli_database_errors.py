@@ -195,3 +195,14 @@ def test_an_in_memory_sqlite_database_is_refused_before_any_work(
     said = _one_line_error(capsys, monkeypatch, url, "demo")
     assert said.startswith(f"tandem: DATABASE_URL={url!r}: an in-memory SQLite database is lost")
     assert not (tmp_path / "bentoml" / "models").exists(), "nothing was trained or promoted"
+
+
+def test_an_empty_model_name_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was taken as is: "no production version of ''"."""
+    monkeypatch.setenv("TANDEM_MODEL_NAME", "")
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    code = main(["models", "list"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("tandem: TANDEM_MODEL_NAME='': "), err
