@@ -5,6 +5,7 @@ answers (replays and shadows), which no client ever received."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -13,6 +14,9 @@ from sqlalchemy.engine import Engine
 from inference.agreement import cause_of
 from inference.spec import LoadedSpec
 from inference.store import ResultPath, challenger_lineage_rows, lineage_rows, rejection_rows
+
+# `tandem demo` scores a day outside Dagster: its run ids carry this prefix and have no page in its UI.
+CLI_RUN_PREFIX = "cli-"
 
 
 @dataclass(frozen=True)
@@ -137,9 +141,25 @@ def explain(
     )
 
 
+def cli_run_id() -> str:
+    """The run id of a batch scored by `tandem demo`, outside Dagster."""
+    return f"{CLI_RUN_PREFIX}{uuid.uuid4().hex[:12]}"
+
+
+def _run_name(run_id: str) -> str:
+    return f"tandem demo run {run_id}" if run_id.startswith(CLI_RUN_PREFIX) else f"dagster run {run_id}"
+
+
+def _run_url(dagster_ui_url: str, run_id: str | None) -> str | None:
+    """The run's page in Dagster's UI; a `tandem demo` run has none."""
+    if not run_id or run_id.startswith(CLI_RUN_PREFIX):
+        return None
+    return f"{dagster_ui_url.rstrip('/')}/runs/{run_id}"
+
+
 def _rejection(row: dict[str, Any], dagster_ui_url: str) -> RejectionLineage:
     if row["path"] == ResultPath.BATCH.value:
-        run = f" (dagster run {row['run_id']})" if row["run_id"] else ""
+        run = f" ({_run_name(row['run_id'])})" if row["run_id"] else ""
         where = f"batch {row['stage']} of partition {row['partition_key']}{run}"
     else:
         where = f"{row['path']} {row['stage']} of request {row['request_id']}"
@@ -152,7 +172,7 @@ def _rejection(row: dict[str, Any], dagster_ui_url: str) -> RejectionLineage:
         where=where,
         partition_key=row["partition_key"],
         run_id=row["run_id"],
-        dagster_run_url=f"{dagster_ui_url.rstrip('/')}/runs/{row['run_id']}" if row["run_id"] else None,
+        dagster_run_url=_run_url(dagster_ui_url, row["run_id"]),
         request_id=row["request_id"],
         received=row["payload"],
         first_seen=str(row["first_seen"]),
@@ -171,10 +191,10 @@ def _result(
         model_version=row["model_version"],
         score=row["score"],
         path=row["path"],
-        producer=f"dagster run {row['run_id']} partition {row['partition_key']}"
+        producer=f"{_run_name(str(row['run_id']))} partition {row['partition_key']}"
         if batch
         else f"request {row['request_id']} batch {row['batch_id']}",
-        dagster_run_url=f"{dagster_ui_url.rstrip('/')}/runs/{row['run_id']}" if batch and row["run_id"] else None,
+        dagster_run_url=_run_url(dagster_ui_url, row["run_id"]) if batch else None,
         request_id=row["request_id"],
         batch_id=row["batch_id"],
         idempotency_key=row["idempotency_key"],

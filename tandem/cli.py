@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import bentoml
@@ -19,7 +18,7 @@ from sqlalchemy.engine import Engine, make_url
 from inference.batch import FORWARD_BATCH_SIZE, BatchProducer, ChunkProgress, ingest_day, score_partition
 from inference.contract import TorchPredictor
 from inference.demo import day_range, demo_day, demo_settings
-from inference.lineage import explain
+from inference.lineage import cli_run_id, explain
 from inference.migrate import upgrade
 from inference.settings import TandemSettings, get_settings, settings_error
 from inference.spec import (
@@ -83,9 +82,7 @@ def run_demo(settings: TandemSettings) -> dict[str, object]:
     def progress(chunk: ChunkProgress) -> None:
         _say(f"      chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")
 
-    producer = BatchProducer(
-        run_id=f"cli-{uuid.uuid4().hex[:12]}", partition_key=days[-1].isoformat(), code_version=code_version()
-    )
+    producer = BatchProducer(run_id=cli_run_id(), partition_key=days[-1].isoformat(), code_version=code_version())
     scored = score_partition(
         ls, engine, predictor, days[-1], producer=producer, history_length=predictor.history_length, on_chunk=progress
     )

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 
 from inference.agreement import Cause
 from inference.batch import ingest_day
-from inference.lineage import explain
+from inference.lineage import cli_run_id, explain
 from inference.records import validate
 from inference.sources.common import conform
 from inference.store import RejectStage, ResultPath, quarantine, read_predictions, upsert_records, utc_now
@@ -56,6 +56,14 @@ def _stored(engine: Engine) -> list[dict[str, Any]]:
 @pytest.fixture
 def stored_hash(engine: Engine) -> str:
     return _store_record(engine)
+
+
+def test_a_batch_scored_by_tandem_demo_names_its_run_without_a_dagster_link(engine: Engine, stored_hash: str) -> None:
+    """Such a run is no Dagster run: its link was a page that does not exist."""
+    run_id = cli_run_id()
+    assert write_answers(engine, _batch(0.25, stored_hash, run_id=run_id)) == 1
+    (result,) = explain(REFERENCE, engine, TX, dagster_ui_url="http://ui:3000/").results
+    assert (result.producer, result.dagster_run_url) == (f"tandem demo run {run_id} partition {DAY.isoformat()}", None)
 
 
 @pytest.mark.parametrize("online_first", [True, False], ids=["online-then-batch", "batch-then-online"])
