@@ -168,15 +168,25 @@ def _check_fits(directory: Path, config: dict[str, Any], spec: LoadedSpec) -> No
     try:
         stored = torch.load(directory / WEIGHTS_FILE, weights_only=True)
     except Exception as error:  # noqa: BLE001 - a corrupt or foreign file: torch raises many kinds
-        first = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(
-            f"{directory / WEIGHTS_FILE} is not a saved state_dict ({type(error).__name__}: {first})"
+            f"{directory / WEIGHTS_FILE} is not a saved state_dict ({type(error).__name__}: {_load_reason(error)})"
         ) from None
     if not isinstance(stored, dict) or not all(isinstance(t, torch.Tensor) for t in stored.values()):
         raise ValueError(f"{directory / WEIGHTS_FILE} is not a state_dict (a dict of tensor names to tensors)")
     problems = state_dict_problems(module, stored)
     if problems:
         raise ValueError(f"{directory / WEIGHTS_FILE} does not fit {spec.path}'s model: {'; '.join(problems)}")
+
+
+def _load_reason(error: Exception) -> str:
+    """torch's reason in one line. A refused weights-only load leads with advice to load the file
+    unsafely, which a registry of other teams' files must not give; its reason follows the marker."""
+    text = str(error)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        reason = text.split(marker, 1)[1].strip().splitlines()[0]
+        return f"not a file of tensors that torch.save wrote ({reason})"
+    return (text.strip().splitlines() or [""])[0]
 
 
 def load(tag: str, spec: LoadedSpec | None = None) -> LoadedModel:

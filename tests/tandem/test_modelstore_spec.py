@@ -226,7 +226,9 @@ REFUSALS: dict[str, tuple[Callable[[Path], object], str]] = {
     ),
     "not a state_dict": (
         lambda d: (d / WEIGHTS_FILE).write_bytes(b"not torch"),
-        "{d}/weights.pt is not a saved state_dict (",
+        # torch's own first line advises loading the file unsafely; its reason comes after.
+        "{d}/weights.pt is not a saved state_dict (UnpicklingError: not a file of tensors that torch.save wrote "
+        "(Unsupported operand 110))",
     ),
     "wrong shape": (
         lambda d: _shorter(d, "head.0.bias"),
