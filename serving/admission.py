@@ -111,8 +111,9 @@ class AimdLimit:
     see a request's time in a saturated event loop before and after its batch; its latency can.
 
     An answer over the target cuts the limit by `BACKOFF`, at most once per `target_s` (the time a
-    cut takes to show); an answer within it, while the limit is at least half used, adds one request
-    per limit's worth of answers.
+    cut takes to show). An answer within it, while the limit is at least half used, adds one request
+    per limit's worth of answers; while it is not, the limit is not what keeps answers within the
+    target, and each such answer adds one, back towards the ceiling a burst is admitted under.
     """
 
     MIN_LIMIT = 8  # about capacity x latency at the target: below it goodput starves
@@ -142,5 +143,6 @@ class AimdLimit:
             if now - self._last_cut >= self.target_s:
                 self.limit = max(float(self.MIN_LIMIT), self.limit * self.BACKOFF)
                 self._last_cut = now
-        elif 2 * in_flight >= self.limit:
-            self.limit = min(float(self.max_limit), self.limit + 1 / self.limit)
+        else:
+            step = 1 / self.limit if 2 * in_flight >= self.limit else 1.0
+            self.limit = min(float(self.max_limit), self.limit + step)

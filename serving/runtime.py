@@ -107,6 +107,7 @@ class OnlineScorer:
         )
         self.warm = False
         metrics.p99_target.set(settings.p99_target_ms / 1000)
+        metrics.concurrency_limit.set(self.concurrency.limit)
         metrics.serving_model(model_version)
 
     # ------------------------------------------------------------------ lifecycle

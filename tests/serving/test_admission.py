@@ -224,21 +224,24 @@ def test_aimd_never_goes_below_its_floor_and_refuses_when_full() -> None:
     assert limit.limit == AimdLimit.MIN_LIMIT and limit.acquire()
 
 
-def test_aimd_grows_back_only_while_the_limit_is_used() -> None:
+def test_aimd_probes_slowly_while_used_and_regrows_to_its_ceiling_while_not() -> None:
+    """Grown only while used, a limit cut to its floor by an overload stayed there at normal load
+    (1-2 in flight): every later burst of more than 8 was refused, though answers met the target."""
     clock = FakeClock()
     limit = AimdLimit(0.05, max_limit=16, clock=clock)
     limit.limit = 10.0
-    assert limit.acquire()
-    limit.release(0.01)  # one in flight of ten: not used, no growth
-    assert limit.limit == 10.0
     for _ in range(6):
         assert limit.acquire()
-    for _ in range(6):
-        limit.release(0.01)
-    assert 10.0 < limit.limit <= 10.5
-    for _ in range(1000):
-        for _ in range(16):
-            limit.acquire()
-        for _ in range(16):
-            limit.release(0.01)
-    assert limit.limit == 16.0, "never past its ceiling"
+    limit.release(0.01)  # six in flight of ten: used, a probe of a tenth
+    assert limit.limit == pytest.approx(10.1)
+    for _ in range(5):
+        limit.release(0.01)  # five to one in flight of ten and more: not used, one each
+    assert limit.limit == pytest.approx(15.1)
+    limit.limit = float(AimdLimit.MIN_LIMIT)
+    for _ in range(16):
+        assert limit.acquire()
+        limit.release(0.01)  # one at a time, within the target
+    assert limit.limit == 16.0, "back at its ceiling, never past it"
+    for _ in range(16):
+        assert limit.acquire()
+    assert not limit.acquire()
