@@ -282,6 +282,21 @@ def test_a_duplicate_in_the_same_process_still_in_progress_past_its_deadline_is_
     asyncio.run(scenario())
 
 
+def test_a_keyed_answer_is_stored_before_the_client_has_it(engine: Engine, tmp_path: Path) -> None:
+    """Stored after the answer, off the loop: a crash right after the 200 left the claim unanswered,
+    and the retry once it went stale was scored afresh, another answer under one key."""
+
+    async def scenario() -> None:
+        a = await scorer_on(engine, tmp_path, AmountScoring(), "a")
+        first = await ask(a, "r1", "key-1", body("demo-1", 3.0))
+        assert claimed(engine, "key-1", answered=True), "no crash after the answer can lose it"
+        (stored,) = key_rows(engine)
+        assert stored["request_id"] == first.request_id
+        await settle(engine, a)
+
+    asyncio.run(scenario())
+
+
 def test_a_refused_request_frees_its_key_for_the_retry(engine: Engine, tmp_path: Path) -> None:
     async def scenario() -> ItemResult:
         scoring = AmountScoring(delay_s=0.3)
