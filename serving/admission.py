@@ -112,12 +112,15 @@ class AimdLimit:
 
     An answer over the target cuts the limit by `BACKOFF`, at most once per `target_s` (the time a
     cut takes to show). An answer within it, while the limit is at least half used, adds one request
-    per limit's worth of answers; while it is not, the limit is not what keeps answers within the
-    target, and each such answer adds one, back towards the ceiling a burst is admitted under.
+    per limit's worth of answers. Once no answer has been over the target for `CALM_S`, the overload
+    that cut the limit is over: each answer within it adds one, back to the ceiling a burst is
+    admitted under (used or not: at normal load the limit is never half used).
     """
 
     MIN_LIMIT = 8  # about capacity x latency at the target: below it goodput starves
     BACKOFF = 0.9
+    # Longer than a limit's dips during an overload: regrowing at once in them lost half the goodput.
+    CALM_S = 5.0
 
     def __init__(self, target_s: float, max_limit: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.target_s = target_s
@@ -126,6 +129,7 @@ class AimdLimit:
         self.in_flight = 0
         self.clock = clock
         self._last_cut = -math.inf
+        self._last_over = -math.inf
 
     def acquire(self) -> bool:
         if self.in_flight >= int(self.limit):
@@ -140,9 +144,11 @@ class AimdLimit:
             return
         now = self.clock()
         if latency_s > self.target_s:
+            self._last_over = now
             if now - self._last_cut >= self.target_s:
                 self.limit = max(float(self.MIN_LIMIT), self.limit * self.BACKOFF)
                 self._last_cut = now
-        else:
-            step = 1 / self.limit if 2 * in_flight >= self.limit else 1.0
-            self.limit = min(float(self.max_limit), self.limit + step)
+        elif now - self._last_over >= self.CALM_S:
+            self.limit = min(float(self.max_limit), self.limit + 1.0)
+        elif 2 * in_flight >= self.limit:
+            self.limit = min(float(self.max_limit), self.limit + 1 / self.limit)

@@ -224,24 +224,25 @@ def test_aimd_never_goes_below_its_floor_and_refuses_when_full() -> None:
     assert limit.limit == AimdLimit.MIN_LIMIT and limit.acquire()
 
 
-def test_aimd_probes_slowly_while_used_and_regrows_to_its_ceiling_while_not() -> None:
+def test_aimd_grows_while_used_during_an_overload_and_back_to_its_ceiling_once_it_is_over() -> None:
     """Grown only while used, a limit cut to its floor by an overload stayed there at normal load
     (1-2 in flight): every later burst of more than 8 was refused, though answers met the target."""
     clock = FakeClock()
     limit = AimdLimit(0.05, max_limit=16, clock=clock)
+    assert limit.acquire()
+    limit.release(1.0)  # an answer over the target: an overload
     limit.limit = 10.0
+    assert limit.acquire()
+    limit.release(0.01)  # one in flight of ten, during the overload: not used, no growth
+    assert limit.limit == 10.0
     for _ in range(6):
         assert limit.acquire()
-    limit.release(0.01)  # six in flight of ten: used, a probe of a tenth
-    assert limit.limit == pytest.approx(10.1)
-    for _ in range(5):
-        limit.release(0.01)  # five to one in flight of ten and more: not used, one each
-    assert limit.limit == pytest.approx(15.1)
-    limit.limit = float(AimdLimit.MIN_LIMIT)
-    for _ in range(16):
+    for _ in range(6):
+        limit.release(0.01)
+    assert 10.0 < limit.limit <= 10.5, "used: one per limit's worth of answers"
+    clock.now += AimdLimit.CALM_S
+    for _ in range(6):
         assert limit.acquire()
-        limit.release(0.01)  # one at a time, within the target
+        limit.release(0.01)  # one at a time, within the target, the overload over
     assert limit.limit == 16.0, "back at its ceiling, never past it"
-    for _ in range(16):
-        assert limit.acquire()
-    assert not limit.acquire()
+    assert all(limit.acquire() for _ in range(16)) and not limit.acquire()
