@@ -20,7 +20,7 @@ from serving.admission import AimdLimit, BatchCostModel, Decision
 from serving.backends import BackendSwitch, ScoringBackend, warm_up_backend
 from serving.batcher import EXPIRED, SCORING_PROCESS_DIED, AdaptiveBatcher, ProcessFn, Reservation, WorkItem
 from serving.breaker import BreakerState, CircuitBreaker
-from serving.idempotency import Admission, IdempotencyKeys, KeyInProgress, KeyReused, request_fingerprint
+from serving.idempotency import Admission, IdempotencyKeys, request_fingerprint
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.schemas import ItemResult, api_models
@@ -388,14 +388,3 @@ class OnlineScorer:
         self.writer.submit_rejections(outcome.rejected)
         self.shadow.offer([item.spec for item in batch], outcome)
         self.metrics.breaker_state.set(max(int(self.breaker.state), outcome.breaker_state))
-
-
-__all__ = [
-    "DeadlineExceeded",
-    "KeyInProgress",
-    "KeyReused",
-    "OnlineScorer",
-    "ScoringBackend",
-    "Shed",
-    "warm_up_backend",
-]

@@ -52,3 +52,16 @@ def test_a_function_is_measured_from_its_def_to_its_last_line() -> None:
         ("long", 2, MAX_FUNCTION_LINES + 1),
         ("short", MAX_FUNCTION_LINES + 6, 2),
     ]
+
+
+# serving/ is the request path a newcomer reads first; past this a module holds two subjects.
+MAX_SERVING_MODULE_LINES = 400
+
+
+def test_no_serving_module_is_longer_than_the_limit() -> None:
+    long_modules = {
+        path.relative_to(REPO_ROOT).as_posix(): lines
+        for path in sorted((REPO_ROOT / "serving").glob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_SERVING_MODULE_LINES
+    }
+    assert long_modules == {}, f"split these modules: {long_modules}"

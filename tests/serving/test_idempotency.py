@@ -19,8 +19,8 @@ from inference.spec import LoadedSpec
 from inference.spec.api import record_model
 from inference.store import idempotency_keys, read_predictions
 from serving.breaker import CircuitBreaker
-from serving.idempotency import IdempotencyKeys
-from serving.runtime import DeadlineExceeded, KeyInProgress, KeyReused, OnlineScorer, Shed
+from serving.idempotency import IdempotencyKeys, KeyInProgress, KeyReused
+from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import ItemResult, api_models
 from serving.scoring import BatchResult, ItemSpec
 from tests.reference import REFERENCE, Transaction
