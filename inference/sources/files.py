@@ -324,7 +324,7 @@ class FileSource:
             if fmt == "csv":
                 # Every column as text: a bad cell becomes one quarantined row, not a failed day.
                 try:
-                    frame = pl.read_csv(data, infer_schema=False)
+                    frame = _without_blank_lines(pl.read_csv(data, infer_schema=False))
                 except pl.exceptions.ComputeError:
                     # A line polars cannot take (more fields than the header, bytes that are not
                     # UTF-8) fails the whole read: read again line by line, so it is one bad row.
@@ -360,8 +360,8 @@ def _read_csv_by_line(ls: LoadedSpec, data: Any) -> tuple[pl.DataFrame, list[str
     columns: list[list[str | None]] = [[] for _ in header]
     problems: list[str | None] = []
     for cells in reader:
-        if not cells:
-            continue  # a blank line, which polars skips too
+        if not any(cell.strip() for cell in cells):
+            continue  # a blank line, as `_without_blank_lines` drops it from polars' read
         problem = None
         if len(cells) > len(header):
             problem = f"line {reader.line_num}: {len(cells)} cells, the header has {len(header)}"
@@ -387,6 +387,14 @@ def _read_csv_by_line(ls: LoadedSpec, data: Any) -> tuple[pl.DataFrame, list[str
 
 
 _SURROGATE = re.compile("[\udc80-\udcff]")
+
+
+def _without_blank_lines(frame: pl.DataFrame) -> pl.DataFrame:
+    """The rows with a value in some cell. polars reads a blank line (one that editors and
+    spreadsheet exports leave at the end, or a line of bare separators) as a row of nulls, which
+    would be quarantined as a record and count against the day's reject rate."""
+    blank = pl.all_horizontal(pl.all().str.strip_chars().fill_null("") == "")
+    return frame.filter(~blank) if frame.width else frame
 
 
 def _unique(header: list[str]) -> list[str]:

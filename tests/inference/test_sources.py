@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from inference.demo import demo_day
 from inference.records import raw_frame, validate
 from inference.sources import FileSource, SourceError, SqlSource, demo_path, write_demo_day
+from inference.sources.common import PROBLEM
 from inference.spec import POISON_REASON, DemoSettings, LoadedSpec, load_spec
 from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.reference import RAW_COLUMNS, RAW_SCHEMA, REFERENCE
@@ -287,6 +288,28 @@ def test_bad_cells_in_a_csv_are_rows_for_validation_to_reject(tmp_path: Path) ->
         "a-9:": "missing_field",
     }
     assert checked.filter(pl.col("transaction_id") == "bad-label")["label_fraud"].to_list() == [None]
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["read-whole", "read-by-line"])
+def test_a_blank_csv_line_is_no_record(tmp_path: Path, ragged: bool) -> None:
+    """A blank line (the one an editor leaves at the end, or a spreadsheet's row of bare
+    separators) is passed over by both CSV readers: quarantined as a record, it counted against
+    the day's reject rate. A row with any value is still a row."""
+    header = ",".join(RAW_COLUMNS)
+    good = "u-1,a-1,12.5,EUR,grocery,DE,2026-11-03T09:30:00+01:00"
+    lines = [header, good, "", " ,  ,", ",,,,,,", "u-2,a-1,13.5,EUR,grocery,DE,2026-11-03T10:30:00+01:00"]
+    lines += ["u-3,a-1,1,EUR,grocery,DE,2026-11-03T11:00:00+01:00,one cell too many"] if ragged else []
+    lines += [",,,,,,not-a-time", "", ""]
+    (tmp_path / "2026-11-03.csv").write_text("\r\n".join(lines) + "\r\n")
+
+    frame = FileSource(REFERENCE, str(tmp_path)).read(DAY).frame
+
+    assert frame.height == 3 + ragged, frame
+    assert frame["transaction_id"].to_list() == ["u-1", "u-2", *([None] if ragged else []), None]
+    if ragged:  # the line numbers count the blank lines: they are the file's own
+        assert frame[PROBLEM].to_list()[:2] == [None, None]
+        assert frame[PROBLEM][2].startswith("line 7: 8 cells, the header has 7")
+    assert validate(REFERENCE, frame)["reject_reason"].to_list()[-1] == "missing_field"
 
 
 def test_an_ndjson_value_that_cannot_be_read_as_written_is_one_rows_problem(tmp_path: Path) -> None:
