@@ -2,7 +2,8 @@
 scoring process of its own while the old one keeps answering, then swap between two batches.
 
 A new process per version: a version that fails to load, scores NaN or hangs is found out where no
-request depends on it. Rollback is the same move to an earlier version.
+request depends on it. Rollback is the same move to an earlier version. Beside it, the schema check
+a start had to leave for later because its database was down.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any, Literal, TypeVar
 
+from sqlalchemy.engine import Engine
+
+from inference.migrate import upgrade
+from inference.spec import LoadedSpec
+from inference.store import is_transient_db_error
 from serving.backends import ScoringBackend, warm_up_backend
 from serving.background import BackgroundTask
 from serving.runtime import OnlineScorer
@@ -301,3 +307,34 @@ class ChallengerWatcher(_PointerFollower):
     async def close(self) -> None:
         await super().close()
         self._let_go(self.shadow.set_backend(None))
+
+
+class DeferredMigration(_Periodic):
+    """The schema check (`upgrade`) of a service that started while its database was down, retried
+    every `interval_s` until the database answers. Meanwhile answers are degraded and their rows
+    wait in the outbox, which the writer keeps while the schema is missing. A refusal other than an
+    outage (another spec's database) ends the retries and sets `failed`: `/livez` then asks for a
+    restart, whose start fails with the reason."""
+
+    name = "tandem-deferred-migration"
+
+    def __init__(self, engine: Engine, spec: LoadedSpec, *, interval_s: float) -> None:
+        super().__init__(interval_s)
+        self.engine = engine
+        self.spec = spec
+        self.checked = False
+        self.failed: Exception | None = None
+
+    async def tick(self) -> None:
+        if self.checked or self.failed is not None:
+            return
+        try:
+            await asyncio.to_thread(upgrade, self.engine, self.spec)
+        except Exception as error:
+            if not is_transient_db_error(error):
+                self.failed = error
+                raise
+            logger.warning("database still unreachable; schema check retried in %g s", self.interval_s)
+            return
+        self.checked = True
+        logger.warning("database reachable again: schema checked, the outbox drains")

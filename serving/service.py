@@ -17,16 +17,17 @@ import typing
 import bentoml
 from bentoml import get_current_service
 from bentoml.models import BentoModel
+from sqlalchemy.engine import Engine
 
 from inference.migrate import upgrade
 from inference.settings import TandemSettings
-from inference.spec import configured_spec
-from inference.store import make_engine
+from inference.spec import LoadedSpec, configured_spec
+from inference.store import is_transient_db_error, make_engine
 from serving import worker
 from serving.app import answer, build_app
 from serving.backends import ScoringBackend
 from serving.gate import ScoreGate, call_in
-from serving.lifecycle import ChallengerWatcher, ModelWatcher, PoolSupervisor
+from serving.lifecycle import ChallengerWatcher, DeferredMigration, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
 from serving.openapi import ApiDocs, service_document
 from serving.outbox import Outbox
@@ -45,6 +46,7 @@ DB_CONNECT_TIMEOUT_S = 2  # a database that does not answer this fast is down: t
 MODEL_LOAD_TIMEOUT_S = 120.0  # starting and warming a new version's scoring process
 MODEL_RETRY_MAX_S = 60.0  # the longest wait before retrying a version that failed to load
 POOL_CHECK_INTERVAL_S = 0.5  # how soon a dead scoring process is noticed and replaced
+SCHEMA_RETRY_S = 5.0  # how often a service started without its database retries the schema check
 
 
 def production_model() -> BentoModel:
@@ -76,6 +78,19 @@ def engine_options(url: str, serving: ServingSettings) -> dict[str, typing.Any]:
         "options": f"-c statement_timeout={serving.db_statement_timeout_ms}",
     }
     return {"connect_args": timeouts}
+
+
+def migrate_or_defer(engine: Engine, spec: LoadedSpec) -> DeferredMigration | None:
+    """Check the schema now; a database that is down defers the check rather than the start, so a
+    restart during an outage still answers (degraded, rows to the outbox), as a running service does."""
+    try:
+        upgrade(engine, spec)
+    except Exception as error:
+        if not is_transient_db_error(error):
+            raise
+        logger.warning("database unreachable at start, serving degraded until it answers: %s", error)
+        return DeferredMigration(engine, spec, interval_s=SCHEMA_RETRY_S)
+    return None
 
 
 def api_document() -> dict[str, typing.Any]:
@@ -119,7 +134,7 @@ class TandemScorer:
         url = settings.resolved_database_url()
         options = engine_options(url, serving)
         engine = make_engine(url, **options)
-        upgrade(engine, self.spec)
+        self.migration = migrate_or_defer(engine, self.spec)
         self.worker_config = worker.WorkerConfig(
             spec_path=self.spec.path,
             model_dir=str(self.model_ref.path),
@@ -223,12 +238,16 @@ class TandemScorer:
             self.watcher.start()
         if self.challenger_watcher is not None:
             self.challenger_watcher.start()
+        if self.migration is not None:
+            self.migration.start()
 
     @bentoml.on_shutdown
     async def stop_scorer(self) -> None:
         """SIGTERM: the server has answered what it held. Submitted rows are written, then one last
         outbox drain bounded by shutdown_drain_s (the outbox leaves with the pod)."""
         await self.supervisor.close()
+        if self.migration is not None:
+            await self.migration.close()
         if self.watcher is not None:
             await self.watcher.close()
         if self.challenger_watcher is not None:
@@ -241,7 +260,7 @@ class TandemScorer:
         return self.scorer.ready()
 
     def __is_alive__(self) -> bool:
-        return self.scorer.alive()
+        return self.scorer.alive() and (self.migration is None or self.migration.failed is None)
 
 
 # Before BentoML reads or parses the body: a refusal costs no parse, and a schema error is Tandem's
