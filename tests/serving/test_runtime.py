@@ -281,14 +281,15 @@ def test_a_stuck_scoring_process_is_stopped_and_replaced(sqlite_engine: Engine, 
 
         started = time.monotonic()
         hanging = asyncio.create_task(
-            scorer.score([transaction("hang")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 5)
+            scorer.score([transaction("hang")], request_id="r1", idempotency_key=None, deadline=time.monotonic() + 30)
         )
         await until_async(lambda: scorer.batcher is not None and scorer.batcher.in_flight_for() > 0)
         assert scorer.ready(), "a batch within the default deadline keeps the service in rotation"
         await until_async(lambda: not scorer.ready(), timeout_s=1.4)
         assert not hanging.done() and scorer.scoring_available(), "out of rotation before the stuck bound"
         results, _ = await hanging
-        assert 1.5 <= time.monotonic() - started < 5, "lost at the stuck bound, not at the deadline"
+        # The bound is 1.5 s; stopping the process takes its share of a loaded machine, far from 30 s.
+        assert 1.5 <= time.monotonic() - started < 15, "lost at the stuck bound, not at the deadline"
         assert results[0].error is not None and results[0].error.reason == SCORING_PROCESS_DIED
         assert not stuck.process.is_alive()
         assert not scorer.scoring_available() and not scorer.ready() and scorer.alive()
