@@ -1,7 +1,9 @@
 """A circuit breaker in front of the database, so a dead database costs no latency.
 
 After `failure_threshold` consecutive failures it opens: callers skip the database for `reset_s`.
-Then one caller probes; success closes it, failure opens it again. Thread-safe; one per process.
+Then one probe: by a `probe` function on a thread of its own when one is given, so that no request
+waits out a silent database's connect timeout, else by the next caller. Success closes it, failure
+opens it again. Thread-safe; one per process.
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ class BreakerState(enum.IntEnum):
 
 
 class CircuitBreaker:
-    def __init__(self, failure_threshold: int, reset_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        failure_threshold: int,
+        reset_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        probe: Callable[[], object] | None = None,
+    ) -> None:
         self.failure_threshold = failure_threshold
         self.reset_s = reset_s
         self._clock = clock
+        self._probe = probe
         self._lock = threading.Lock()
         self._failures = 0
         self._opened_at: float | None = None
@@ -42,20 +51,32 @@ class CircuitBreaker:
         return BreakerState.OPEN
 
     def allow(self) -> bool:
-        """Whether this caller may try the database now (claims the probe when half-open)."""
+        """Whether this caller may try the database now (claims the probe when half-open and no
+        `probe` function was given)."""
         with self._lock:
             state = self._state_locked()
             if state is BreakerState.CLOSED:
                 return True
             now = self._clock()
             # A probe unanswered for reset_s is given up: its caller recorded neither outcome, and
-            # held for good it would keep the breaker refusing everyone.
-            if state is BreakerState.HALF_OPEN and (
-                self._probe_since is None or now - self._probe_since >= self.reset_s
-            ):
-                self._probe_since = now
+            # held for good it would keep the breaker refusing everyone. A probe thread always answers.
+            stale = self._probe is None and self._probe_since is not None and now - self._probe_since >= self.reset_s
+            if state is not BreakerState.HALF_OPEN or (self._probe_since is not None and not stale):
+                return False
+            self._probe_since = now
+            if self._probe is None:
                 return True
-            return False
+        threading.Thread(target=self._run_probe, name="tandem-breaker-probe", daemon=True).start()
+        return False
+
+    def _run_probe(self) -> None:
+        assert self._probe is not None
+        try:
+            self._probe()
+        except Exception:  # noqa: BLE001 - whatever failed, the database is not back: open for reset_s
+            self.record_failure()
+        else:
+            self.record_success()
 
     def record_success(self) -> None:
         with self._lock:

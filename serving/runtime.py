@@ -24,7 +24,7 @@ from serving.idempotency import Admission, IdempotencyKeys, request_fingerprint
 from serving.metrics import ServingMetrics
 from serving.outbox import Outbox
 from serving.schemas import ItemResult, api_models
-from serving.scoring import BatchResult, ItemSpec
+from serving.scoring import BatchResult, ItemSpec, ping_store
 from serving.settings import ServingSettings
 from serving.shadow import ShadowScorer
 from serving.writer import ResultWriter
@@ -74,7 +74,9 @@ class OnlineScorer:
         self.metrics = metrics
         self.outbox = outbox
         self.backends = BackendSwitch(ScoringBackend(model_version, executor, process), self._switched)
-        self.breaker = CircuitBreaker(settings.breaker_failure_threshold, settings.breaker_reset_s)
+        self.breaker = CircuitBreaker(
+            settings.breaker_failure_threshold, settings.breaker_reset_s, probe=functools.partial(ping_store, engine)
+        )
         self.cost = BatchCostModel(COST_DECAY)
         self.concurrency = AimdLimit(settings.p99_target_ms / 1000, settings.max_concurrency)
         self.writer = ResultWriter(

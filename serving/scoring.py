@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import polars as pl
+import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -86,6 +87,11 @@ def read_reconnecting(engine: Engine, read: Callable[[Connection], _R]) -> _R:
             raise
     with engine.connect() as conn:
         return read(conn)
+
+
+def ping_store(engine: Engine) -> None:
+    """The breakers' probe: one round trip, on a connection the batches' reads then reuse."""
+    read_reconnecting(engine, lambda conn: conn.execute(sa.text("SELECT 1")))
 
 
 class GuardedHistory:

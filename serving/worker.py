@@ -4,6 +4,7 @@ loop. In a thread of the server process, polars and torch hold the GIL long enou
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import multiprocessing
@@ -21,7 +22,7 @@ from inference.model import load_model
 from inference.spec import LoadedSpec, load_spec
 from inference.store import make_engine, warm_history_statements
 from serving.breaker import CircuitBreaker
-from serving.scoring import BatchResult, ItemSpec, ScoringCore
+from serving.scoring import BatchResult, ItemSpec, ScoringCore, ping_store
 from serving.scoring_process import ScoringProcess
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ def initialize(config: WorkerConfig) -> None:
     engine = make_engine(config.database_url, **options)
     if spec.history_entity(predictor.history_length) is not None:
         _prepare_history_reads(spec, engine, config.forward_batch_size)
-    breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_reset_s)
+    breaker = CircuitBreaker(
+        config.breaker_failure_threshold, config.breaker_reset_s, probe=functools.partial(ping_store, engine)
+    )
     _core = ScoringCore(spec, predictor, engine, breaker, code_version=config.code_version)
     # The libraries and the model live as long as the process: full collections need not scan them.
     gc.freeze()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import polars as pl
@@ -14,6 +15,7 @@ from serving.metrics import ServingMetrics
 from serving.scoring import GuardedHistory
 from tests.reference import REFERENCE, ItemResult
 from tests.serving.support import FakeClock
+from tests.shared import until
 
 # Roughly what warm-up measures here: 12 ms fixed per batch, 0.3 ms per item.
 CALIBRATION = [(1, 0.0123), (64, 0.0312)] * 3
@@ -149,6 +151,46 @@ def test_a_probe_that_fails_for_no_database_reason_is_given_up_after_reset_s() -
     clock.now = 10.0
     assert breaker.allow(), "the next caller probes"
     assert not breaker.allow(), "one probe at a time still"
+
+
+class _Probe:
+    """A probe the test answers: it blocks until told how the database did."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.release = threading.Event()
+        self.succeeds = True
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.release.wait(10)
+        if not self.succeeds:
+            raise ConnectionError("the database is still silent")
+
+
+def test_with_a_probe_function_no_caller_waits_on_the_half_open_probe() -> None:
+    """A silent database's connect timeout (2 s) is waited out by the probe's own thread, not by
+    the batch that happened to call first: callers skip the database until the probe answers."""
+    clock = FakeClock()
+    probe = _Probe()
+    breaker = CircuitBreaker(failure_threshold=1, reset_s=5.0, clock=clock, probe=probe)
+    breaker.record_failure()
+    clock.now = 5.0
+    assert not breaker.allow(), "half-open: the probe runs on its own thread"
+    until(lambda: probe.calls == 1)
+    assert not breaker.allow() and not breaker.allow()
+    clock.now = 20.0  # however long the probe takes, one at a time
+    assert not breaker.allow()
+    assert probe.calls == 1
+    probe.succeeds = False
+    probe.release.set()
+    until(lambda: breaker.state is BreakerState.OPEN)
+    clock.now = 25.0
+    probe.succeeds = True
+    assert not breaker.allow()
+    until(lambda: breaker.state is BreakerState.CLOSED)
+    assert probe.calls == 2
+    assert breaker.allow()
 
 
 # ------------------------------------------------------------------ admission before the body is read
