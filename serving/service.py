@@ -42,7 +42,6 @@ from tandem.version import code_version
 
 logger = logging.getLogger(__name__)
 
-DB_CONNECT_TIMEOUT_S = 2  # a database that does not answer this fast is down: the breaker takes over
 MODEL_LOAD_TIMEOUT_S = 120.0  # starting and warming a new version's scoring process
 MODEL_RETRY_MAX_S = 60.0  # the longest wait before retrying a version that failed to load
 POOL_CHECK_INTERVAL_S = 0.5  # how soon a dead scoring process is noticed and replaced
@@ -67,17 +66,6 @@ def production_model() -> BentoModel:
             )
         tag = stored[0].tag
     return BentoModel(modelstore.check_spec(tag, configured_spec()))
-
-
-def engine_options(url: str, serving: ServingSettings) -> dict[str, typing.Any]:
-    """PostgreSQL connections that fail fast: the breaker and the outbox take over from there."""
-    if not url.startswith("postgresql"):
-        return {}
-    timeouts = {
-        "connect_timeout": DB_CONNECT_TIMEOUT_S,
-        "options": f"-c statement_timeout={serving.db_statement_timeout_ms}",
-    }
-    return {"connect_args": timeouts}
 
 
 def migrate_or_defer(engine: Engine, spec: LoadedSpec) -> DeferredMigration | None:
@@ -132,7 +120,7 @@ class TandemScorer:
         SecuritySettings()  # a bad token or body limit fails the start, not the first request
         self.spec = SPEC
         url = settings.resolved_database_url()
-        options = engine_options(url, serving)
+        options = serving.engine_options(url)
         engine = make_engine(url, **options)
         self.migration = migrate_or_defer(engine, self.spec)
         self.worker_config = worker.WorkerConfig(

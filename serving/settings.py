@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -10,6 +11,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # BentoML's own per-request timeout (`traffic.timeout`) is a backstop behind the requests' deadlines
 # (BentoML requires one > 0); a request's deadline is cut to a second under it, so Tandem answers first.
 MIN_BACKSTOP_TIMEOUT_S = 10
+DB_CONNECT_TIMEOUT_S = 2  # a database that does not answer this fast is down: the breaker takes over
+# A database gone silent mid-read (a partition, a host that failed over) is found out by the kernel
+# within about 2 s, not TCP's 15 minutes: the read fails and the breaker takes over.
+DB_SILENCE_BOUND = {
+    "keepalives": 1,
+    "keepalives_idle": 1,
+    "keepalives_interval": 1,
+    "keepalives_count": 2,
+    "tcp_user_timeout": 2000,  # ms that sent data may stay unacknowledged
+}
 
 
 class ServingSettings(BaseSettings):
@@ -103,3 +114,13 @@ class ServingSettings(BaseSettings):
         """The longest deadline a request gets; a longer one asked for is cut to this, so that the
         service always answers with its own 504 before BentoML's backstop does."""
         return self.backstop_timeout_s * 1000 - 1000.0
+
+    def engine_options(self, url: str) -> dict[str, Any]:
+        """PostgreSQL connections that fail fast (connect, statement, silence): the breaker and the
+        outbox take over from there."""
+        if not url.startswith("postgresql"):
+            return {}
+        statement_timeout = f"-c statement_timeout={self.db_statement_timeout_ms}"
+        return {
+            "connect_args": {"connect_timeout": DB_CONNECT_TIMEOUT_S, "options": statement_timeout, **DB_SILENCE_BOUND}
+        }
