@@ -1,4 +1,5 @@
-"""A circuit breaker in front of the database, so a dead database costs no latency.
+"""A circuit breaker in front of the database, so a dead database costs no latency; and a bound on
+each statement, so a silent one cannot hold a read for good.
 
 After `failure_threshold` consecutive failures it opens: callers skip the database for `reset_s`.
 Then one probe: by a `probe` function on a thread of its own when one is given, so that no request
@@ -8,10 +9,19 @@ opens it again. Thread-safe; one per process.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
+
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine, ExceptionContext
+
+logger = logging.getLogger(__name__)
 
 
 class BreakerState(enum.IntEnum):
@@ -84,9 +94,82 @@ class CircuitBreaker:
             self._opened_at = None
             self._probe_since = None
 
+    def trip(self) -> None:
+        """Open now, whatever the count: a database that let a statement wait out its bound will
+        not answer the next caller either."""
+        with self._lock:
+            self._failures = max(self._failures, self.failure_threshold)
+            self._opened_at = self._clock()
+
     def record_failure(self) -> None:
         with self._lock:
             self._failures += 1
             self._probe_since = None
             if self._opened_at is not None or self._failures >= self.failure_threshold:
                 self._opened_at = self._clock()
+
+
+class StatementBound:
+    """Cuts the connection of a PostgreSQL statement still running `seconds` after it started.
+
+    statement_timeout is the server's, so it cannot end a wait on a server that does not answer:
+    a pooler whose database is gone queues the statement (PgBouncer: two minutes), a frozen host
+    never replies. Cut, the statement fails as a dropped connection does, and `on_cut` (a
+    breaker's `trip`) keeps the next statements off that database. One watchdog thread per
+    process, armed and disarmed per statement by engine events.
+    """
+
+    def __init__(self, seconds: float, on_cut: Callable[[], object] = lambda: None) -> None:
+        self.seconds = seconds
+        self.on_cut = on_cut
+        self._armed: dict[int, tuple[float, int]] = {}  # id(connection) -> (deadline, socket fd)
+        self._changed = threading.Condition()
+        self._watchdog: threading.Thread | None = None
+
+    def watch(self, engine: Engine) -> None:
+        """Bound every statement `engine` runs (a no-op on SQLite: a file always answers)."""
+        if engine.dialect.name != "postgresql":
+            return
+        event.listen(engine, "before_cursor_execute", self._arm)
+        event.listen(engine, "after_cursor_execute", self._disarm)
+        event.listen(engine, "handle_error", self._disarm_failed)
+
+    def _arm(self, conn: Connection, *_: object) -> None:
+        fd = conn.connection.driver_connection.pgconn.socket  # type: ignore[union-attr]
+        with self._changed:
+            self._armed[id(conn)] = (time.monotonic() + self.seconds, fd)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="tandem-statement-bound", daemon=True)
+                self._watchdog.start()
+            elif len(self._armed) == 1:
+                self._changed.notify()  # every later deadline is after this one: only an idle watchdog waits for it
+
+    def _disarm(self, conn: Connection, *_: object) -> None:
+        with self._changed:
+            self._armed.pop(id(conn), None)
+
+    def _disarm_failed(self, context: ExceptionContext) -> None:
+        if context.connection is not None:
+            self._disarm(context.connection)
+
+    def _watch(self) -> None:
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                for key, (deadline, fd) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[key]
+                        _cut(fd)  # under the lock: the statement's thread disarms before it closes its fd
+                        logger.warning("statement bound: cut a statement unanswered after %g s", self.seconds)
+                        try:
+                            self.on_cut()
+                        except Exception:  # the watchdog must outlive its callback
+                            logger.exception("statement bound: on_cut failed")
+                waits = [deadline - now for deadline, _ in self._armed.values()]
+                self._changed.wait(min(waits) if waits else None)
+
+
+def _cut(fd: int) -> None:
+    """Shut the socket down for both directions: the statement's next read fails at once."""
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as connection:
+        connection.shutdown(socket.SHUT_RDWR)

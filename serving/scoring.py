@@ -173,7 +173,8 @@ class ScoringCore:
         history = GuardedHistory(self.spec, self.engine, self.breaker)
         scored = self.predictor.predict(checked, history)
         outcome.degraded = outcome.degraded or history.degraded
-        stored = self._stored_answers(items) if lookup else {}
+        # A degraded score replays nothing: a store that just failed the history read is not asked again.
+        stored = self._stored_answers(items) if lookup and not history.degraded else {}
         batch_id = uuid.uuid4().hex
         produced_at = utc_now()
         answers = []

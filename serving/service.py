@@ -26,6 +26,7 @@ from inference.store import is_transient_db_error, make_engine
 from serving import worker
 from serving.app import answer, build_app
 from serving.backends import ScoringBackend
+from serving.breaker import StatementBound
 from serving.gate import ScoreGate, call_in
 from serving.lifecycle import ChallengerWatcher, DeferredMigration, ModelWatcher, PoolSupervisor
 from serving.metrics import ServingMetrics
@@ -66,6 +67,15 @@ def production_model() -> BentoModel:
             )
         tag = stored[0].tag
     return BentoModel(modelstore.check_spec(tag, configured_spec()))
+
+
+def bounded_engine(url: str, serving: ServingSettings) -> tuple[Engine, StatementBound]:
+    """The store's engine with every statement bounded; the bound's `on_cut` is the breaker's trip
+    once there is a breaker."""
+    engine = make_engine(url, **serving.engine_options(url))
+    bound = StatementBound(serving.statement_bound_s)
+    bound.watch(engine)
+    return engine, bound
 
 
 def migrate_or_defer(engine: Engine, spec: LoadedSpec) -> DeferredMigration | None:
@@ -120,8 +130,7 @@ class TandemScorer:
         SecuritySettings()  # a bad token or body limit fails the start, not the first request
         self.spec = SPEC
         url = settings.resolved_database_url()
-        options = serving.engine_options(url)
-        engine = make_engine(url, **options)
+        engine, bound = bounded_engine(url, serving)
         self.migration = migrate_or_defer(engine, self.spec)
         self.worker_config = worker.WorkerConfig(
             spec_path=self.spec.path,
@@ -133,7 +142,8 @@ class TandemScorer:
             torch_threads=serving.torch_threads,
             breaker_failure_threshold=serving.breaker_failure_threshold,
             breaker_reset_s=serving.breaker_reset_s,
-            engine_options=options,
+            engine_options=serving.engine_options(url),
+            statement_bound_s=serving.statement_bound_s,
         )
         first = ScoringBackend(self.worker_config.model_version, worker.start_pool(self.worker_config), worker.score)
         self.scorer = OnlineScorer(
@@ -150,6 +160,7 @@ class TandemScorer:
                 vocabulary_fields=tuple(field.name for field in self.spec.categoricals),
             ),
         )
+        bound.on_cut = self.scorer.breaker.trip
         # Not ready until real inferences have run end to end.
         self.scorer.warm_up()
         # Everything allocated so far lives as long as the process: full collections need not scan it.

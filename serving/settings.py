@@ -115,6 +115,12 @@ class ServingSettings(BaseSettings):
         service always answers with its own 504 before BentoML's backstop does."""
         return self.backstop_timeout_s * 1000 - 1000.0
 
+    @property
+    def statement_bound_s(self) -> float:
+        """How long a statement may wait before its connection is cut (`breaker.StatementBound`): a
+        second past the server's statement_timeout, so that a server that answers refuses first."""
+        return self.db_statement_timeout_ms / 1000 + 1.0
+
     def engine_options(self, url: str) -> dict[str, Any]:
         """PostgreSQL connections that fail fast (connect, statement, silence): the breaker and the
         outbox take over from there."""

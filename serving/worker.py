@@ -21,7 +21,7 @@ from inference.contract import TorchPredictor
 from inference.model import load_model
 from inference.spec import LoadedSpec, load_spec
 from inference.store import make_engine, warm_history_statements
-from serving.breaker import CircuitBreaker
+from serving.breaker import CircuitBreaker, StatementBound
 from serving.scoring import BatchResult, ItemSpec, ScoringCore, ping_store
 from serving.scoring_process import ScoringProcess
 
@@ -44,6 +44,7 @@ class WorkerConfig:
     breaker_failure_threshold: int
     breaker_reset_s: float
     engine_options: dict[str, Any] = field(default_factory=dict)
+    statement_bound_s: float | None = None  # see breaker.StatementBound; None: unbounded
     nice: int = 0  # the challenger's shadow process runs at 19: the champion's process goes first
 
 
@@ -65,11 +66,13 @@ def initialize(config: WorkerConfig) -> None:
     # and ROLLBACK round trips around them.
     options = {**config.engine_options, "pool_pre_ping": False, "isolation_level": "AUTOCOMMIT"}
     engine = make_engine(config.database_url, **options)
-    if spec.history_entity(predictor.history_length) is not None:
-        _prepare_history_reads(spec, engine, config.forward_batch_size)
     breaker = CircuitBreaker(
         config.breaker_failure_threshold, config.breaker_reset_s, probe=functools.partial(ping_store, engine)
     )
+    if config.statement_bound_s is not None:
+        StatementBound(config.statement_bound_s, on_cut=breaker.trip).watch(engine)
+    if spec.history_entity(predictor.history_length) is not None:
+        _prepare_history_reads(spec, engine, config.forward_batch_size)
     _core = ScoringCore(spec, predictor, engine, breaker, code_version=config.code_version)
     # The libraries and the model live as long as the process: full collections need not scan them.
     gc.freeze()

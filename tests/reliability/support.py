@@ -31,6 +31,8 @@ from tests.shared import migrate_and_ingest
 ROOT = Path(__file__).resolve().parents[2]
 # A model name of this suite's own: no other package promoting "risk_model" can swap it.
 MODEL_NAME = "risk_model_reliability"
+# An outage's end is noticed within a second: the breakers' probe every 0.5 s, the outbox every 0.2 s.
+FAST_RECOVERY = {"TANDEM_SERVING_BREAKER_RESET_S": "0.5", "TANDEM_SERVING_OUTBOX_DRAIN_INTERVAL_S": "0.2"}
 HISTORY_LENGTH = SETTINGS.history_length
 # Smallest chunk the asset allows, so a partition of a few thousand rows spans several chunks.
 CHUNK_ROWS = 4096

@@ -1,16 +1,9 @@
 """A service (re)started while its database is down: it comes up and answers, degraded, as a running
 service does through an outage; once the database answers, the schema is checked (here: created,
-the database never having been migrated) and the outbox drains into it. And a database that accepts
-connections but never answers (a hung server, a half-open connection): no request waits out its
-connect timeout."""
+the database never having been migrated) and the outbox drains into it."""
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from datetime import date
@@ -21,9 +14,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.reliability.support import MODEL_NAME, database_name
+from tests.reliability.support import FAST_RECOVERY, MODEL_NAME, database_name
 from tests.serving.support import LiveServer, demo_day, serve
-from tests.shared import free_port, fresh_postgres_database, set_connections_allowed, until
+from tests.shared import fresh_postgres_database, service_env, set_connections_allowed, until
 
 pytestmark = [pytest.mark.reliability, pytest.mark.live, pytest.mark.postgres]
 
@@ -38,37 +31,6 @@ def down_database(postgres_admin_url: str) -> Iterator[str]:
     with fresh_postgres_database(postgres_admin_url, prefix="tandem_down") as url:
         set_connections_allowed(postgres_admin_url, database_name(url), False)
         yield url
-
-
-@pytest.fixture
-def silent_database() -> Iterator[str]:
-    """A PostgreSQL URL whose port accepts connections and never says a word."""
-    listener = socket.create_server(("127.0.0.1", free_port()), backlog=1024)
-    held: list[socket.socket] = []
-
-    def hold() -> None:
-        with contextlib.suppress(OSError):  # the listener closed at the end
-            while True:
-                held.append(listener.accept()[0])
-
-    threading.Thread(target=hold, daemon=True).start()
-    try:
-        yield f"postgresql+psycopg://tandem@127.0.0.1:{listener.getsockname()[1]}/silent"
-    finally:
-        listener.close()
-        for connection in held:
-            connection.close()
-
-
-def _env(database_url: str, model_version: str, data_dir: Path) -> dict[str, str]:
-    return {
-        "DATABASE_URL": database_url,
-        "TANDEM_DATA_DIR": str(data_dir),
-        "TANDEM_MODEL_NAME": MODEL_NAME,
-        "TANDEM_SERVING_MODEL_TAG": model_version,
-        "TANDEM_SERVING_BREAKER_RESET_S": "0.5",
-        "TANDEM_SERVING_OUTBOX_DRAIN_INTERVAL_S": "0.2",
-    }
 
 
 def _stored_request_ids(url: str) -> set[str]:
@@ -86,7 +48,13 @@ def test_a_service_started_while_its_database_is_down_answers_and_writes_once_it
     postgres_admin_url: str, reliability_model: str, down_database: str, tmp_path: Path
 ) -> None:
     started = time.monotonic()
-    with serve(LiveServer, _env(down_database, reliability_model, tmp_path), tmp_path / "serve.log") as server:
+    with serve(
+        LiveServer,
+        service_env(database_url=down_database, data_dir=tmp_path, model_name=MODEL_NAME)
+        | FAST_RECOVERY
+        | {"TANDEM_SERVING_MODEL_TAG": reliability_model},
+        tmp_path / "serve.log",
+    ) as server:
         MEASURED["ready_after_s"] = round(time.monotonic() - started, 1)
         rows = demo_day(date(2026, 11, 2), 3, 3).to_dicts()
         keyed = {"Idempotency-Key": "start-during-outage"}
@@ -117,29 +85,3 @@ def test_a_service_started_while_its_database_is_down_answers_and_writes_once_it
             return response.json()["results"][0]["degraded"] is False
 
         until(undegraded, timeout_s=10, message="answers stayed degraded after the database came back")
-
-
-def test_a_silent_database_costs_no_request_its_connect_timeout(
-    reliability_model: str, silent_database: str, tmp_path: Path
-) -> None:
-    """Open loop at 20 requests a second for 8 s: each half-open probe of the breakers (every 0.5 s
-    here) waits out the 2 s connect timeout. When a batch took the probe, each one held every
-    request behind it for 2 s: 504s, then 503s while admission expected 2 s batches."""
-    rate, seconds = 20, 8
-    with serve(LiveServer, _env(silent_database, reliability_model, tmp_path), tmp_path / "serve.log") as server:
-        rows = demo_day(date(2026, 11, 2), rate * seconds, 20).to_dicts()
-
-        async def load() -> list[tuple[int, bool]]:
-            async with httpx.AsyncClient(timeout=10) as client:
-
-                async def one(row: dict[str, Any], at: float) -> tuple[int, bool]:
-                    await asyncio.sleep(max(at - time.monotonic(), 0.0))
-                    response = await client.post(f"{server.url}/score", json={"transactions": [row]})
-                    degraded = response.status_code == 200 and response.json()["results"][0]["degraded"]
-                    return response.status_code, degraded
-
-                start = time.monotonic()
-                return await asyncio.gather(*(one(row, start + i / rate) for i, row in enumerate(rows)))
-
-        outcomes = asyncio.run(load())
-    assert collections.Counter(outcomes) == {(200, True): rate * seconds}
