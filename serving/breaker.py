@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine, ExceptionContext
@@ -122,22 +123,22 @@ class StatementBound:
     def __init__(self, seconds: float, on_cut: Callable[[], object] = lambda: None) -> None:
         self.seconds = seconds
         self.on_cut = on_cut
-        self._armed: dict[int, tuple[float, int]] = {}  # id(connection) -> (deadline, socket fd)
+        self._armed: dict[int, tuple[float, Any]] = {}  # id(connection) -> (deadline, DBAPI connection)
         self._changed = threading.Condition()
         self._watchdog: threading.Thread | None = None
 
     def watch(self, engine: Engine) -> None:
-        """Bound every statement `engine` runs (a no-op on SQLite: a file always answers)."""
-        if engine.dialect.name != "postgresql":
+        """Bound every statement `engine` runs on PostgreSQL through psycopg (3 or 2), whose
+        connections name their socket; a no-op elsewhere (SQLite: a file always answers)."""
+        if engine.dialect.name != "postgresql" or engine.dialect.driver not in ("psycopg", "psycopg2"):
             return
         event.listen(engine, "before_cursor_execute", self._arm)
         event.listen(engine, "after_cursor_execute", self._disarm)
         event.listen(engine, "handle_error", self._disarm_failed)
 
     def _arm(self, conn: Connection, *_: object) -> None:
-        fd = conn.connection.driver_connection.pgconn.socket  # type: ignore[union-attr]
         with self._changed:
-            self._armed[id(conn)] = (time.monotonic() + self.seconds, fd)
+            self._armed[id(conn)] = (time.monotonic() + self.seconds, conn.connection.driver_connection)
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="tandem-statement-bound", daemon=True)
                 self._watchdog.start()
@@ -156,10 +157,10 @@ class StatementBound:
         with self._changed:
             while True:
                 now = time.monotonic()
-                for key, (deadline, fd) in list(self._armed.items()):
+                for key, (deadline, driver) in list(self._armed.items()):
                     if deadline <= now:
                         del self._armed[key]
-                        _cut(fd)  # under the lock: the statement's thread disarms before it closes its fd
+                        _cut(driver)
                         logger.warning("statement bound: cut a statement unanswered after %g s", self.seconds)
                         try:
                             self.on_cut()
@@ -169,7 +170,9 @@ class StatementBound:
                 self._changed.wait(min(waits) if waits else None)
 
 
-def _cut(fd: int) -> None:
-    """Shut the socket down for both directions: the statement's next read fails at once."""
-    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as connection:
+def _cut(driver: Any) -> None:
+    """Shut the connection's socket down both ways: the statement's next read fails at once. The
+    socket is asked of the connection now: one closed meanwhile has none (psycopg raises), where a
+    file descriptor kept from before could name another file by now."""
+    with contextlib.suppress(Exception), socket.socket(fileno=os.dup(driver.fileno())) as connection:
         connection.shutdown(socket.SHUT_RDWR)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from inference.store import make_engine
@@ -17,8 +18,11 @@ BOUND_S = 0.5
 
 
 @pytest.mark.postgres
-def test_a_statement_past_the_bound_fails_within_it_and_the_engine_serves_on(postgres_url: str) -> None:
-    engine = make_engine(postgres_url)  # no statement_timeout: only the bound ends the sleep
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+def test_a_statement_past_the_bound_fails_within_it_and_the_engine_serves_on(postgres_url: str, driver: str) -> None:
+    url = make_url(postgres_url).set(drivername=f"postgresql+{driver}")
+    engine = make_engine(url.render_as_string(hide_password=False))  # no statement_timeout: only the bound ends it
+    assert engine.dialect.driver == driver
     StatementBound(BOUND_S).watch(engine)
     try:
         started = time.monotonic()
