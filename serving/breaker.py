@@ -68,11 +68,13 @@ class CircuitBreaker:
             state = self._state_locked()
             if state is BreakerState.CLOSED:
                 return True
+            if state is not BreakerState.HALF_OPEN:
+                return False
             now = self._clock()
-            # A probe unanswered for reset_s is given up: its caller recorded neither outcome, and
-            # held for good it would keep the breaker refusing everyone. A probe thread always answers.
-            stale = self._probe is None and self._probe_since is not None and now - self._probe_since >= self.reset_s
-            if state is not BreakerState.HALF_OPEN or (self._probe_since is not None and not stale):
+            # A caller's probe unanswered for reset_s is given up: its caller recorded neither
+            # outcome, and held for good it would keep the breaker refusing everyone. A probe
+            # thread always answers.
+            if self._probe_since is not None and (self._probe is not None or now - self._probe_since < self.reset_s):
                 return False
             self._probe_since = now
             if self._probe is None:
@@ -99,7 +101,6 @@ class CircuitBreaker:
         """Open now, whatever the count: a database that let a statement wait out its bound will
         not answer the next caller either."""
         with self._lock:
-            self._failures = max(self._failures, self.failure_threshold)
             self._opened_at = self._clock()
 
     def record_failure(self) -> None:

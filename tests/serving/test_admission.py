@@ -153,6 +153,17 @@ def test_a_probe_that_fails_for_no_database_reason_is_given_up_after_reset_s() -
     assert not breaker.allow(), "one probe at a time still"
 
 
+def test_a_trip_opens_a_closed_breaker_at_once_and_its_probe_closes_it() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=3, reset_s=5.0, clock=clock)
+    breaker.trip()
+    assert breaker.state is BreakerState.OPEN and not breaker.allow()
+    clock.now = 5.0
+    assert breaker.allow(), "the probe, as after any opening"
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED
+
+
 class _Probe:
     """A probe the test answers: it blocks until told how the database did."""
 
