@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import resource
+import sys
+import threading
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
+import sqlalchemy as sa
 import torch
 
 from bench.precision import PRECISIONS, forward_in
@@ -28,6 +33,31 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class StatementTimes:
+    """Wall time per SQL statement text, summed over the run, from SQLAlchemy's cursor events (a
+    COPY through the driver's own cursor is not among them)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+        self.lock = threading.Lock()  # the stages' threads run statements at once
+        sa.event.listen(sa.engine.Engine, "before_cursor_execute", self.before)
+        sa.event.listen(sa.engine.Engine, "after_cursor_execute", self.after)
+
+    def before(self, conn: sa.Connection, *_: Any) -> None:
+        conn.info.setdefault("statement_started", []).append(time.perf_counter())
+
+    def after(self, conn: sa.Connection, _cursor: Any, statement: str, *_: Any) -> None:
+        seconds = time.perf_counter() - conn.info["statement_started"].pop()
+        with self.lock:
+            total = self.totals[" ".join(statement.split())[:100]]
+            total[0] += 1
+            total[1] += seconds
+
+    def print(self, top: int = 12) -> None:
+        for text, (count, seconds) in sorted(self.totals.items(), key=lambda item: -item[1][1])[:top]:
+            print(f"{seconds:8.2f} s {int(count):6d}x  {text}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--database-url", required=True)
@@ -40,7 +70,9 @@ def main() -> None:
     parser.add_argument(
         "--precision", choices=PRECISIONS, default="fp32", help="the forward pass's (bench/precision.py)"
     )
+    parser.add_argument("--statements", action="store_true", help="each SQL statement's summed wall time, to stderr")
     args = parser.parse_args()
+    statements = StatementTimes() if args.statements else None
     torch.set_num_threads(torch.get_num_threads())
     spec = configured_spec()
     model, version = modelstore.load_production(args.model_name or spec.spec.model_name)
@@ -69,6 +101,8 @@ def main() -> None:
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if statements is not None:
+        statements.print()
     print(
         json.dumps(
             {

@@ -273,6 +273,8 @@ class _PartitionScoring:
         # Read once, in the write transaction, so each chunk resolves only what is open instead of
         # running an UPDATE over every id it scored (a partition rejects a few percent of its rows).
         self.open_rejections: set[str] | None = None
+        # Records this run rejects: their earlier batch answers are deleted once, at the close.
+        self.rejected_ids: list[str] = []
 
     def chunks(self) -> Generator[tuple[pl.DataFrame, pl.DataFrame]]:
         """The partition's stored rows in chunks, each with its entities' rows from earlier days."""
@@ -338,7 +340,7 @@ class _PartitionScoring:
             self.open_rejections = (
                 set() if self.as_challenger else open_score_rejections(conn, partition_key=self.producer.partition_key)
             )
-        _write_chunk(
+        rejected_ids = _write_chunk(
             self.spec,
             conn,
             chunk,
@@ -349,6 +351,7 @@ class _PartitionScoring:
             self.open_rejections,
             as_challenger=self.as_challenger,
         )
+        self.rejected_ids.extend(rejected_ids)
         self.pipeline.timed("write", began)
         if self.on_chunk is not None:
             elapsed = time.perf_counter() - self.started
@@ -356,7 +359,20 @@ class _PartitionScoring:
             self.on_chunk(ChunkProgress(report.chunks, report.rows_in, report.rows_in / elapsed if elapsed else 0.0))
 
     def close_partition(self, conn: Connection) -> None:
-        """After the last chunk, in the same transaction: rejections that no longer hold are resolved."""
+        """After the last chunk, in the same transaction: batch answers of records now rejected are
+        deleted, and rejections that no longer hold are resolved."""
+        # Once per partition, not per chunk: with statistics older than the run (a new table, a
+        # cleared partition) PostgreSQL plans the delete as a scan of the rows written so far, so
+        # per chunk the write stage grew with the square of the partition (bench/findings.md).
+        self.pipeline.timing(
+            "write",
+            delete_batch_predictions,
+            conn,
+            partition_key=self.producer.partition_key,
+            model_version=self.predictor.model_version,
+            record_ids=self.rejected_ids,
+            table=challenger_predictions if self.as_challenger else predictions,
+        )
         if not self.as_challenger:
             self.pipeline.timing(
                 "write", resolve_superseded_rejections, self.spec, conn, partition_key=self.producer.partition_key
@@ -471,9 +487,10 @@ def _write_chunk(
     open_rejections: set[str],
     *,
     as_challenger: bool,
-) -> None:
-    """One chunk's results into the partition's open transaction, and into the report.
-    `open_rejections`: the partition's records with an open scoring rejection, less those resolved."""
+) -> list[str]:
+    """One chunk's results into the partition's open transaction, and into the report; returns
+    the ids of the records it rejected. `open_rejections`: the partition's records with an open
+    scoring rejection, less those resolved."""
     scored = results.filter(pl.col("reject_reason").is_null())
     rejected = (
         chunk.select(record_table(ls).raw_columns)
@@ -500,13 +517,6 @@ def _write_chunk(
         if rescored:
             resolve_rescored_rejections(write, partition_key=producer.partition_key, record_ids=rescored)
             open_rejections.difference_update(rescored)
-    delete_batch_predictions(
-        write,
-        partition_key=producer.partition_key,
-        model_version=predictor.model_version,
-        record_ids=rejected[ls.id.name].drop_nulls().to_list(),
-        table=challenger_predictions if as_challenger else predictions,
-    )
     report.rows_in += chunk.height
     report.scored += scored.height
     report.rejected += rejected.height
@@ -515,6 +525,7 @@ def _write_chunk(
     report.scored_with_unseen += unseen.len()
     report.unseen_by_field.update(unseen.str.split(",").explode().to_list())
     report.chunks += 1
+    return list(rejected[ls.id.name].drop_nulls().to_list())
 
 
 def _prediction_rows(scored: pl.DataFrame, predictor: Predictor, producer: BatchProducer) -> pl.DataFrame:

@@ -27,11 +27,14 @@ from inference.store.schema import (
     predictions,
 )
 
-# Columns a writer may leave out: the merge derives answer_key, and the rest default.
 # Two scores this close are one answer: float noise between forward batch sizes and thread counts.
 # The parity check and path_agreement compare with it; a batch rewrite needs a larger change.
 PARITY_TOLERANCE = 1e-5
 
+# Ids per DELETE ... IN: within SQLite's (32,766) and PostgreSQL's (65,535) parameter limits.
+DELETE_IDS_PER_STATEMENT = 10_000
+
+# Columns a writer may leave out: the merge derives answer_key, and the rest default.
 _DERIVED_OR_DEFAULTED = {"answer_key": None, "degraded": False, "unseen_fields": None, "latency_ms": None}
 
 
@@ -215,9 +218,10 @@ def delete_batch_predictions(
     record_ids: list[str],
     table: sa.Table = predictions,
 ) -> int:
-    """Drop batch predictions of records that a rerun now rejects (a correction made them invalid)."""
+    """Drop batch predictions of records that a rerun now rejects (a correction made them invalid).
+    One statement per DELETE_IDS_PER_STATEMENT ids: each may scan the whole partition."""
     deleted = 0
-    for chunk in _chunks(record_ids, 1000):
+    for chunk in _chunks(record_ids, DELETE_IDS_PER_STATEMENT):
         deleted += conn.execute(
             sa.delete(table).where(
                 table.c.partition_key == partition_key,

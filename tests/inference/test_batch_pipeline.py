@@ -10,16 +10,19 @@ from typing import Any
 
 import polars as pl
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from inference.batch import (
     QUEUE_DEPTH,
     ChunkProgress,
     PartitionReport,
+    ingest_day,
 )
 from inference.contract import HistorySource, PreparedBatch, TorchPredictor
 from inference.demo import day_range
-from tandem_specs.transactions.demo import DemoConfig
+from inference.store import challenger_predictions, predictions
+from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.inference.support import (
     DAY,
     ingest_days,
@@ -271,3 +274,33 @@ def test_an_empty_partition_commits_nothing_and_stops_every_stage(engine: Engine
     report = score_day(engine, date(2030, 1, 1), predictor(), run_id="empty")
     assert (report.rows_in, report.chunks) == (0, 0)
     assert not stage_threads()
+
+
+@pytest.mark.parametrize("as_challenger", [False, True], ids=["production", "challenger"])
+def test_a_rerun_drops_the_answers_of_records_a_correction_made_invalid(engine: Engine, as_challenger: bool) -> None:
+    ingest_days(engine, CONFIG, DAYS)
+    table = challenger_predictions if as_challenger else predictions
+    score(engine, predictor("v1"), run_id="first", as_challenger=as_challenger)
+    score(engine, predictor("v2"), run_id="other-version", as_challenger=as_challenger)
+    first = answers_of(engine, table, "v1")
+    # The first, a middle and the last record: three different chunks of the rerun.
+    invalid = [first[0], first[len(first) // 2], first[-1]]
+    source = generate_day(DAYS[-1], CONFIG)
+    corrected = source.with_columns(
+        pl.when(pl.col("transaction_id").is_in(invalid)).then(-1.0).otherwise(pl.col("amount")).alias("amount")
+    )
+    ingest_day(REFERENCE, engine, corrected, DAYS[-1])
+
+    report = score(engine, predictor("v1"), run_id="rerun", as_challenger=as_challenger)
+
+    assert answers_of(engine, table, "v1") == sorted(set(first) - set(invalid))
+    assert set(invalid) <= set(answers_of(engine, table, "v2")), "another version's answers are its own"
+    assert report.rejected_by_reason["amount_negative"] >= len(invalid)
+
+
+def answers_of(engine: Engine, table: sa.Table, model_version: str) -> list[str]:
+    """The record ids `model_version` has a batch answer for in `table`, in order."""
+    c = table.c
+    with engine.connect() as conn:
+        query = sa.select(c.record_id).where(c.model_version == model_version, c.path == "batch")
+        return list(conn.execute(query.order_by(c.record_id)).scalars())
