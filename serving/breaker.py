@@ -161,12 +161,14 @@ class StatementBound:
                 for key, (deadline, driver) in list(self._armed.items()):
                     if deadline <= now:
                         del self._armed[key]
-                        _cut(driver)
-                        logger.warning("statement bound: cut a statement unanswered after %g s", self.seconds)
+                        # on_cut first: the statement's caller, woken by the cut, must find the
+                        # breaker open already, or it retries on a fresh connection to that database.
                         try:
                             self.on_cut()
                         except Exception:  # the watchdog must outlive its callback
                             logger.exception("statement bound: on_cut failed")
+                        _cut(driver)
+                        logger.warning("statement bound: cut a statement unanswered after %g s", self.seconds)
                 waits = [deadline - now for deadline, _ in self._armed.values()]
                 self._changed.wait(min(waits) if waits else None)
 

@@ -32,7 +32,7 @@ from inference.store import (
     record_table,
     utc_now,
 )
-from serving.breaker import CircuitBreaker
+from serving.breaker import BreakerState, CircuitBreaker
 from serving.schemas import ItemError, ItemResult, api_models
 
 logger = logging.getLogger(__name__)
@@ -76,14 +76,16 @@ class BatchResult:
     breaker_state: int = 0  # of the scoring process's own breaker, for the metric
 
 
-def read_reconnecting(engine: Engine, read: Callable[[Connection], _R]) -> _R:
+def read_reconnecting(engine: Engine, read: Callable[[Connection], _R], breaker: CircuitBreaker | None = None) -> _R:
     """`read` on a pooled connection, once more on a fresh one if the server had dropped it (a
-    restart): SQLAlchemy's optimistic disconnect handling, in place of a ping before every read."""
+    restart): SQLAlchemy's optimistic disconnect handling, in place of a ping before every read.
+    Not once `breaker` has opened: a statement cut by its bound tripped it, and a fresh connection
+    to a silent database would hold the batch for the connect timeout as well."""
     try:
         with engine.connect() as conn:
             return read(conn)
     except DBAPIError as error:
-        if not error.connection_invalidated:
+        if not error.connection_invalidated or (breaker is not None and breaker.state is not BreakerState.CLOSED):
             raise
     with engine.connect() as conn:
         return read(conn)
@@ -111,7 +113,7 @@ class GuardedHistory:
         if self.breaker.allow():
             try:
                 history = read_reconnecting(
-                    self.engine, lambda conn: fetch_history(self.spec, conn, targets, history_length)
+                    self.engine, lambda conn: fetch_history(self.spec, conn, targets, history_length), self.breaker
                 )
             except SQLAlchemyError as error:
                 self.breaker.record_failure()
@@ -202,6 +204,7 @@ class ScoringCore:
             rows = read_reconnecting(
                 self.engine,
                 lambda conn: online_answers(conn, model_version=self.model_version, record_ids=record_ids),
+                self.breaker,
             )
         except SQLAlchemyError as error:
             self.breaker.record_failure()
