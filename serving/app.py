@@ -13,6 +13,7 @@ from functools import cached_property
 
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -32,6 +33,22 @@ from serving.schemas import REQUEST_ID_HEADER, ItemResult
 from serving.security import SecuritySettings
 
 logger = logging.getLogger(__name__)
+
+
+class AnyText(Convertor[str]):
+    """A path segment of any characters: `path`'s ".*" stops at a newline, and an id scored with
+    one must still be looked up."""
+
+    regex = r"[\s\S]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("tandem_any_text", AnyText())
 
 
 class _Edge(Edge):
@@ -71,9 +88,9 @@ def build_app(get_scorer: Callable[[], OnlineScorer], *, security: SecuritySetti
         yield
 
     routes = [
-        # `path`: an id may contain "/", and must still name one record. The documents name the
-        # parameter by the spec's id field; the URL is the same.
-        Route("/lineage/{record_id:path}", lineage, methods=["GET"]),
+        # Any text: an id may contain "/" or a newline, and must still name one record. The
+        # documents name the parameter by the spec's id field; the URL is the same.
+        Route("/lineage/{record_id:tandem_any_text}", lineage, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

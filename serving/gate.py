@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ MAX_IDEMPOTENCY_KEY = 200
 SCORE_PATH = "/score"
 # The key of the admitted call in the ASGI scope's `state` (Starlette's `request.state`).
 CALL_STATE = "tandem_score_call"
+# A JSON number, as the body's deadline_ms is: float() alone also took "1_000" and "１２".
+DEADLINE_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 
 
 @dataclass
@@ -253,10 +256,7 @@ def _deadline_header(headers: Headers) -> float | None:
     raw = _one_header(headers, DEADLINE_HEADER)
     if raw is None:
         return None
-    try:
-        deadline_ms = float(raw)
-    except ValueError:
-        deadline_ms = math.nan
+    deadline_ms = float(raw) if DEADLINE_NUMBER.fullmatch(raw) else math.nan
     if not math.isfinite(deadline_ms) or deadline_ms <= 0:
         raise Refused(400, "bad_header", f"{DEADLINE_HEADER} must be a positive number of ms")
     return deadline_ms

@@ -104,7 +104,7 @@ def _score_refusals(components: _Components, limits: Limits) -> dict[str, Any]:
         ),
         "413": error(
             ErrorBody,
-            f"body_too_large (over {limits.max_body_bytes:,} bytes) or too_many_{limits.plural} "
+            f"payload_too_large (a body over {limits.max_body_bytes:,} bytes) or too_many_{limits.plural} "
             f"(over {limits.max_records}).",
         ),
         "422": error(
@@ -243,15 +243,23 @@ def amend_bentoml_document(bentoml_spec: dict[str, Any], ours: dict[str, Any]) -
     ours_score = ours["paths"]["/score"]["post"]
     score["description"] = ours_score["description"]
     score["parameters"] = ours_score["parameters"]
+    if "security" in ours_score:  # the docs page's "Authorize" sends the token
+        score["security"] = ours_score["security"]
     # BentoML's 200 and request body keep its own schemas; every other status is Tandem's answer.
     responses = {code: answer for code, answer in score.get("responses", {}).items() if str(code) == "200"}
     score["responses"] = responses | {code: a for code, a in ours_score["responses"].items() if code != "200"}
     paths["/score"] = {**paths.get("/score", {}), "post": score}
     paths.update({path: answer for path, answer in ours["paths"].items() if path.startswith("/lineage/")})
+    paths["/readyz"] = ours["paths"]["/readyz"]  # BentoML declares its 200 only; not ready is a 503
     amended["paths"] = paths
     components = dict(bentoml_spec.get("components", {}))
     ours_schemas = ours["components"]["schemas"]
     components["schemas"] = {**ours_schemas, **components.get("schemas", {})}
+    if "securitySchemes" in ours["components"]:
+        components["securitySchemes"] = {
+            **components.get("securitySchemes", {}),
+            **ours["components"]["securitySchemes"],
+        }
     amended["components"] = components
     return amended
 

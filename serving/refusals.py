@@ -45,7 +45,8 @@ class Refused(Exception):
         detail = {
             "reason": decision.reason,
             "predicted_wait_ms": round(decision.predicted_wait_s * 1000, 1),
-            "limit_ms": round(decision.limit_s * 1000, 1),
+            # A deadline that passed while the request was read leaves no time, not a negative one.
+            "limit_ms": round(max(0.0, decision.limit_s) * 1000, 1),
         }
         return cls(
             503,

@@ -14,7 +14,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from inference.spec import LoadedSpec, load_spec
-from inference.spec.api import RecordBase, record_model
+from inference.spec.api import RecordBase, a_number, record_model
 
 DEADLINE_HEADER = "X-Deadline-Ms"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -104,7 +104,8 @@ def api_models(ls: LoadedSpec) -> ApiModels:
             ),
         ),
         "deadline_ms": (
-            float | None,
+            # A JSON number, as a record's numeric fields: leniently, true was 1 ms and "100" 100 ms.
+            Annotated[float, pydantic.BeforeValidator(a_number)] | None,
             Field(
                 default=None,
                 gt=0,

@@ -32,7 +32,7 @@ class RecordBase(BaseModel):
         }
 
 
-def _a_number(value: Any, info: pydantic.ValidationInfo) -> Any:
+def a_number(value: Any, info: pydantic.ValidationInfo) -> Any:
     # pydantic alone reads true as 1.0; a frame (`raw_frame`, a CSV cell) has no number there.
     if isinstance(value, bool):
         raise ValueError(f"{info.field_name} must be a number, not a boolean")
@@ -87,7 +87,7 @@ def record_model(ls: LoadedSpec) -> type[RecordBase]:
         "_aware_utc": field_validator(event_time)(_aware_utc),
     }
     if numerics:
-        validators["_a_number"] = field_validator(*numerics, mode="before")(_a_number)
+        validators["_a_number"] = field_validator(*numerics, mode="before")(a_number)
     model: type[RecordBase] = pydantic.create_model(
         ls.spec.record_name,
         __base__=RecordBase,

@@ -12,6 +12,7 @@ from serving.admission import AimdLimit, BatchCostModel, Decision, admit, predic
 from serving.batcher import AdaptiveBatcher, Reservation
 from serving.breaker import BreakerState, CircuitBreaker
 from serving.metrics import ServingMetrics
+from serving.refusals import Refused
 from serving.scoring import GuardedHistory
 from tests.reference import REFERENCE, ItemResult
 from tests.serving.support import FakeClock
@@ -299,3 +300,10 @@ def test_aimd_grows_while_used_during_an_overload_and_back_to_its_ceiling_once_i
         limit.release(0.01)  # one at a time, within the target, the overload over
     assert limit.limit == 16.0, "back at its ceiling, never past it"
     assert all(limit.acquire() for _ in range(16)) and not limit.acquire()
+
+
+def test_a_refusal_for_a_deadline_already_past_says_no_time_is_left_not_a_negative_one() -> None:
+    """A header deadline of 0.0001 ms read "limit_ms": -0.0; one of 1e-320, -0.1."""
+    for limit_s in (-0.0001, -1e-7, -0.0):
+        refused = Refused.overloaded(Decision(False, 0.01, limit_s, "over_deadline"), items=1)
+        assert isinstance(refused.detail, dict) and str(refused.detail["limit_ms"]) == "0.0", limit_s

@@ -4,6 +4,8 @@ Tandem's description and the production model's version, in /openapi.json and in
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -12,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+import serving
 from serving.openapi import ApiDocs, Limits, amend_bentoml_document, limits_of, openapi_document
 from serving.security import SecuritySettings
 from serving.settings import ServingSettings
@@ -84,6 +87,16 @@ def test_bentomls_document_gets_tandems_answers_description_and_version() -> Non
     assert {p["name"] for p in post["parameters"]} == {"X-Deadline-Ms", "Idempotency-Key"}
     assert "/lineage/{transaction_id}" in amended["paths"] and "/readyz" in amended["paths"]
     assert {"ErrorBody", "BentoOwn"} <= set(amended["components"]["schemas"])
+    assert set(amended["paths"]["/readyz"]["get"]["responses"]) == {"200", "503"}
+    assert "security" not in post and "securitySchemes" not in amended["components"]
+
+
+def test_with_a_token_bentomls_document_declares_it_so_its_docs_page_can_send_it() -> None:
+    ours = openapi_document(REFERENCE, LIMITS, bearer_auth=True, model_version="v")
+    amended = amend_bentoml_document(bentoml_like_spec(), ours)
+    assert amended["paths"]["/score"]["post"]["security"] == [{"bearer": []}]
+    assert amended["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert amended["paths"]["/lineage/{transaction_id}"]["get"]["security"] == [{"bearer": []}]
 
 
 def test_the_middleware_amends_docs_json_and_passes_everything_else() -> None:
@@ -101,3 +114,27 @@ def test_the_middleware_amends_docs_json_and_passes_everything_else() -> None:
         assert int(answer.headers["content-length"]) == len(answer.content)
         assert answer.json()["info"]["version"] == "v9"
         assert client.get("/other").json() == {"untouched": True}
+
+
+def _score_refusal_codes() -> set[tuple[str, str]]:
+    """(status, error code) of every refusal the /score path builds: the gate's, the edge's, and
+    the overload and outage refusals; the error code as the client reads it."""
+    found = set()
+    for module in ("gate", "security", "refusals"):
+        tree = ast.parse((Path(serving.__file__).parent / f"{module}.py").read_text())
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) in ("Refused", "cls"):
+                status, code = call.args[:2]
+                assert isinstance(status, ast.Constant)
+                text = ast.unparse(code).strip("'\"f").replace("{plural}", REFERENCE.spec.plural)
+                found.add((str(status.value), text))
+    return found
+
+
+def test_every_refusal_of_score_is_documented_under_its_status_with_its_code() -> None:
+    """The 413 was documented as "body_too_large" where the service answers "payload_too_large"."""
+    responses = openapi_document(REFERENCE, LIMITS, model_version="v")["paths"]["/score"]["post"]["responses"]
+    codes = _score_refusal_codes() - {("400", "client_disconnected")}  # the client left: nobody reads it
+    assert {("413", "payload_too_large"), ("413", "too_many_transactions"), ("503", "overloaded")} <= codes
+    for status, code in codes:
+        assert code in responses[status]["description"], (status, code)

@@ -73,11 +73,16 @@ def test_a_header_wins_over_its_body_field() -> None:
     assert call_with().resolve("from-body", 8000.0) == ("from-body", 108.0, 8000.0)
 
 
-@pytest.mark.parametrize("header", ["0", "-5", "nan", "inf", "soon", ""])
+@pytest.mark.parametrize("header", ["0", "-5", "nan", "inf", "1e400", "soon", "", "1_000", "１２", "0x10"])
 def test_a_deadline_header_that_is_not_a_positive_number_is_a_400(header: str) -> None:
     with pytest.raises(Refused) as refused:
         _deadline_header(headers_of({"X-Deadline-Ms": header}))
     assert (refused.value.status, refused.value.error) == (400, "bad_header")
+    assert [_deadline_header(headers_of({"X-Deadline-Ms": ok})) for ok in ("250", "250.5", "2.5e2")] == [
+        250,
+        250.5,
+        250,
+    ]
 
 
 @pytest.mark.parametrize("key", ["", "k" * 201])
@@ -111,7 +116,8 @@ def test_the_body_key_is_read_as_the_header_is_and_its_deadline_must_be_finite()
     request = api_models(REFERENCE).request
     for key, expected in ((" K9\u00a0", "K9"), ("clé", "clé")):
         assert request.model_validate({"transactions": [record()], "idempotency_key": key}).idempotency_key == expected
-    for deadline in ("Infinity", "NaN"):  # the header's "inf" is a 400; its field's was accepted
+    # The header's "inf" is a 400, its field's was accepted; true was 1 ms and "100" 100 ms.
+    for deadline in ("Infinity", "NaN", "true", '"100"'):
         with pytest.raises(ValidationError):
             request.model_validate_json(f'{{"transactions": [{json.dumps(record())}], "deadline_ms": {deadline}}}')
 

@@ -3,6 +3,8 @@ nothing is known of."""
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import polars as pl
 import pytest
 from sqlalchemy.engine import Engine
@@ -63,3 +65,18 @@ def test_an_id_is_looked_up_as_it_was_stored_without_surrounding_whitespace(
     )
 
     assert client.get("/lineage/%C2%A0tx-padded%20").status_code == 200
+
+
+@pytest.mark.parametrize("record_id", ["tx/with/slashes", "tx\nwith a newline", "tx\twith\u2028separators"])
+def test_an_id_of_any_characters_is_looked_up(client: TestClient, sqlite_engine: Engine, record_id: str) -> None:
+    """An id with a newline was scored and stored, and its lineage was Starlette's plain-text 404:
+    the `path` convertor's ".*" does not match a newline."""
+    cells = pl.DataFrame({name: [str(value)] for name, value in record(transaction_id=record_id).items()})
+    ingest_day(
+        REFERENCE, sqlite_engine, conform(REFERENCE, cells.with_columns(amount=pl.lit("x")), "d.csv", typed=False), DAY
+    )
+
+    answer = client.get("/lineage/" + quote(record_id, safe="/"))
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["record_id"] == record_id
