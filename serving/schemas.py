@@ -67,6 +67,10 @@ def _item_result(spec_path: str, state: dict[Any, Any]) -> ItemResult:
 class ScoreRequestBase(bentoml.IODescriptor):
     model_config = ConfigDict(extra="forbid")
 
+    # A JSON number, as the header and a record's numeric fields must be: read leniently, true
+    # was 1 ms and "100" 100 ms.
+    _deadline_a_number = pydantic.field_validator("deadline_ms", mode="before", check_fields=False)(a_number)
+
 
 class ScoreResponseBase(bentoml.IODescriptor):
     request_id: str
@@ -104,8 +108,7 @@ def api_models(ls: LoadedSpec) -> ApiModels:
             ),
         ),
         "deadline_ms": (
-            # A JSON number, as a record's numeric fields: leniently, true was 1 ms and "100" 100 ms.
-            Annotated[float, pydantic.BeforeValidator(a_number)] | None,
+            float | None,
             Field(
                 default=None,
                 gt=0,
