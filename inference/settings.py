@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import date
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -95,7 +96,7 @@ class TandemSettings(BaseSettings):
         a run's results with it when the process ends, and its run would still say it succeeded."""
         try:
             parsed = make_url(url) if url else None
-        except ArgumentError:
+        except (ArgumentError, ValueError):  # ValueError: a port that is no number
             return url  # not a URL: refused, naming the variable, where the store is opened
         if parsed is not None and parsed.get_backend_name() == "sqlite":
             database = parsed.database or ""
@@ -132,6 +133,16 @@ def get_settings() -> TandemSettings:
     return TandemSettings()
 
 
+# The password of a URL's credentials ("scheme://user:password@"), matched as text: a URL that
+# fails to parse is refused too, and its text is echoed where the terminal and the logs keep it.
+URL_PASSWORD = re.compile(r"(?P<user>://[^/?#@:]*):[^/?#@]*@")
+
+
+def without_password(text: str) -> str:
+    """`text` with any URL's password masked, as SQLAlchemy renders one: `user:***@`."""
+    return URL_PASSWORD.sub(r"\g<user>:***@", text)
+
+
 def settings_error(error: ValidationError, settings: type[BaseSettings]) -> str:
     """A settings class's refusal on one line, naming each environment variable it refused (for a
     command line: pydantic's own text spans lines, and names a field, not the variable)."""
@@ -148,4 +159,4 @@ def settings_error(error: ValidationError, settings: type[BaseSettings]) -> str:
         said.append(
             f"{variable}={refused['input']!r}: {message}" if refused["type"] != "missing" else f"{variable}: {message}"
         )
-    return "; ".join(said)
+    return without_password("; ".join(said))

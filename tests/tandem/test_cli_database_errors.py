@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Annotated
 
 import pytest
 import sqlalchemy as sa
+from pydantic import AfterValidator, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.migrate import upgrade
+from inference.settings import settings_error, without_password
 from inference.store import make_engine, rejected_records
 from tandem.cli import main
 from tests.reference import REFERENCE
@@ -206,3 +210,35 @@ def test_an_empty_model_name_is_refused_in_one_line(
     code = main(["models", "list"])
     err = capsys.readouterr().err.splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("tandem: TANDEM_MODEL_NAME='': "), err
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql://tandem:s3cret@127.0.0.1:abc/tandem", "postgresql://tandem:s3cret@[::1/x"]
+)
+def test_a_url_that_does_not_parse_is_one_line_without_the_password(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    """A port that is no number was echoed whole, password and all: make_url raises ValueError."""
+    said = _one_line_error(capsys, monkeypatch, url)
+    assert said.startswith("tandem: DATABASE_URL: ") and "s3cret" not in said
+
+
+def test_a_settings_refusal_masks_the_password_of_every_url_it_names() -> None:
+    class WithUrls(BaseSettings):
+        model_config = SettingsConfigDict(env_prefix="PROBE_")
+        source_url: Annotated[str, AfterValidator(_refuse)]
+        replica_url: Annotated[str, AfterValidator(_refuse)]
+
+    with pytest.raises(ValidationError) as refused:
+        WithUrls(source_url="postgresql+psycopg://reader:s3cret@db:5432/x", replica_url="mysql://r:pa:ss@h/y")
+    said = settings_error(refused.value, WithUrls)
+    assert "PROBE_SOURCE_URL='postgresql+psycopg://reader:***@db:5432/x'" in said
+    assert "PROBE_REPLICA_URL='mysql://r:***@h/y'" in said
+    assert "s3cret" not in said and "pa:ss" not in said
+    assert (
+        without_password("sqlite:////srv/x.db and https://host/a:b@c") == "sqlite:////srv/x.db and https://host/a:b@c"
+    )
+
+
+def _refuse(value: str) -> str:
+    raise ValueError("refused")
