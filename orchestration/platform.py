@@ -29,6 +29,7 @@ from inference.demo import day_range
 from inference.homes import resolve_homes
 from inference.settings import TandemSettings, settings_error
 from inference.spec import LoadedSpec, configured_spec
+from inference.store import store_url
 from orchestration.instance import instance_config
 from orchestration.sensors import SensorSettings
 from orchestration.settings import OrchestrationSettings, PlatformSettings
@@ -259,10 +260,15 @@ def _checked_settings() -> tuple[TandemSettings, PlatformSettings] | None:
     }
     try:
         OrchestrationSettings(), SensorSettings()
-        return TandemSettings(), PlatformSettings()
+        settings = TandemSettings()
+        # Refused here, in one line: each demo run would fail on it in Dagster, then serve anyway.
+        store_url(settings.resolved_database_url())
+        return settings, PlatformSettings()
     except ValidationError as error:
         print(f"[tandem] {settings_error(error, read[error.title])}", file=sys.stderr, flush=True)
-        return None
+    except ValueError as error:
+        print(f"[tandem] DATABASE_URL: {error}", file=sys.stderr, flush=True)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ from inference.store.challenger import (
     upsert_challenger_predictions,
 )
 from inference.store.checks import PartitionCounts, batch_scores, partition_counts, sample_batch_predictions
-from inference.store.engine import is_missing_schema, is_transient_db_error, make_engine, utc_now
+from inference.store.engine import is_missing_schema, is_transient_db_error, make_engine, store_url, utc_now
 from inference.store.idempotency import (
     KeyClaim,
     claim_idempotency_key,
@@ -173,6 +173,7 @@ __all__ = [
     "resolve_unsent_ingest_rejections",
     "sample_batch_predictions",
     "stale_scored_partitions",
+    "store_url",
     "stored_elsewhere",
     "stored_partition_dates",
     "stream_partition_rows",

@@ -23,21 +23,30 @@ from sqlalchemy.sql.visitors import InternalTraversal
 SUPPORTED_BACKENDS = ("postgresql", "sqlite")
 
 
+def store_url(url: str) -> sa.engine.URL:
+    """`url` parsed, or ValueError for text that is no URL (a port that is no number too) or a
+    backend the store has no writes for; the message never holds the URL's password."""
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa_exc.ArgumentError:
+        # Not echoed: a URL that does not parse may still hold a password.
+        raise ValueError("not a database URL (e.g. postgresql://user@host:5432/db or sqlite:///path)") from None
+    except ValueError as error:  # make_url's own: int() of a port that is no number
+        raise ValueError(f"not a database URL: {error}") from None
+    if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"the store runs on PostgreSQL (postgresql://) or SQLite (sqlite://), not {parsed.drivername}://"
+        )
+    return parsed
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine with the settings each backend needs for concurrent writers.
 
     ValueError for text that is no URL, a backend the store has no writes for, or a driver that
     is not installed.
     """
-    try:
-        parsed = sa.engine.make_url(url)
-    except sa_exc.ArgumentError:
-        # Not echoed: a URL that does not parse may still hold a password.
-        raise ValueError("not a database URL (e.g. postgresql://user@host:5432/db or sqlite:///path)") from None
-    if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
-        raise ValueError(
-            f"the store runs on PostgreSQL (postgresql://) or SQLite (sqlite://), not {parsed.drivername}://"
-        )
+    parsed = store_url(url)
     try:
         return _make_engine(parsed, **kwargs)
     except ModuleNotFoundError as missing:

@@ -56,6 +56,29 @@ def test_a_bad_setting_is_one_line_naming_its_variable_before_any_work(
     assert err[0].startswith(f"[tandem] {variable}={value!r}: ") and said in err[0]
 
 
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("postgresql://tandem:s3cret@db:abc/tandem", "not a database URL: invalid literal"),
+        ("not a url", "not a database URL (e.g."),
+        ("mysql://root:s3cret@db/tandem", "not mysql://"),
+    ],
+)
+def test_a_database_url_the_store_cannot_use_is_one_line_before_any_work(
+    url: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each demo run failed on it inside Dagster and the launcher served anyway; a port that is no
+    number was refused with the URL echoed, password and all."""
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("DATABASE_URL", url)
+    monkeypatch.setattr(platform, "materialize_demo", lambda settings: pytest.fail("ran with a bad DATABASE_URL"))
+
+    assert platform.main(["--no-serve"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("[tandem] DATABASE_URL: ") and said in err[0] and "s3cret" not in err[0]
+
+
 def test_the_code_location_names_a_bad_partitions_start(monkeypatch: pytest.MonkeyPatch) -> None:
     # Dagster loads orchestration.definitions itself: there the variable is named by pydantic's own error.
     monkeypatch.setenv("TANDEM_PARTITIONS_START", "yesterday")
