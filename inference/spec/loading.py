@@ -7,12 +7,16 @@ import hashlib
 import importlib
 import json
 import re
+import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from types import UnionType
+from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import StringConstraints, TypeAdapter, ValidationError
 from pydantic_core import SchemaError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from torch import nn
 
 from inference.spec.fields import (
     Categorical,
@@ -23,6 +27,7 @@ from inference.spec.fields import (
     Label,
     Numeric,
     RecordId,
+    RecordRule,
 )
 from inference.spec.model_spec import ModelSpec
 
@@ -188,8 +193,69 @@ def _import(path: str) -> ModelSpec:
     return spec
 
 
+# What each attribute of a spec and of its parts must be: (attribute, type, what a refusal says).
+# A type is a class, `X | None` or `tuple[X, ...]`; a `Callable` is a hook, which the core calls
+# when it needs it, so the function or class itself and never what it returns.
+_ATTRIBUTE_TYPES: dict[type, tuple[tuple[str, Any, str], ...]] = {
+    ModelSpec: (
+        ("name", str, "a str"),
+        ("model_name", str, "a str"),
+        ("version", str, "a str"),
+        ("fields", tuple[Field, ...], "a tuple of RecordId, EntityKey, EventTime, Numeric and Categorical"),
+        ("history_length", int, "an int"),
+        ("encode", Callable, "a function returning the timeline columns (the function, not its result)"),
+        ("features", Callable, "a function of the timeline returning the model's inputs"),
+        ("model", Callable, "a function or class building the nn.Module from a config (not a module)"),
+        ("model_config", Callable, "a function of K returning a model config"),
+        ("example", Callable, "a function returning a valid record (the function, not the record)"),
+        ("label", Label | None, "a Label or None"),
+        ("augment_training", Callable | None, "a function of (arrays, seed) or None"),
+        ("train_epochs", int, "an int"),
+        ("train_batch_size", int, "an int"),
+        ("table", str | None, "a str or None"),
+        ("plural", str, "a str"),
+        ("record_name", str, "a str"),
+        ("rules", tuple[RecordRule, ...], "a tuple of RecordRule"),
+        ("reason_order", tuple[str, ...] | None, "a tuple of str or None"),
+        ("demo", Callable | None, "a function of (spec, day, settings) or None"),
+        ("title", str, "a str"),
+        ("description", str, "a str"),
+        ("score_description", str, "a str"),
+    ),
+    RecordId: (("name", str, "a str"), ("max_length", int, "an int")),
+    EntityKey: (("name", str, "a str"), ("max_length", int, "an int")),
+    EventTime: (("name", str, "a str"),),
+    Numeric: (
+        ("name", str, "a str"),
+        ("minimum", int | float | None, "a number or None"),
+        ("maximum", int | float | None, "a number or None"),
+        ("below", str | None, "a str or None"),
+        ("above", str | None, "a str or None"),
+    ),
+    Categorical: (
+        ("name", str, "a str"),
+        ("vocabulary", tuple[str, ...], "a tuple of str"),
+        ("pattern", str, "a str"),
+        ("max_length", int, "an int"),
+        ("min_length", int, "an int"),
+        ("malformed", str | None, "a str or None"),
+    ),
+    Label: (("name", str, "a str"),),
+    RecordRule: (
+        ("code", str, "a str"),
+        ("field", str, "a str"),
+        ("refuses", Callable, "a function returning a polars expression"),
+    ),
+}
+
+
 def spec_problems(spec: ModelSpec) -> list[str]:
     """Every reason the spec cannot run, in declaration order (empty: it can)."""
+    # The checks below read values as their declared types (a str history_length cannot be
+    # compared, an int name matched): a spec with a wrongly typed attribute is refused for its types.
+    problems = _type_problems("", spec)
+    if problems:
+        return problems
     named = [("name", spec.name), ("model_name", spec.model_name), ("plural", spec.plural), ("table", spec.table)]
     problems = [
         _not_a_name(what, name) for what, name in named if name is not None and not NAME_PATTERN.fullmatch(name)
@@ -197,9 +263,6 @@ def spec_problems(spec: ModelSpec) -> list[str]:
     fields: list[Field | Label] = [*spec.fields, *([spec.label] if spec.label else [])]
     seen: set[str] = set()
     for field in fields:
-        if not isinstance(field, (RecordId, EntityKey, EventTime, Numeric, Categorical, Label)):
-            problems.append(f"{field!r} is not a field of inference.spec")
-            continue
         if not NAME_PATTERN.fullmatch(field.name):
             problems.append(_not_a_name("field", field.name))
         if field.name in RESERVED_COLUMNS or field.name.startswith(RESERVED_PREFIXES):
@@ -222,7 +285,7 @@ def spec_problems(spec: ModelSpec) -> list[str]:
     problems += [
         f"{name} {value} is not a positive whole number"
         for name, value in (("train_epochs", spec.train_epochs), ("train_batch_size", spec.train_batch_size))
-        if not (isinstance(value, int) and value >= 1)
+        if value < 1
     ]
     problems.extend(_code_problems(spec))
     try:
@@ -230,8 +293,61 @@ def spec_problems(spec: ModelSpec) -> list[str]:
         # loaded spec, keyed by its value.
         hash(spec)
     except TypeError as error:
-        problems.append(f"is not hashable ({error}): give fields, vocabularies and rules as tuples")
+        problems.append(f"is not hashable ({error}): give its hooks as functions or classes")
     return problems
+
+
+def _type_problems(where: str, owner: object) -> list[str]:
+    """Each attribute of `owner` (the spec, a field, a rule) that is not of its type in
+    `_ATTRIBUTE_TYPES`, named by its path from the spec (`fields[3].vocabulary`)."""
+    rows = next((rows for kind, rows in _ATTRIBUTE_TYPES.items() if isinstance(owner, kind)), ())
+    problems = []
+    for attribute, expected, description in rows:
+        value, name = getattr(owner, attribute), f"{where}{attribute}"
+        if not _conforms(value, expected):
+            problems.append(_type_refusal(name, value, expected, description))
+        elif isinstance(value, tuple):
+            for index, item in enumerate(value):
+                problems += _type_problems(f"{name}[{index}].", item)
+        else:
+            problems += _type_problems(f"{name}.", value)
+    return problems
+
+
+def _options(expected: Any) -> tuple[Any, ...]:
+    return get_args(expected) if isinstance(expected, UnionType) else (expected,)
+
+
+def _conforms(value: object, expected: Any) -> bool:
+    # bool is an int and a module instance is callable, yet neither is what any attribute means.
+    if isinstance(value, (bool, nn.Module)):
+        return False
+    return any(
+        isinstance(value, tuple) and all(_conforms(item, get_args(option)[0]) for item in value)
+        if get_origin(option) is tuple
+        else isinstance(value, option)
+        for option in _options(expected)
+    )
+
+
+def _type_refusal(name: str, value: object, expected: Any, description: str) -> str:
+    """`name must be <description>, got <value>`; in a tuple, the first item that is not."""
+    items = [get_args(option)[0] for option in _options(expected) if get_origin(option) is tuple]
+    if items and isinstance(value, tuple):
+        index, item = next((i, item) for i, item in enumerate(value) if not _conforms(item, items[0]))
+        return f"{name} must be {description}; {name}[{index}] is {_shown(item)}"
+    return f"{name} must be {description}, got {_shown(value)}"
+
+
+def _shown(value: object) -> str:
+    """A value as a refusal names it, on one line: a short scalar as written, anything else by
+    its type (a module's or a mapping's repr spans lines and pages)."""
+    if isinstance(value, (str, int, float, type(None))):
+        return reprlib.repr(value)
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    kind = type(value).__name__
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
 
 
 def _not_a_name(what: str, name: str) -> str:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+import types
+
 import pytest
 
 from inference.spec import load_spec
 from tandem.cli import main
+from tests.specs import tiny
 
 
 def test_it_describes_the_reference_by_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -66,3 +71,26 @@ def test_a_setting_that_names_no_spec_is_one_line_for_every_command(
     err = capsys.readouterr().err
     assert err.startswith("tandem: TANDEM_MODEL_SPEC: spec 'no_such_package:SPEC': cannot import 'no_such_package'")
     assert err.count("\n") == 1
+
+
+MISTYPED = "tandem_test_mistyped_spec"
+
+
+@pytest.mark.parametrize(
+    ("argv", "setting"),
+    [(["spec", f"{MISTYPED}:SPEC"], None), (["spec"], f"{MISTYPED}:SPEC"), (["models", "list"], f"{MISTYPED}:SPEC")],
+)
+def test_a_wrongly_typed_spec_is_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], setting: str | None
+) -> None:
+    mistyped = types.ModuleType(MISTYPED)
+    mistyped.SPEC = dataclasses.replace(tiny.SPEC, history_length="8")  # type: ignore[attr-defined,arg-type]
+    monkeypatch.setitem(sys.modules, MISTYPED, mistyped)
+    if setting is not None:
+        monkeypatch.setenv("TANDEM_MODEL_SPEC", setting)
+    load_spec.cache_clear()  # type: ignore[attr-defined]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    said = f"spec '{MISTYPED}:SPEC': history_length must be an int, got '8'"
+    assert captured.out == ""
+    assert captured.err == f"tandem: {'TANDEM_MODEL_SPEC: ' if setting else ''}{said}\n"

@@ -7,6 +7,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,10 +159,14 @@ def test_categorical_lengths_and_a_spec_that_does_not_hash(module: types.ModuleT
         "categorical 'colour' needs 1 <= min_length <= max_length"
     )
     load_spec.cache_clear()
-    listed = Categorical("colour", vocabulary=["red", "green"])  # type: ignore[arg-type]
-    fields = tuple(listed if f.name == "colour" else f for f in tiny.SPEC.fields)
-    assert refusal(module, dataclasses.replace(tiny.SPEC, fields=fields)) == (
-        "is not hashable (unhashable type: 'list'): give fields, vocabularies and rules as tuples"
+
+    @dataclasses.dataclass
+    class Columns:  # compared by value but not frozen: unhashable
+        def __call__(self) -> dict[str, object]:
+            return {}
+
+    assert refusal(module, _spec(encode=Columns())) == (
+        "is not hashable (unhashable type: 'Columns'): give its hooks as functions or classes"
     )
 
 
@@ -198,8 +203,81 @@ def test_a_spec_without_history_needs_no_entity(module: types.ModuleType) -> Non
 def test_training_defaults_must_be_positive_whole_numbers() -> None:
     from inference.spec.loading import spec_problems
 
-    spec = dataclasses.replace(tiny.SPEC, train_epochs=0, train_batch_size=2.5)
+    spec = dataclasses.replace(tiny.SPEC, train_epochs=0, train_batch_size=-1)
     assert spec_problems(spec) == [
         "train_epochs 0 is not a positive whole number",
-        "train_batch_size 2.5 is not a positive whole number",
+        "train_batch_size -1 is not a positive whole number",
     ]
+
+
+def _spec(**changes: Any) -> ModelSpec:
+    return dataclasses.replace(tiny.SPEC, **changes)
+
+
+def _with_field(field: object, at: int | None = None) -> ModelSpec:
+    """tiny.SPEC with `field` in place of its field `at` (reading_id, sensor_id, level, colour,
+    taken_at), or after them."""
+    fields = list[object](tiny.SPEC.fields)
+    if at is None:
+        fields.append(field)
+    else:
+        fields[at] = field
+    return _spec(fields=tuple(fields))
+
+
+HOOK = "a function returning the timeline columns (the function, not its result)"
+BUILDER = "model must be a function or class building the nn.Module from a config (not a module)"
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        (_spec(history_length="8"), "history_length must be an int, got '8'"),
+        (_spec(history_length=2.5), "history_length must be an int, got 2.5"),
+        (_spec(history_length=True), "history_length must be an int, got True"),
+        (_spec(train_batch_size=2.5), "train_batch_size must be an int, got 2.5"),
+        (_with_field(RecordId(1), at=0), "fields[0].name must be a str, got 1"),  # type: ignore[arg-type]
+        (
+            _with_field("amount"),
+            "fields must be a tuple of RecordId, EntityKey, EventTime, Numeric and Categorical; fields[5] is 'amount'",
+        ),
+        (
+            _with_field(Label("level"), at=2),
+            "fields must be a tuple of RecordId, EntityKey, EventTime, Numeric and Categorical; fields[2] is a Label",
+        ),
+        (
+            _with_field(Categorical("colour", vocabulary="abc"), at=3),  # type: ignore[arg-type]
+            "fields[3].vocabulary must be a tuple of str, got 'abc'",
+        ),
+        (
+            _with_field(Categorical("colour", vocabulary=["red", "green"]), at=3),  # type: ignore[arg-type]
+            "fields[3].vocabulary must be a tuple of str, got a list",
+        ),
+        (
+            _with_field(Numeric("level", minimum="0"), at=2),  # type: ignore[arg-type]
+            "fields[2].minimum must be a number or None, got '0'",
+        ),
+        (_spec(encode=None), f"encode must be {HOOK}, got None"),
+        (_spec(encode=tiny.encode()), f"encode must be {HOOK}, got a dict"),
+        (
+            _spec(features="nope"),
+            "features must be a function of the timeline returning the model's inputs, got 'nope'",
+        ),
+        (_spec(model=3), f"{BUILDER}, got 3"),
+        (_spec(model=tiny.TinyModel({"history_length": 2})), f"{BUILDER}, got a TinyModel"),
+        (
+            _spec(example=None),
+            "example must be a function returning a valid record (the function, not the record), got None",
+        ),
+        (_spec(label="level"), "label must be a Label or None, got 'level'"),
+        (
+            _spec(rules=(RecordRule("odd", "level", tiny.SPEC.rules[0].refuses()),)),  # type: ignore[arg-type]
+            "rules[0].refuses must be a function returning a polars expression, got an Expr",
+        ),
+    ],
+    ids=lambda value: "" if isinstance(value, ModelSpec) else value[:40],
+)
+def test_a_wrongly_typed_attribute_is_named_with_what_it_must_be(
+    module: types.ModuleType, spec: ModelSpec, said: str
+) -> None:
+    assert refusal(module, spec) == said
