@@ -283,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem: {error.filename}: {error.strerror}" if error.filename else f"tandem: {error}", file=sys.stderr)
         return 1
     except sa_exc.DatabaseError as error:
-        # Only what the database's state says, never a statement the code got wrong (ProgrammingError,
-        # IntegrityError, DataError: a bug, its traceback wanted). A plain DatabaseError is SQLite's
-        # "file is not a database": DATABASE_URL names a file that is something else.
-        if not isinstance(error, sa_exc.OperationalError) and type(error) is not sa_exc.DatabaseError:
+        # Only what the database's state or the URL's options say, never a statement the code got
+        # wrong (ProgrammingError, IntegrityError, DataError: a bug, its traceback wanted). A plain
+        # DatabaseError is SQLite's "file is not a database": DATABASE_URL names something else.
+        # While connecting no statement has run: a ProgrammingError there is the URL's
+        # (`?connect_timeout=abc`, an unknown option).
+        connecting = error.statement is None
+        if not (connecting or isinstance(error, sa_exc.OperationalError) or type(error) is sa_exc.DatabaseError):
             raise
         # The driver's own first line says why (refused, no such database, bad password, no disk).
         reason = str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)

@@ -242,3 +242,12 @@ def test_a_settings_refusal_masks_the_password_of_every_url_it_names() -> None:
 
 def _refuse(value: str) -> str:
     raise ValueError("refused")
+
+
+@pytest.mark.parametrize(("option", "said"), [("connect_timeout=abc", "connect_timeout"), ("foo=bar", '"foo"')])
+def test_a_bad_connection_option_in_the_url_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, option: str, said: str
+) -> None:
+    """The driver raises ProgrammingError while connecting, which was taken for a bug: a traceback."""
+    line = _one_line_error(capsys, monkeypatch, f"postgresql://tandem:s3cret@127.0.0.1:{free_port()}/t?{option}")
+    assert said in line and "s3cret" not in line
