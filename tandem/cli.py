@@ -155,7 +155,10 @@ def _print_lineage(settings: TandemSettings, record_id: str, *, as_json: bool) -
         _say(f"{record_id}: no stored record")
     for rejection in report.rejections:
         state = f"resolved ({rejection.resolution})" if rejection.resolved else "open"
-        why = f"{rejection.reason}: {rejection.detail}" if rejection.detail else rejection.reason
+        # Scoring's detail names its reason first (`describe_rejection`); a source's does not.
+        why = rejection.detail or rejection.reason
+        if not why.startswith(f"{rejection.reason}:"):
+            why = f"{rejection.reason}: {why}" if rejection.detail else rejection.reason
         _say(f"  REJECTED at {rejection.where}: {why}")
         _say(
             f"    rejection {rejection.rejection_id}, {state}; seen {rejection.seen_count}x, "

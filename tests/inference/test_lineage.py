@@ -14,6 +14,7 @@ from sqlalchemy.engine import Engine
 
 from inference.agreement import Cause
 from inference.batch import ingest_day
+from inference.contract import describe_rejection
 from inference.lineage import cli_run_id, explain
 from inference.records import validate
 from inference.sources.common import conform
@@ -292,3 +293,27 @@ def test_a_record_refused_at_scoring_has_its_record_and_its_rejection(engine: En
     (rejection,) = report.rejections
     assert rejection.where == f"batch score of partition {DAY.isoformat()} (dagster run run-3)"
     assert (rejection.reason, rejection.dagster_run_url) == ("malformed_country", "http://ui/runs/run-3")
+
+
+def test_the_cli_names_a_rejections_reason_once(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Scoring's detail starts with its reason (`describe_rejection`), and the CLI printed the
+    reason again in front: "amount_not_finite: amount_not_finite: amount=inf"."""
+    refused = validate(REFERENCE, frame_of(record(transaction_id=TX, amount=float("inf"))))
+    detail = describe_rejection(REFERENCE, refused["reject_reason"][0], refused.row(0, named=True))
+    with engine.begin() as conn:
+        quarantine(
+            REFERENCE,
+            conn,
+            refused.with_columns(reject_detail=pl.lit(detail)),
+            path=ResultPath.BATCH,
+            stage=RejectStage.SCORE,
+            partition_key=DAY.isoformat(),
+            run_id="run-3",
+        )
+    monkeypatch.setenv("DATABASE_URL", engine.url.render_as_string(hide_password=False))
+    assert cli.main(["lineage", TX]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "REJECTED" in line]
+    assert line.endswith(": amount_not_finite: amount=inf"), line
+    assert line.count("amount_not_finite") == 1, line
