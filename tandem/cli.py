@@ -36,6 +36,7 @@ from inference.store import (
     mark_rejections_fixed,
     record_table_ddl,
     rejected_records,
+    store_url,
 )
 from inference.training import train_from_store
 from tandem import modelstore
@@ -119,8 +120,34 @@ def _rejection_id(text: str) -> int:
     return rejection_id
 
 
-def _migrated_engine(settings: TandemSettings, ls: LoadedSpec) -> Engine:
+def _existing_store(settings: TandemSettings, ls: LoadedSpec) -> Engine:
+    """The store a command reads or marks, migrated, or LookupError where none was ever made: a
+    typo in DATABASE_URL made an empty store there, and the command answered from it."""
     url = settings.resolved_database_url()
+    try:
+        parsed = store_url(url)
+    except ValueError as unusable:
+        raise ValueError(f"DATABASE_URL: {unusable}") from unusable
+    where = f"no store at {parsed.render_as_string(hide_password=True)}"
+    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
+        raise LookupError(f"{where}: nothing was ever stored there (DATABASE_URL, TANDEM_DATA_DIR)")
+    engine = _engine(url)
+    with engine.connect() as conn:
+        made = sa.inspect(conn).has_table("alembic_version")
+    if not made:
+        engine.dispose()
+        raise LookupError(f"{where}: the database holds no Tandem tables (DATABASE_URL)")
+    upgrade(engine, ls)
+    return engine
+
+
+def _migrated_engine(settings: TandemSettings, ls: LoadedSpec) -> Engine:
+    engine = _engine(settings.resolved_database_url())
+    upgrade(engine, ls)
+    return engine
+
+
+def _engine(url: str) -> Engine:
     try:
         engine = make_engine(url)
     except ValueError as unusable:
@@ -129,13 +156,12 @@ def _migrated_engine(settings: TandemSettings, ls: LoadedSpec) -> Engine:
         # The SQLite file's folder could not be made: a file stands in its path, or no permission.
         where = make_url(url).render_as_string(hide_password=True)
         raise OSError(unusable.errno, f"{unusable.strerror} (the folder of {where})", unusable.filename) from unusable
-    upgrade(engine, ls)
     return engine
 
 
 def _print_lineage(settings: TandemSettings, record_id: str, *, as_json: bool) -> int:
     ls = configured_spec()
-    engine = _migrated_engine(settings, ls)
+    engine = _existing_store(settings, ls)
     report = explain(
         ls,
         engine,
@@ -371,7 +397,7 @@ def _version_of(settings: TandemSettings, tag: str, *, refused: str) -> str:
 def _mark_fixed(settings: TandemSettings, rejection_ids: list[int]) -> None:
     """All of them or none: an id that names no rejection is a typo, and marking the others would
     leave the user to work out which of their list took effect."""
-    engine = _migrated_engine(settings, configured_spec())
+    engine = _existing_store(settings, configured_spec())
     try:
         with engine.begin() as conn:
             marked = mark_rejections_fixed(conn, rejection_ids)
@@ -399,7 +425,7 @@ def _promote_challenger(settings: TandemSettings, spec: LoadedSpec, *, force: bo
     champion = modelstore.production_tag(settings.model_name)
     if challenger is None:
         raise PromotionRefused("no challenger to promote: `tandem models challenge TAG` sets one")
-    engine = _migrated_engine(settings, spec)
+    engine = _existing_store(settings, spec)
     try:
         with engine.connect() as conn:
             report = latest_challenger_report(conn, challenger=challenger, champion=champion or "")

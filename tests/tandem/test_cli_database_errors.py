@@ -18,7 +18,7 @@ from inference.settings import settings_error, without_password
 from inference.store import make_engine, rejected_records
 from tandem.cli import main
 from tests.reference import REFERENCE
-from tests.shared import free_port
+from tests.shared import free_port, fresh_postgres_database
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +83,30 @@ def test_a_data_dir_that_is_a_file_is_one_line_naming_it(
     code = main(["lineage", "tx-1"])
     err = capsys.readouterr().err.splitlines()
     assert code == 1 and len(err) == 1, err
+    assert err[0] == f"tandem: no store at sqlite:///{tmp_path / 'afile'}/tandem.db: nothing was ever stored there " + (
+        "(DATABASE_URL, TANDEM_DATA_DIR)"
+    )
+    # A command that makes the store says why it cannot.
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'afile'}/tandem.db")
+    code = main(["demo"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and len(err) == 1, err
     assert err[0].startswith(f"tandem: {tmp_path / 'afile'}: File exists (the folder of sqlite:///")
+
+
+def test_a_command_that_reads_the_store_refuses_one_never_made(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A typo in a SQLite path made a new store there, migrated it, and answered "no such record"."""
+    typo = tmp_path / "no-such-folder" / "tandem.db"
+    for argv in (["lineage", "tx-1"], ["rejects", "fixed", "1"]):
+        said = _one_line_error(capsys, monkeypatch, f"sqlite:///{typo}", *argv)
+        assert (
+            said
+            == f"tandem: no store at sqlite:///{typo}: nothing was ever stored there (DATABASE_URL, TANDEM_DATA_DIR)"
+        )
+    assert not typo.parent.exists()
 
 
 def test_a_file_that_is_no_database_is_one_line(
@@ -251,3 +274,14 @@ def test_a_bad_connection_option_in_the_url_is_one_line(
     """The driver raises ProgrammingError while connecting, which was taken for a bug: a traceback."""
     line = _one_line_error(capsys, monkeypatch, f"postgresql://tandem:s3cret@127.0.0.1:{free_port()}/t?{option}")
     assert said in line and "s3cret" not in line
+
+
+@pytest.mark.postgres
+def test_a_postgresql_database_without_tandems_tables_is_no_store(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, postgres_admin_url: str
+) -> None:
+    with fresh_postgres_database(postgres_admin_url) as url:
+        said = _one_line_error(capsys, monkeypatch, url, "lineage", "tx-1")
+        with sa.create_engine(url).connect() as conn:
+            assert sa.inspect(conn).get_table_names() == [], "nothing was made in it"
+    assert said.endswith(": the database holds no Tandem tables (DATABASE_URL)") and "no store at postgresql" in said
