@@ -14,7 +14,6 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetsDefinition,
-    Config,
     DailyPartitionsDefinition,
     MaterializeResult,
     MetadataValue,
@@ -23,10 +22,12 @@ from dagster import (
 from pydantic import Field
 
 from assets.automation import follow_predictions
+from assets.config import AssetConfig
 from assets.metadata import frame_schema, table_metadata
+from assets.partitions import partition_day
 from assets.resources import DatabaseResource
 from assets.retries import retry_only_transient_errors
-from assets.scoring import daily_database_step, partition_day
+from assets.scoring import daily_database_step
 from inference.agreement import DECISION_THRESHOLD, AgreementReport, Cause, summarize
 from inference.parity import PARITY_TOLERANCE
 from inference.store import ANSWER_PAIR_SCHEMA, answer_pairs
@@ -35,7 +36,7 @@ from inference.store import ANSWER_PAIR_SCHEMA, answer_pairs
 PATH_AGREEMENT_CODE_VERSION = "1"
 
 
-class PathAgreementConfig(Config):
+class PathAgreementConfig(AssetConfig):
     decision_threshold: float = Field(
         default=DECISION_THRESHOLD, ge=0, le=1, description="scores at or above it are treated as risky"
     )

@@ -21,7 +21,6 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     AssetsDefinition,
-    Config,
     DailyPartitionsDefinition,
     DataVersion,
     Failure,
@@ -32,8 +31,10 @@ from dagster import (
 from pydantic import Field, model_validator
 
 from assets.automation import PRODUCTION_MODEL, rescore_after_promotion
+from assets.config import AssetConfig
 from assets.metadata import score_distribution, table_metadata, table_schema
 from assets.model import build_production_model, challenger_model_observation, production_model_observation
+from assets.partitions import partition_day
 from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from assets.retries import fail_at_once, retry_only_transient_errors
 from assets.scoring import (
@@ -41,7 +42,6 @@ from assets.scoring import (
     BatchScoringConfig,
     daily_database_step,
     model_key,
-    partition_day,
     records_key,
     records_with_history,
     score_day,
@@ -76,7 +76,7 @@ PREDICTIONS_CODE_VERSION = "1"
 PREDICTIONS_KEY = AssetKey("predictions")
 
 
-class RiskModelConfig(Config):
+class RiskModelConfig(AssetConfig):
     training_days: int = Field(default=7, ge=2, description="most recent stored days used; the last is held out")
     epochs: int | None = Field(default=None, ge=1, description="unset: the spec's train_epochs")
     max_train_rows: int = Field(default=60_000, ge=1_000)

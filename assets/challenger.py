@@ -23,7 +23,6 @@ from dagster import (
     AssetExecutionContext,
     AssetsDefinition,
     AssetSpec,
-    Config,
     DailyPartitionsDefinition,
     Failure,
     MaterializeResult,
@@ -34,15 +33,16 @@ from pydantic import Field
 from sqlalchemy import Connection
 
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICTIONS
+from assets.config import AssetConfig
 from assets.metadata import frame_schema, table_metadata, table_schema
 from assets.model import build_challenger_model
+from assets.partitions import partition_day
 from assets.resources import DatabaseResource, ModelStoreResource
 from assets.retries import TRANSIENT_RETRY, fail_at_once, retry_only_transient_errors
 from assets.scoring import (
     DATABASE_POOL,
     BatchScoringConfig,
     daily_database_step,
-    partition_day,
     records_with_history,
     score_day,
 )
@@ -74,7 +74,7 @@ class ChallengerPredictionsConfig(BatchScoringConfig):
     """The same knobs as `predictions`: a replay costs what the production run costs."""
 
 
-class ChallengerReportConfig(Config):
+class ChallengerReportConfig(AssetConfig):
     days: int = Field(default=7, ge=1, le=366, description="replayed days compared, ending at the latest one")
     shadow_window_hours: float = Field(
         default=24.0, gt=0, description="online answers whose shadow cost is reported, ending now"

@@ -12,14 +12,13 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     BackfillPolicy,
-    Config,
     DailyPartitionsDefinition,
-    Failure,
     TimeWindowPartitionMapping,
-    partition_loading_context,
 )
-from pydantic import Field, ValidationError
+from pydantic import Field
 
+from assets.config import AssetConfig
+from assets.partitions import run_partition_check
 from assets.resources import DatabaseResource
 from assets.retries import TRANSIENT_RETRY
 from inference.batch import (
@@ -42,47 +41,16 @@ DATABASE_POOL = "database"
 def daily_database_step(partitions: DailyPartitionsDefinition) -> dict[str, Any]:
     """The @asset arguments of every day-partitioned asset that reads or writes Tandem's database:
     one run per day in a backfill (a failed day reruns alone), Dagster's retry on a transient
-    database error, and a slot of the `database` pool."""
+    database error, a slot of the `database` pool, and the run's key checked before any step."""
     return {
         "partitions_def": partitions,
         "retry_policy": TRANSIENT_RETRY,
         "backfill_policy": BackfillPolicy.multi_run(1),
         "pool": DATABASE_POOL,
+        # Bound to the asset, not listed in Definitions: every run of it checks its key, whoever
+        # supplies the other resources (a job, a test's materialize).
+        "io_manager_def": run_partition_check(partitions),
     }
-
-
-def partition_day(context: AssetExecutionContext) -> date:
-    """The run's day, once it is known to be in the asset's partition set: the first call of every
-    day-partitioned asset body, so a key outside the set fails before anything is read or written.
-
-    Dagster checks a key where a launch names it as a partition (`materialize`, a backfill, a
-    RunRequest), not where a run only carries the `dagster/partition` tag (GraphQL's launchRun,
-    `dagster job launch --tags`); every launch path reaches the step. No retry makes a key valid.
-    """
-    partitions = context.assets_def.partitions_def
-    if partitions is None or not (context.has_partition_key or context.has_partition_key_range):
-        raise Failure(
-            description="this asset runs one UTC day per run: launch it with a partition", allow_retries=False
-        )
-    keys = context.partition_key_range
-    # "Now" is the run's partition loading context (Dagster's, or a test's frozen one); the set
-    # grows by one day as each UTC day ends, so a key valid at launch is still valid here.
-    with partition_loading_context(dynamic_partitions_store=context.instance):
-        outside = [key for key in dict.fromkeys((keys.start, keys.end)) if not partitions.has_partition_key(key)]
-        first, last = partitions.get_first_partition_key(), partitions.get_last_partition_key()
-    if outside:
-        valid = f"{first} .. {last}" if first and last else "none yet"
-        raise Failure(
-            description=f"partition {outside[0]!r} is not a day of this asset's partitions (valid now: {valid}, "
-            "each UTC day once it has ended); nothing was read or written",
-            allow_retries=False,
-        )
-    if keys.start != keys.end:
-        raise Failure(
-            description=f"this asset runs one UTC day per run, not {keys.start} .. {keys.end}: launch a backfill",
-            allow_retries=False,
-        )
-    return date.fromisoformat(keys.start)
 
 
 def records_key(ls: LoadedSpec) -> AssetKey:
@@ -105,15 +73,7 @@ def records_with_history(ls: LoadedSpec) -> AssetDep:
     )
 
 
-class BatchScoringConfig(Config):
-    def __init__(self, **config: Any) -> None:
-        # Dagster builds the config inside the step, under its RetryPolicy: a refused value would be
-        # retried three times, with backoff, before the run failed on the same words.
-        try:
-            super().__init__(**config)
-        except ValidationError as refused:
-            raise Failure(description=f"invalid run config: {refused}", allow_retries=False) from refused
-
+class BatchScoringConfig(AssetConfig):
     chunk_rows: int = Field(default=8192, ge=4096, description="rows streamed and scored per chunk")
     forward_batch_size: int = Field(
         default=FORWARD_BATCH_SIZE,

@@ -18,10 +18,7 @@ from dagster import (
     RunsFilter,
 )
 
-# Dagster's system tags (dagster._core.storage.tags, not exported): part of its run API all the same.
-PARTITION_TAG = "dagster/partition"
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
+from assets.dagster_tags import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
 
 IN_FLIGHT = [
     DagsterRunStatus.QUEUED,
