@@ -202,6 +202,8 @@ def ingest_records(
             "rows_stored": report.rows_stored,
             "rows_new_or_changed": report.rows_changed,
             "rejected_at_ingest": report.rejected_at_ingest,
+            # Rows whose outcome is known (label 0 or 1): the examples training can learn from.
+            **({"rows_labelled": report.rows_labelled} if report.rows_labelled is not None else {}),
             "source_kind": read.kind,
             "source_paths": MetadataValue.json(list(read.paths)),
             # The landing sensor compares this with the files now there: equal means ingested.

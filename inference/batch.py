@@ -69,6 +69,8 @@ class IngestReport:
     rows_stored: int
     rows_changed: int
     rejected_at_ingest: int
+    # Stored rows whose outcome is known (0 or 1); None: the spec or the day has no label column.
+    rows_labelled: int | None = None
 
 
 def ingest_day(
@@ -131,7 +133,9 @@ def ingest_day(
             ls, conn, rejected, path=ResultPath.BATCH, stage=RejectStage.INGEST, partition_key=key, run_id=run_id
         )
         resolve_unsent_ingest_rejections(conn, partition_key=key, before=started)
-    return IngestReport(frame.height, storable.height, changed, rejected.height)
+    label = ls.label.name if ls.label is not None and ls.label.name in storable.columns else None
+    labelled = None if label is None else storable.height - storable[label].null_count()
+    return IngestReport(frame.height, storable.height, changed, rejected.height, labelled)
 
 
 @dataclass(frozen=True)

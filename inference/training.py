@@ -48,17 +48,21 @@ def train_from_store(
         raise ValueError(f"no valid {spec.spec.plural} between {first_day} and {holdout_day}")
     rows = rows.sort(_timeline_order(spec))
     features = build_features(spec, rows, rows, int(config["history_length"]))
+    # A record whose outcome is not known (a blank label) is history for the others, never an example.
+    labelled = rows[spec.label.name].is_not_null().to_numpy()
+    if not labelled.any():
+        raise ValueError(f"no labelled {spec.spec.plural} between {first_day} and {holdout_day}: nothing to learn")
     labels = rows[spec.label.name].fill_null(0).to_numpy().astype(np.float32)
     is_holdout = (rows["partition_date"] == holdout_day).to_numpy()
 
-    train_positions = np.flatnonzero(~is_holdout)
+    train_positions = np.flatnonzero(~is_holdout & labelled)
     if train_positions.size > max_train_rows:
         rng = np.random.default_rng(seed)
         positives = train_positions[labels[train_positions] == 1]
         negatives = train_positions[labels[train_positions] == 0]
         keep = max(max_train_rows - positives.size, 0)
         train_positions = np.sort(np.concatenate([positives, rng.choice(negatives, size=keep, replace=False)]))
-    holdout_positions = np.flatnonzero(is_holdout)
+    holdout_positions = np.flatnonzero(is_holdout & labelled)
     train = features.take(train_positions)
     if spec.spec.augment_training is not None:
         train = dataclasses.replace(train, arrays=spec.spec.augment_training(train.arrays, seed))
@@ -89,7 +93,9 @@ def evaluate_auc(engine: Engine, spec: LoadedSpec, model: LoadedModel, *, first_
     with engine.connect() as conn:
         rows = valid_rows_between(spec, conn, first_day, holdout_day + timedelta(days=1))
     rows = rows.sort(_timeline_order(spec))
-    holdout = rows.filter(rows["partition_date"] == holdout_day)
+    holdout = rows.filter((rows["partition_date"] == holdout_day) & rows[spec.label.name].is_not_null())
+    if holdout.is_empty():
+        return float("nan")  # no outcome known that day: nothing to compare on
     features = build_features(spec, holdout, rows, model.history_length)
     scores = np.concatenate([score_batch(model, features.slice(s, s + 8192)) for s in range(0, len(features), 8192)])
-    return auc(scores, holdout[spec.label.name].fill_null(0).to_numpy())
+    return auc(scores, holdout[spec.label.name].to_numpy())

@@ -220,9 +220,12 @@ def _event_time(name: str, dtype: pl.DataType, where: str) -> pl.Expr:
 
 
 def _label(name: str, dtype: pl.DataType, where: str, typed: bool) -> pl.Expr:
-    column = pl.col(name)
+    """The label as 0 or 1, or null: not known. A label is ground truth, not an input, so any other
+    value ("maybe", 7) leaves the record scored and its outcome unknown, never trained on."""
     if not typed:
-        return column.str.strip_chars().cast(pl.Int16, strict=False)
+        number = pl.col(name).str.strip_chars().cast(pl.Float64, strict=False)  # "1" and "1.0" alike
+        return pl.when(number.is_in([0.0, 1.0])).then(number.cast(pl.Int16)).alias(name)
     if not (dtype.is_integer() or isinstance(dtype, pl.Boolean | pl.Null)):
         raise _wrong(where, name, "0 or 1", dtype)
-    return column.cast(pl.Int16)
+    number = pl.col(name).cast(pl.Int64)
+    return pl.when(number.is_in([0, 1])).then(number.cast(pl.Int16)).alias(name)

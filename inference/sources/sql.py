@@ -131,9 +131,9 @@ def _times_out_of_range_as_text(driver_connection: Any) -> None:
 
 
 def _label_value(value: Any) -> int | None:
-    if value is None:
-        return None
+    """0 or 1 (a bool, an int, a Decimal, a float, "1.0"), else None: not known, as `conform` reads it."""
     try:
-        return int(value)  # bool, int, Decimal, a whole float, "1"
-    except (TypeError, ValueError, OverflowError):
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
         return None
+    return int(number) if number in (0.0, 1.0) else None

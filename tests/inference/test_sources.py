@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Callable
 from datetime import UTC, date, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from inference.demo import demo_day
 from inference.records import raw_frame, validate
 from inference.sources import FileSource, SourceError, SqlSource, demo_path, write_demo_day
 from inference.sources.common import PROBLEM
+from inference.sources.sql import _label_value
 from inference.spec import POISON_REASON, DemoSettings, LoadedSpec, load_spec
 from tandem_specs.transactions.demo import DemoConfig, generate_day
 from tests.reference import RAW_COLUMNS, RAW_SCHEMA, REFERENCE
@@ -288,6 +290,27 @@ def test_bad_cells_in_a_csv_are_rows_for_validation_to_reject(tmp_path: Path) ->
         "a-9:": "missing_field",
     }
     assert checked.filter(pl.col("transaction_id") == "bad-label")["label_fraud"].to_list() == [None]
+
+
+LABELS_AS_WRITTEN = ["1", "0", " 1 ", "1.0", "0.0", "", "7", "-1", "yes", "0.5"]
+LABELS_AS_READ = [1, 0, 1, 1, 0, None, None, None, None, None]
+
+
+@pytest.mark.parametrize("fmt", ["csv", "ndjson"])
+def test_a_label_other_than_0_or_1_is_not_known_and_never_a_class(tmp_path: Path, fmt: str) -> None:
+    """7 was stored and handed to the loss as a class; "1.0" (a float column's export) was lost."""
+    rows = [{**ROWS[0], "transaction_id": f"u-{i}", LABEL: label} for i, label in enumerate(LABELS_AS_WRITTEN)]
+    if fmt == "csv":
+        _write_csv(tmp_path / "2026-11-03.csv", rows)
+    else:
+        (tmp_path / "2026-11-03.ndjson").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    frame = FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}." + fmt).read(DAY).frame
+    assert frame[LABEL].to_list() == LABELS_AS_READ
+    typed = pl.DataFrame([{**ROWS[0], "transaction_id": f"t-{i}", LABEL: v} for i, v in enumerate([1, 0, 7, -1])])
+    typed.write_parquet(tmp_path / "2026-11-04.parquet")
+    read = FileSource(REFERENCE, str(tmp_path), "{date:%Y-%m-%d}.parquet").read(date(2026, 11, 4)).frame
+    assert read[LABEL].to_list() == [1, 0, None, None]
+    assert [_label_value(v) for v in (True, Decimal("1"), 0.0, "1.0", 7, "yes", None)] == [1, 1, 0, 1, None, None, None]
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["read-whole", "read-by-line"])

@@ -133,6 +133,7 @@ def test_poison_rows_are_quarantined_and_no_good_row_is_lost(
 
     ingested, scored = _metadata(result, "transactions"), _metadata(result, "predictions")
     assert ingested["rejected_at_ingest"] == duplicates.height
+    assert ingested["rows_labelled"] == ingested["rows_stored"], "every demo record's outcome is known"
     assert scored["rejected"] == invalid.height
     assert scored["rejected_by_reason"] == dict(Counter(reason for _, reason in at_score))
     assert all(evaluation.passed for evaluation in result.get_asset_check_evaluations())

@@ -113,6 +113,7 @@ def test_a_folder_of_a_users_csv_files_is_ingested_and_scored(
     assert metadata["source_version"] == source.versions()[date.fromisoformat(PARTITION)]
     # The decimal comma is no number: quarantined at ingest with its text, as the row without an id.
     assert (metadata["rows_received"], metadata["rows_stored"], metadata["rejected_at_ingest"]) == (120, 118, 2)
+    assert "rows_labelled" not in metadata, "the user's files have no label column"
     stored = _stored(database_url, RECORDS, RECORDS.c.partition_date, date.fromisoformat(PARTITION))
     assert len(stored) == 118
     assert {row["channel"] for row in rows} == {"web"} and "channel" not in stored[0]
