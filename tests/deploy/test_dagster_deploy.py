@@ -135,6 +135,7 @@ def _rendered_by_chart() -> dict[str, Any]:
         "maxRuntimeSeconds": "max_runtime_seconds",
         "pollIntervalSeconds": "poll_interval_seconds",
         "maxResumeRunAttempts": "max_resume_run_attempts",
+        "freeSlotsAfterRunEndSeconds": "free_slots_after_run_end_seconds",
     }
     retries = daemon["runRetries"]
     return {
