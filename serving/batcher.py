@@ -23,7 +23,7 @@ from serving.background import BackgroundTask
 from serving.metrics import ServingMetrics
 from serving.schemas import ItemError, ItemResult
 from serving.scoring import BatchResult, ItemSpec
-from serving.scoring_process import run_on, terminate
+from serving.scoring_process import exited, run_on, terminate
 
 logger = logging.getLogger(__name__)
 # The reason on items whose batch was lost with the scoring process: a server fault (503).
@@ -119,6 +119,15 @@ class AdaptiveBatcher:
         self.process = process
         self.model_version = model_version
         self.broken = False
+
+    def process_lost(self, serving: Executor) -> bool:
+        """Whether the scoring process is lost: a batch failed with it, or `serving`'s process has
+        exited. Polled by readiness and the supervisor, so that an idle process's death is noticed
+        before a request fails on it; it then counts as broken, as after a lost batch."""
+        if not self.broken and exited(serving):
+            logger.error("the scoring process has exited; a new one will be started")
+            self.broken = True
+        return self.broken
 
     @property
     def queued(self) -> int:

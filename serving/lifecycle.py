@@ -49,12 +49,23 @@ async def _to_the_end(work: Awaitable[T]) -> T:
         raise
 
 
+class Superseded(Exception):
+    """The backend a replacement was meant for no longer serves: another swap came first."""
+
+
 async def bring_up(
-    scorer: OnlineScorer, tag: str, *, load: LoadFn, load_timeout_s: float, discard: Callable[[Executor], None]
+    scorer: OnlineScorer,
+    tag: str,
+    *,
+    load: LoadFn,
+    load_timeout_s: float,
+    discard: Callable[[Executor], None],
+    replacing: ScoringBackend | None = None,
 ) -> tuple[ScoringBackend, list[tuple[int, float]]]:
     """Start a scoring pool for `tag`, warm it up off the event loop and make it the serving one;
     returns the backend it replaced and the warm-up timings. On failure or cancellation the new
-    pool is discarded (it may be hung mid-load) and the serving one is left alone.
+    pool is discarded (it may be hung mid-load) and the serving one is left alone; likewise, with
+    Superseded, when `replacing` (if given) is no longer the serving backend once the new one is warm.
     """
     backend: ScoringBackend | None = None
     swap: asyncio.Future[ScoringBackend] | None = None
@@ -67,6 +78,9 @@ async def bring_up(
             max_batch_size=scorer.settings.max_batch_size,
             timeout_s=load_timeout_s,
         )
+        # In one step of the event loop, as every swap: a promotion made meanwhile is never undone.
+        if replacing is not None and scorer.backends.serving is not replacing:
+            raise Superseded(f"{scorer.model_version} replaced {replacing.model_version} meanwhile")
         swap = scorer.swap(backend)
         return await swap, samples
     finally:
@@ -232,13 +246,23 @@ class PoolSupervisor(_Periodic):
             await self.restore_once()
 
     async def restore_once(self) -> bool:
-        """Start, warm up and swap in a new scoring process for the serving version."""
-        tag = self.scorer.model_version
+        """Start, warm up and swap in a new scoring process for the serving version; False when
+        that failed, or when another version was swapped in meanwhile (the new process is discarded)."""
+        serving = self.scorer.backends.serving
+        tag = serving.model_version
         started = time.monotonic()
         try:
             dead, _ = await bring_up(
-                self.scorer, tag, load=self.load, load_timeout_s=self.load_timeout_s, discard=self.discard
+                self.scorer,
+                tag,
+                load=self.load,
+                load_timeout_s=self.load_timeout_s,
+                discard=self.discard,
+                replacing=serving,
             )
+        except Superseded as superseded:
+            logger.info("not replacing the dead scoring process: %s", superseded)
+            return False
         except Exception:
             attempt = self.scorer.restore_failed()
             logger.exception("could not replace the dead scoring process of %s (attempt %d)", tag, attempt)

@@ -181,8 +181,8 @@ class OnlineScorer:
         self.outbox.close()
 
     def scoring_available(self) -> bool:
-        """False from the moment the scoring process is found dead until a new one is swapped in."""
-        return self.batcher is None or not self.batcher.broken
+        """False from the moment the scoring process is found dead (idle or not) until a new one is swapped in."""
+        return self.batcher is None or not self.batcher.process_lost(self.executor)
 
     def alive(self) -> bool:
         """Liveness: a dead scoring process is replaced in-process; only when that keeps failing

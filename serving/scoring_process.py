@@ -75,6 +75,11 @@ def terminate(executor: Executor) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
 
 
+def exited(executor: Executor) -> bool:
+    """Whether `executor`'s scoring process has ended (killed, crashed, stopped); a thread pool never has."""
+    return isinstance(executor, ScoringProcess) and not executor.process.is_alive()
+
+
 async def run_on(executor: Executor, fn: Callable[..., _T], /, *args: Any) -> _T:
     """`fn(*args)` on `executor`, awaited: straight over the pipe where it is a `LoopRunner`,
     else through `run_in_executor` (a thread pool in tests)."""
