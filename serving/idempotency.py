@@ -4,8 +4,9 @@ still being answered waits for its answer up to its own deadline, and is admitte
 the first gets none.
 
 Every process and pod must agree, so the store decides: a key is claimed with one atomic INSERT ...
-ON CONFLICT DO NOTHING, and the answer is stored beside the claim. Recent keys are also kept in
-memory, the only judge while the store is unreachable.
+ON CONFLICT DO NOTHING, and the answer is stored beside the claim. A full answer is given only once
+the store holds it (or the answer another request stored first): what a client gets is what every
+replica replays. Recent keys are also kept in memory, the only judge while the store is unreachable.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from inference.store import (
     take_over_idempotency_key,
     utc_now,
 )
+from inference.store.idempotency import store_idempotency_answer
 from serving.breaker import CircuitBreaker
+from serving.refusals import Refused
 from serving.schemas import ItemResult
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,13 @@ class KeyInProgress(Exception):
     def __init__(self, key: str) -> None:
         super().__init__(f"a request with Idempotency-Key {key!r} is still being answered; retry shortly")
         self.key = key
+
+
+def _not_kept(key: str, items: int) -> Refused:
+    """A full answer the store did not take is not given: a retry would be scored afresh, and a
+    client holding it would find another answer under its key."""
+    message = f"the answer under Idempotency-Key {key!r} could not be stored; retry"
+    return Refused(503, "store_unavailable", message, outcome="failed", items=items, headers={"Retry-After": "1"})
 
 
 def request_fingerprint(records: Sequence[RecordBase]) -> str:
@@ -179,25 +189,68 @@ class IdempotencyKeys:
             raise
         return Admission(None, owner, claim is not None)
 
-    def complete(self, key: str, admission: Admission, results: list[ItemResult]) -> str | None:
-        """Record the answer; returns the JSON to store off the event loop, or None. A degraded
-        answer is not kept: a retry once the store is back deserves the full answer."""
-        assert admission.owner is not None
-        if any(result.degraded for result in results):
-            self._forget(key, admission.owner)
-            admission.owner.answered.set_result(results)
-            return None
-        answer = self._answered(key, admission.owner, results)
-        return answer.decode() if admission.claimed_in_store else None
+    async def complete(
+        self, key: str, admission: Admission, results: list[ItemResult], *, request_id: str, deadline: float
+    ) -> list[ItemResult]:
+        """The answer to give under `key`. A degraded one is not kept: a retry once the store is back
+        deserves the full answer. A full one is given only once the store holds it as the key's answer,
+        and then as the store holds it (another request's, if that one stored first).
 
-    def release(self, key: str, admission: Admission) -> None:
+        Raises TimeoutError past `deadline`; Refused (503, Retry-After) when the store took it on
+        neither try; KeyInProgress or KeyReused when the store gave the key to another request."""
+        owner = admission.owner
+        assert owner is not None
+        if any(result.degraded for result in results):
+            self._forget(key, owner)
+            owner.answered.set_result(results)
+            self._release_claim(key, admission, request_id)
+            return results
+        storing = asyncio.ensure_future(
+            asyncio.to_thread(self._store_answer, key, owner.fingerprint, request_id, results)
+        )
+        # Settled whether or not this request is still waiting: duplicates get the stored answer.
+        storing.add_done_callback(functools.partial(self._settle, key, owner))
+        return await asyncio.wait_for(asyncio.shield(storing), timeout=max(deadline - time.monotonic(), 0.0))
+
+    def release(self, key: str, admission: Admission, *, request_id: str) -> None:
         """The request got no answer: the key is free for a retry, and each duplicate waiting on it
         is admitted on its own rather than handed this request's error."""
         assert admission.owner is not None
         self._forget(key, admission.owner)
         _give_up(admission.owner, _OwnerGaveUp())
+        self._release_claim(key, admission, request_id)
+
+    def _release_claim(self, key: str, admission: Admission, request_id: str) -> None:
+        """Free the key's claim in the store, off the event loop."""
+        if admission.claimed_in_store:
+            asyncio.get_running_loop().run_in_executor(None, self.store_outcome, key, request_id, None)
+
+    def _settle(self, key: str, owner: _LocalKey, storing: asyncio.Future[list[ItemResult]]) -> None:
+        if not storing.cancelled() and storing.exception() is None:
+            self._answered(key, owner, storing.result())
+        else:
+            self._forget(key, owner)
+            _give_up(owner, _OwnerGaveUp())
 
     # ------------------------------------------------------------------ the store (blocking; off the loop)
+    def _store_answer(self, key: str, fingerprint: str, request_id: str, results: list[ItemResult]) -> list[ItemResult]:
+        """`results` stored as `key`'s answer, claiming the key if the claim never reached the store;
+        returns the answer the store holds. Raises as `complete` does."""
+        response = self.results.dump_json(results).decode()
+        store = functools.partial(
+            store_idempotency_answer, key=key, request_hash=fingerprint, request_id=request_id, response=response
+        )
+        # Retried once on a fresh connection: one statement lost with its connection is no outage.
+        claim = self._guarded(store, attempts=2)
+        if claim is None:
+            self.store_outcome(key, request_id, None)  # a claim that landed is freed for the retry
+            raise _not_kept(key, len(results))
+        if claim.request_hash != fingerprint:
+            raise KeyReused(key)
+        if claim.response is None:
+            raise KeyInProgress(key)
+        return results if claim.response == response else self.results.validate_json(claim.response)
+
     def store_outcome(self, key: str, request_id: str, response: str | None) -> None:
         """Store a claim's answer, or (None) its release, then the outcomes that waited for the store;
         each one it does not take waits for the next (behind the others, so none holds the rest back)."""
@@ -261,19 +314,27 @@ class IdempotencyKeys:
             claiming.add_done_callback(lambda _: loop.run_in_executor(None, self.store_outcome, key, request_id, None))
             raise
 
-    def _guarded(self, work: Callable[[Connection], _T]) -> _T | None:
-        """`work` in one transaction, or None when the store is unreachable (breaker open)."""
-        if not self.breaker.allow():
-            return None
-        try:
-            with self.engine.begin() as conn:
-                result = work(conn)
-        except SQLAlchemyError as error:
-            self.breaker.record_failure()
-            logger.warning("idempotency store unavailable; this process's memory decides: %s", error)
-            return None
-        self.breaker.record_success()
-        return result
+    def _guarded(self, work: Callable[[Connection], _T], *, attempts: int = 1) -> _T | None:
+        """`work` in one transaction, or None when the store is unreachable (breaker open) or failed
+        each of `attempts`; a failed attempt's connection is discarded, so the next gets a fresh one."""
+        for _ in range(attempts):
+            if not self.breaker.allow():
+                return None
+            try:
+                with self.engine.connect() as conn:
+                    try:
+                        with conn.begin():
+                            result = work(conn)
+                    except SQLAlchemyError:
+                        conn.invalidate()
+                        raise
+            except SQLAlchemyError as error:
+                self.breaker.record_failure()
+                logger.warning("idempotency store unavailable; this process's memory decides: %s", error)
+                continue
+            self.breaker.record_success()
+            return result
+        return None
 
     # ------------------------------------------------------------------ this process's memory
     def _remember(self, key: str, entry: _LocalKey) -> None:

@@ -114,8 +114,9 @@ def _score_refusals(components: _Components, limits: Limits) -> dict[str, Any]:
         ),
         "503": error(
             ErrorBody,
-            "overloaded: the expected wait exceeds the deadline or the p99 target (detail.reason); or "
-            "unavailable: the scoring process died and a new one is starting.",
+            "overloaded: the expected wait exceeds the deadline or the p99 target (detail.reason); "
+            "unavailable: the scoring process died and a new one is starting; or store_unavailable: the "
+            "answer under the Idempotency-Key could not be stored, so it is not given (retry).",
             RETRY_AFTER,
         ),
         "504": error(ErrorBody, "deadline_exceeded: the deadline passed before an answer was ready."),

@@ -5,7 +5,6 @@ wired once per server process. Framework-free, so tests can drive it in-process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import sqlite3
@@ -276,29 +275,17 @@ class OnlineScorer:
                 records, request_id=request_id, key=key, deadline=deadline, reservation=reservation
             )
         except BaseException:
-            self.keys.release(key, admission)
-            self._store_key_outcome(admission, key, request_id, None)
+            self.keys.release(key, admission, request_id=request_id)
             raise
         if any(r.error is not None and r.error.reason == SCORING_PROCESS_DIED for r in results):
-            self.keys.release(key, admission)
-            self._store_key_outcome(admission, key, request_id, None)
+            self.keys.release(key, admission, request_id=request_id)
             return results, cpu
-        answer = self.keys.complete(key, admission, results)  # None: degraded, the claim is released
-        stored = self._store_key_outcome(admission, key, request_id, answer)
-        if stored is not None and answer is not None:
-            # The answer is stored before the client has it, within the deadline: a crash after the
-            # 200 left the claim unanswered, and a retry once it went stale was scored afresh.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(stored), timeout=max(deadline - time.monotonic(), 0.0))
-        return results, cpu
-
-    def _store_key_outcome(
-        self, admission: Admission, key: str, request_id: str, response: str | None
-    ) -> asyncio.Future[None] | None:
-        """Store a claim's answer, or its release (None), off the event loop; the write, if any."""
-        if not admission.claimed_in_store:
-            return None
-        return asyncio.get_running_loop().run_in_executor(None, self.keys.store_outcome, key, request_id, response)
+        try:
+            # A full answer goes out only once stored as the key's answer: what the client gets is
+            # what a restart or another replica replays.
+            return await self.keys.complete(key, admission, results, request_id=request_id, deadline=deadline), cpu
+        except TimeoutError as error:
+            raise DeadlineExceeded from error
 
     async def _score_items(
         self,

@@ -36,6 +36,32 @@ def claim_idempotency_key(conn: Connection, *, key: str, request_hash: str, requ
             idempotency_key=key, request_hash=request_hash, request_id=request_id, created_at=utc_now()
         ).on_conflict_do_nothing(index_elements=["idempotency_key"])
     )
+    return _standing_claim(conn, key)
+
+
+def store_idempotency_answer(
+    conn: Connection, *, key: str, request_hash: str, request_id: str, response: str
+) -> KeyClaim:
+    """Store `response` as `key`'s answer: it completes this request's claim, or claims the key with
+    it when that claim never reached the store. Returns the claim that stands, whose answer (maybe
+    another request's, stored first) is the one the key replays."""
+    insert = _insert_for(conn, idempotency_keys)
+    now = utc_now()
+    conn.execute(
+        insert.values(
+            idempotency_key=key,
+            request_hash=request_hash,
+            request_id=request_id,
+            response=response,
+            created_at=now,
+            completed_at=now,
+        ).on_conflict_do_nothing(index_elements=["idempotency_key"])
+    )
+    complete_idempotency_key(conn, key=key, request_id=request_id, response=response)
+    return _standing_claim(conn, key)
+
+
+def _standing_claim(conn: Connection, key: str) -> KeyClaim:
     k = idempotency_keys.c
     row = conn.execute(
         sa.select(k.request_hash, k.request_id, k.response, k.created_at).where(k.idempotency_key == key)

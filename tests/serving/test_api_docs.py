@@ -120,7 +120,7 @@ def _score_refusal_codes() -> set[tuple[str, str]]:
     """(status, error code) of every refusal the /score path builds: the gate's, the edge's, and
     the overload and outage refusals; the error code as the client reads it."""
     found = set()
-    for module in ("gate", "security", "refusals"):
+    for module in ("gate", "security", "refusals", "idempotency"):
         tree = ast.parse((Path(serving.__file__).parent / f"{module}.py").read_text())
         for call in ast.walk(tree):
             if isinstance(call, ast.Call) and getattr(call.func, "id", None) in ("Refused", "cls"):
@@ -135,6 +135,6 @@ def test_every_refusal_of_score_is_documented_under_its_status_with_its_code() -
     """The 413 was documented as "body_too_large" where the service answers "payload_too_large"."""
     responses = openapi_document(REFERENCE, LIMITS, model_version="v")["paths"]["/score"]["post"]["responses"]
     codes = _score_refusal_codes() - {("400", "client_disconnected")}  # the client left: nobody reads it
-    assert {("413", "payload_too_large"), ("413", "too_many_transactions"), ("503", "overloaded")} <= codes
+    assert {("413", "payload_too_large"), ("413", "too_many_transactions"), ("503", "store_unavailable")} <= codes
     for status, code in codes:
         assert code in responses[status]["description"], (status, code)

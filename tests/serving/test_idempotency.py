@@ -8,6 +8,8 @@ import asyncio
 import gc
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from inference.spec.api import record_model
 from inference.store import idempotency_keys, read_predictions
 from serving.breaker import CircuitBreaker
 from serving.idempotency import IdempotencyKeys, KeyInProgress, KeyReused
+from serving.refusals import Refused
 from serving.runtime import DeadlineExceeded, OnlineScorer, Shed
 from serving.schemas import ItemResult, api_models
 from serving.scoring import BatchResult, ItemSpec
@@ -456,3 +459,82 @@ def test_an_outcome_the_store_did_not_take_is_written_with_the_next_one(engine: 
     keys.store_outcome("k3", "r3", "[]")
     assert claimed(engine, "k1", answered=True) and claimed(engine, "k3", answered=True)
     assert not claimed(engine, "k2"), "the release is written too"
+
+
+# ------------------------------------------------------------------ a store statement lost with its connection
+@contextmanager
+def failing(engine: Engine, statement: str, times: int) -> Iterator[list[str]]:
+    """The next `times` statements on `engine` that begin with `statement` fail as on a connection
+    the server terminated; yields those that failed."""
+    failed: list[str] = []
+
+    def fail(conn: object, cursor: object, sql: str, params: Any, context: object, executemany: bool) -> None:
+        if len(failed) < times and sql.lstrip().upper().startswith(statement):
+            failed.append(sql)
+            raise sa.exc.OperationalError(sql, params, Exception("terminating connection due to administrator command"))
+
+    sa.event.listen(engine, "before_cursor_execute", fail)
+    try:
+        yield failed
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", fail)
+
+
+def test_a_full_answer_whose_claim_never_reached_the_store_is_the_one_the_key_replays(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """The claim's INSERT failed once: the full answer was given unstored, and after a restart (or on
+    another replica) the same key and body got another answer, a second row under one key."""
+
+    async def scenario() -> tuple[ItemResult, ItemResult]:
+        a = await scorer_on(engine, tmp_path, AmountScoring(), "a")
+        with failing(engine, "INSERT INTO IDEMPOTENCY_KEYS", times=1) as failed:
+            first = await ask(a, "r1", "key-1", body("demo-1", 3.0))
+        assert failed, "the claim failed"
+        await settle(engine, a)
+        b = await scorer_on(engine, tmp_path, AmountScoring(), "b")  # a restart, or another replica
+        again = await ask(b, "r2", "key-1", body("demo-1", 3.0))
+        await settle(engine, b)
+        return first, again
+
+    first, again = asyncio.run(scenario())
+    assert first.request_id == "r1" and again == first
+    (stored,) = key_rows(engine)
+    assert stored["request_id"] == "r1"
+
+
+def test_an_answer_whose_store_failed_once_is_stored_on_a_fresh_connection(engine: Engine, tmp_path: Path) -> None:
+    async def scenario() -> tuple[ItemResult, ItemResult]:
+        a = await scorer_on(engine, tmp_path, AmountScoring(), "a")
+        with failing(engine, "UPDATE IDEMPOTENCY_KEYS", times=1) as failed:
+            first = await ask(a, "r1", "key-1", body("demo-1", 3.0))
+        assert failed, "the answer's first write failed"
+        assert claimed(engine, "key-1", answered=True), "stored before the client had it"
+        await settle(engine, a)
+        b = await scorer_on(engine, tmp_path, AmountScoring(), "b")
+        again = await ask(b, "r2", "key-1", body("demo-1", 3.0))
+        await settle(engine, b)
+        return first, again
+
+    first, again = asyncio.run(scenario())
+    assert first.request_id == "r1" and again == first
+
+
+def test_a_full_answer_the_store_did_not_take_is_refused_for_a_retry(engine: Engine, tmp_path: Path) -> None:
+    """Given unstored, a replica would have replayed another answer under the key: refused with
+    Retry-After instead, its claim freed, and the retry's answer is the one the key keeps."""
+
+    async def scenario() -> tuple[Refused, ItemResult, ItemResult]:
+        a = await scorer_on(engine, tmp_path, AmountScoring(), "a", breaker_failure_threshold=5)
+        with failing(engine, "UPDATE IDEMPOTENCY_KEYS", times=2), pytest.raises(Refused) as refused:
+            await ask(a, "r1", "key-1", body("demo-1", 3.0))
+        await until_async(lambda: not key_rows(engine))  # the claim is freed for the retry
+        retry = await ask(a, "r2", "key-1", body("demo-1", 3.0))
+        b = await scorer_on(engine, tmp_path, AmountScoring(), "b")
+        again = await ask(b, "r3", "key-1", body("demo-1", 3.0))
+        await settle(engine, a, b)
+        return refused.value, retry, again
+
+    refused, retry, again = asyncio.run(scenario())
+    assert (refused.status, refused.error, refused.headers) == (503, "store_unavailable", {"Retry-After": "1"})
+    assert retry.request_id == "r2" and again == retry
