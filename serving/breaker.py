@@ -17,12 +17,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine, ExceptionContext
+from sqlalchemy.exc import DBAPIError
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 
 class BreakerState(enum.IntEnum):
@@ -179,3 +181,18 @@ def _cut(driver: Any) -> None:
     file descriptor kept from before could name another file by now."""
     with contextlib.suppress(Exception), socket.socket(fileno=os.dup(driver.fileno())) as connection:
         connection.shutdown(socket.SHUT_RDWR)
+
+
+def read_reconnecting(engine: Engine, read: Callable[[Connection], _R], breaker: CircuitBreaker | None = None) -> _R:
+    """`read` on a pooled connection, once more on a fresh one if the server had dropped it (a
+    restart): SQLAlchemy's optimistic disconnect handling, in place of a ping before every read.
+    Not once `breaker` has opened: a statement cut by its bound tripped it, and a fresh connection
+    to a silent database would hold the batch for the connect timeout as well."""
+    try:
+        with engine.connect() as conn:
+            return read(conn)
+    except DBAPIError as error:
+        if not error.connection_invalidated or (breaker is not None and breaker.state is not BreakerState.CLOSED):
+            raise
+    with engine.connect() as conn:
+        return read(conn)

@@ -38,7 +38,7 @@ from inference.store import (
     utc_now,
 )
 from inference.store.idempotency import store_idempotency_answer
-from serving.breaker import CircuitBreaker
+from serving.breaker import CircuitBreaker, read_reconnecting
 from serving.refusals import Refused
 from serving.schemas import ItemResult
 
@@ -76,6 +76,11 @@ def _not_kept(key: str, items: int) -> Refused:
     client holding it would find another answer under its key."""
     message = f"the answer under Idempotency-Key {key!r} could not be stored; retry"
     return Refused(503, "store_unavailable", message, outcome="failed", items=items, headers={"Retry-After": "1"})
+
+
+def _in_transaction(work: Callable[[Connection], _T], conn: Connection) -> _T:
+    with conn.begin():
+        return work(conn)
 
 
 def request_fingerprint(records: Sequence[RecordBase]) -> str:
@@ -196,8 +201,8 @@ class IdempotencyKeys:
         deserves the full answer. A full one is given only once the store holds it as the key's answer,
         and then as the store holds it (another request's, if that one stored first).
 
-        Raises TimeoutError past `deadline`; Refused (503, Retry-After) when the store took it on
-        neither try; KeyInProgress or KeyReused when the store gave the key to another request."""
+        Raises TimeoutError past `deadline`; Refused (503, Retry-After) when the store did not
+        take it; KeyInProgress or KeyReused when the store gave the key to another request."""
         owner = admission.owner
         assert owner is not None
         if any(result.degraded for result in results):
@@ -237,19 +242,25 @@ class IdempotencyKeys:
         """`results` stored as `key`'s answer, claiming the key if the claim never reached the store;
         returns the answer the store holds. Raises as `complete` does."""
         response = self.results.dump_json(results).decode()
-        store = functools.partial(
-            store_idempotency_answer, key=key, request_hash=fingerprint, request_id=request_id, response=response
+        # In a list: None from the store means "held as this answer", None from `_guarded` "not stored".
+        stored = self._guarded(
+            lambda conn: [
+                store_idempotency_answer(
+                    conn, key=key, request_hash=fingerprint, request_id=request_id, response=response
+                )
+            ]
         )
-        # Retried once on a fresh connection: one statement lost with its connection is no outage.
-        claim = self._guarded(store, attempts=2)
-        if claim is None:
+        if stored is None:
             self.store_outcome(key, request_id, None)  # a claim that landed is freed for the retry
             raise _not_kept(key, len(results))
-        if claim.request_hash != fingerprint:
+        (other,) = stored
+        if other is None or other.response == response:
+            return results
+        if other.request_hash != fingerprint:
             raise KeyReused(key)
-        if claim.response is None:
+        if other.response is None:
             raise KeyInProgress(key)
-        return results if claim.response == response else self.results.validate_json(claim.response)
+        return self.results.validate_json(other.response)
 
     def store_outcome(self, key: str, request_id: str, response: str | None) -> None:
         """Store a claim's answer, or (None) its release, then the outcomes that waited for the store;
@@ -314,27 +325,20 @@ class IdempotencyKeys:
             claiming.add_done_callback(lambda _: loop.run_in_executor(None, self.store_outcome, key, request_id, None))
             raise
 
-    def _guarded(self, work: Callable[[Connection], _T], *, attempts: int = 1) -> _T | None:
-        """`work` in one transaction, or None when the store is unreachable (breaker open) or failed
-        each of `attempts`; a failed attempt's connection is discarded, so the next gets a fresh one."""
-        for _ in range(attempts):
-            if not self.breaker.allow():
-                return None
-            try:
-                with self.engine.connect() as conn:
-                    try:
-                        with conn.begin():
-                            result = work(conn)
-                    except SQLAlchemyError:
-                        conn.invalidate()
-                        raise
-            except SQLAlchemyError as error:
-                self.breaker.record_failure()
-                logger.warning("idempotency store unavailable; this process's memory decides: %s", error)
-                continue
-            self.breaker.record_success()
-            return result
-        return None
+    def _guarded(self, work: Callable[[Connection], _T]) -> _T | None:
+        """`work` in one transaction, once more on a fresh connection if the server dropped this one
+        (each statement here is safe to run again), or None when the store is unreachable (breaker
+        open) or failed."""
+        if not self.breaker.allow():
+            return None
+        try:
+            result = read_reconnecting(self.engine, functools.partial(_in_transaction, work), self.breaker)
+        except SQLAlchemyError as error:
+            self.breaker.record_failure()
+            logger.warning("idempotency store unavailable; this process's memory decides: %s", error)
+            return None
+        self.breaker.record_success()
+        return result
 
     # ------------------------------------------------------------------ this process's memory
     def _remember(self, key: str, entry: _LocalKey) -> None:

@@ -9,15 +9,15 @@ import collections
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import polars as pl
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from inference.contract import Predictor
 from inference.records import hash_inputs, raw_frame, validate
@@ -32,11 +32,10 @@ from inference.store import (
     record_table,
     utc_now,
 )
-from serving.breaker import BreakerState, CircuitBreaker
+from serving.breaker import CircuitBreaker, read_reconnecting
 from serving.schemas import ItemError, ItemResult, api_models
 
 logger = logging.getLogger(__name__)
-_R = TypeVar("_R")
 
 # Answers this process gave, for replays that arrive before the result writer has stored them.
 _RECENT_ANSWERS = 50_000
@@ -74,21 +73,6 @@ class BatchResult:
     degraded: bool = False
     cpu_seconds: float = 0.0
     breaker_state: int = 0  # of the scoring process's own breaker, for the metric
-
-
-def read_reconnecting(engine: Engine, read: Callable[[Connection], _R], breaker: CircuitBreaker | None = None) -> _R:
-    """`read` on a pooled connection, once more on a fresh one if the server had dropped it (a
-    restart): SQLAlchemy's optimistic disconnect handling, in place of a ping before every read.
-    Not once `breaker` has opened: a statement cut by its bound tripped it, and a fresh connection
-    to a silent database would hold the batch for the connect timeout as well."""
-    try:
-        with engine.connect() as conn:
-            return read(conn)
-    except DBAPIError as error:
-        if not error.connection_invalidated or (breaker is not None and breaker.state is not BreakerState.CLOSED):
-            raise
-    with engine.connect() as conn:
-        return read(conn)
 
 
 def ping_store(engine: Engine) -> None:

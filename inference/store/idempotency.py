@@ -41,24 +41,26 @@ def claim_idempotency_key(conn: Connection, *, key: str, request_hash: str, requ
 
 def store_idempotency_answer(
     conn: Connection, *, key: str, request_hash: str, request_id: str, response: str
-) -> KeyClaim:
+) -> KeyClaim | None:
     """Store `response` as `key`'s answer: it completes this request's claim, or claims the key with
-    it when that claim never reached the store. Returns the claim that stands, whose answer (maybe
-    another request's, stored first) is the one the key replays."""
-    insert = _insert_for(conn, idempotency_keys)
+    it when that claim never reached the store. None when the key now holds it; else the claim that
+    stands, another request's (its answer, stored first, is the one the key replays)."""
+    if complete_idempotency_key(conn, key=key, request_id=request_id, response=response):
+        return None
     now = utc_now()
-    conn.execute(
-        insert.values(
+    claimed = conn.execute(
+        _insert_for(conn, idempotency_keys)
+        .values(
             idempotency_key=key,
             request_hash=request_hash,
             request_id=request_id,
             response=response,
             created_at=now,
             completed_at=now,
-        ).on_conflict_do_nothing(index_elements=["idempotency_key"])
+        )
+        .on_conflict_do_nothing(index_elements=["idempotency_key"])
     )
-    complete_idempotency_key(conn, key=key, request_id=request_id, response=response)
-    return _standing_claim(conn, key)
+    return None if claimed.rowcount else _standing_claim(conn, key)
 
 
 def _standing_claim(conn: Connection, key: str) -> KeyClaim:
@@ -69,13 +71,15 @@ def _standing_claim(conn: Connection, key: str) -> KeyClaim:
     return KeyClaim(row.request_hash, row.request_id, row.response, _aware(row.created_at))
 
 
-def complete_idempotency_key(conn: Connection, *, key: str, request_id: str, response: str) -> None:
+def complete_idempotency_key(conn: Connection, *, key: str, request_id: str, response: str) -> bool:
+    """Whether this request's unanswered claim took `response`."""
     k = idempotency_keys.c
-    conn.execute(
+    completed = conn.execute(
         sa.update(idempotency_keys)
         .where(k.idempotency_key == key, k.request_id == request_id, k.response.is_(None))
         .values(response=response, completed_at=utc_now())
     )
+    return bool(completed.rowcount)
 
 
 def release_idempotency_key(conn: Connection, *, key: str, request_id: str) -> None:

@@ -467,17 +467,25 @@ def failing(engine: Engine, statement: str, times: int) -> Iterator[list[str]]:
     """The next `times` statements on `engine` that begin with `statement` fail as on a connection
     the server terminated; yields those that failed."""
     failed: list[str] = []
+    terminated = "terminating connection due to administrator command"
 
     def fail(conn: object, cursor: object, sql: str, params: Any, context: object, executemany: bool) -> None:
         if len(failed) < times and sql.lstrip().upper().startswith(statement):
             failed.append(sql)
-            raise sa.exc.OperationalError(sql, params, Exception("terminating connection due to administrator command"))
+            raise engine.dialect.loaded_dbapi.OperationalError(terminated)
+
+    def dropped(context: sa.engine.ExceptionContext) -> None:
+        # What the driver says of a connection pg_terminate_backend closed: SQLAlchemy invalidates it.
+        if terminated in str(context.original_exception):
+            context.is_disconnect = True
 
     sa.event.listen(engine, "before_cursor_execute", fail)
+    sa.event.listen(engine, "handle_error", dropped)
     try:
         yield failed
     finally:
         sa.event.remove(engine, "before_cursor_execute", fail)
+        sa.event.remove(engine, "handle_error", dropped)
 
 
 def test_a_full_answer_whose_claim_never_reached_the_store_is_the_one_the_key_replays(

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
 from inference.store import make_engine
-from serving.scoring import read_reconnecting
+from serving.breaker import read_reconnecting
 
 pytestmark = pytest.mark.postgres
 
