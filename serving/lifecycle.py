@@ -242,7 +242,7 @@ class PoolSupervisor(_Periodic):
         self.discard = discard
 
     async def tick(self) -> None:
-        if not self.scorer.scoring_available():
+        if not self.scorer.check_scoring_process():
             await self.restore_once()
 
     async def restore_once(self) -> bool:

@@ -180,7 +180,12 @@ class OnlineScorer:
         self.outbox.close()
 
     def scoring_available(self) -> bool:
-        """False from the moment the scoring process is found dead (idle or not) until a new one is swapped in."""
+        """False from the moment the scoring process is found dead until a new one is swapped in."""
+        return self.batcher is None or not self.batcher.broken
+
+    def check_scoring_process(self) -> bool:
+        """`scoring_available`, once it has looked whether the process exited while idle: for the
+        supervisor's tick and readiness, not per request (it asks the OS)."""
         return self.batcher is None or not self.batcher.process_lost(self.executor)
 
     def alive(self) -> bool:
@@ -189,7 +194,7 @@ class OnlineScorer:
         return self.scoring_available() or self.restore_failures < RESTORE_ATTEMPTS_BEFORE_RESTART
 
     def ready(self) -> bool:
-        if not self.warm or self.batcher is None or not self.scoring_available():
+        if not self.warm or self.batcher is None or not self.check_scoring_process():
             return False
         # A batch running past the default deadline answers no newcomer in time: out of rotation
         # until it ends, or until the stuck bound stops its process.
