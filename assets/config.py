@@ -7,21 +7,13 @@ from typing import Any
 from dagster import Config, Failure
 from pydantic import ValidationError
 
+from inference.settings import refusal_line
+
 
 def config_refusal(error: ValidationError) -> str:
-    """`error` on one line: each refused field with its value and the reason (pydantic's own text
-    spans lines and links to its docs)."""
-    said = []
-    for refused in error.errors(include_url=False):
-        message = refused["msg"].removeprefix("Value error, ")
-        field = ".".join(str(part) for part in refused["loc"])
-        if not field:  # a model validator's: its message names the fields it compares
-            said.append(message)
-        elif refused["type"] == "missing":
-            said.append(f"{field}: {message}")
-        else:
-            said.append(f"{field}={refused['input']!r}: {message}")
-    return "invalid run config: " + "; ".join(said)
+    """`error` on one line, each refused field by its path (pydantic's own text spans lines and
+    links to its docs)."""
+    return "invalid run config: " + refusal_line(error, lambda location: ".".join(map(str, location)))
 
 
 class AssetConfig(Config):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -147,16 +148,25 @@ def settings_error(error: ValidationError, settings: type[BaseSettings]) -> str:
     """A settings class's refusal on one line, naming each environment variable it refused (for a
     command line: pydantic's own text spans lines, and names a field, not the variable)."""
     prefix = str(settings.model_config.get("env_prefix", ""))
+
+    def variable(location: tuple[int | str, ...]) -> str:
+        field = str(location[0])
+        # An aliased field is reported under its alias, the variable's whole name.
+        return f"{prefix}{field}".upper() if field in settings.model_fields else field
+
+    return without_password(refusal_line(error, variable))
+
+
+def refusal_line(error: ValidationError, name: Callable[[tuple[int | str, ...]], str]) -> str:
+    """pydantic's refusal on one line: `name=value: why` for each refused value, `name: why` for a
+    missing one, a model validator's message as it is (it names what it compares)."""
     said = []
     for refused in error.errors(include_url=False):
         message = refused["msg"].removeprefix("Value error, ")
-        if not refused["loc"]:  # a model validator's: its message names its variables
+        if not refused["loc"]:
             said.append(message)
-            continue
-        field = str(refused["loc"][0])
-        # An aliased field is reported under its alias, the variable's whole name.
-        variable = f"{prefix}{field}".upper() if field in settings.model_fields else field
-        said.append(
-            f"{variable}={refused['input']!r}: {message}" if refused["type"] != "missing" else f"{variable}: {message}"
-        )
-    return without_password("; ".join(said))
+        elif refused["type"] == "missing":
+            said.append(f"{name(refused['loc'])}: {message}")
+        else:
+            said.append(f"{name(refused['loc'])}={refused['input']!r}: {message}")
+    return "; ".join(said)
