@@ -8,7 +8,7 @@ import hashlib
 import resource
 import time
 from dataclasses import dataclass
-from datetime import date
+from datetime import date, datetime
 from pathlib import Path
 from typing import Literal, Self
 
@@ -32,7 +32,7 @@ from pydantic import Field, model_validator
 
 from assets.automation import PRODUCTION_MODEL, rescore_after_promotion
 from assets.config import AssetConfig
-from assets.metadata import score_distribution, table_metadata, table_schema
+from assets.metadata import STORE_READ_FROM, score_distribution, table_metadata, table_schema
 from assets.model import build_production_model, challenger_model_observation, production_model_observation
 from assets.partitions import partition_day
 from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
@@ -58,6 +58,7 @@ from inference.store import (
     partition_counts,
     record_table,
     stored_partition_dates,
+    utc_now,
 )
 from inference.store import predictions as predictions_table
 from inference.training import evaluate_auc, train_from_store
@@ -374,6 +375,7 @@ class _Scored:
     scores: list[float]
     parity: ParityReport
     cpu_seconds: float
+    store_read_from: datetime
 
 
 def _score_and_count(
@@ -389,6 +391,7 @@ def _score_and_count(
         context.log.info(f"chunk {chunk.chunk}: {chunk.rows_done} rows, {chunk.rows_per_second:,.0f} rows/s")
 
     cpu_started = time.process_time()  # every thread of this process: the pipeline's stages
+    store_read_from = utc_now()
     report, predictor = score_day(context, day, database, loaded, config, on_chunk=progress)
     cpu_seconds = time.process_time() - cpu_started
     with database.engine.connect() as conn:
@@ -399,7 +402,7 @@ def _score_and_count(
     parity = check_parity(
         database.spec, database.engine, predictor, partition_key=context.partition_key, sample_size=config.parity_sample
     )
-    return _Scored(report, counts, scores, parity, cpu_seconds)
+    return _Scored(report, counts, scores, parity, cpu_seconds, store_read_from)
 
 
 def score_predictions(
@@ -436,6 +439,7 @@ def score_predictions(
             "stage_busy_s": MetadataValue.json(report.stage_seconds),
             "duration_s": round(time.perf_counter() - started, 3),
             "chunks": report.chunks,
+            STORE_READ_FROM: MetadataValue.timestamp(scored.store_read_from),
         },
         check_results=_predictions_checks(scored, config, unseen_share),
     )

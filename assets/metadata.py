@@ -20,6 +20,9 @@ from sqlalchemy.dialects import postgresql
 HISTOGRAM_BINS = 10
 HISTOGRAM_BAR_WIDTH = 40
 DECILES = tuple(step / 10 for step in range(11))  # min, p10 ... p90, max
+# On a `predictions` materialization: the moment before its scoring first read the store. A record
+# ingested later may be missing from what it scored (late_records_sensor compares the two).
+STORE_READ_FROM = "store_read_from"
 
 
 def table_schema(table: sa.Table) -> TableSchema:

@@ -25,6 +25,7 @@ from dagster import (
     AssetRecordsFilter,
     DagsterInstance,
     DefaultSensorStatus,
+    EventLogRecord,
     MetadataValue,
     PartitionsDefinition,
     RunRequest,
@@ -34,6 +35,7 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
+    TimestampMetadataValue,
     schedule,
     sensor,
 )
@@ -41,6 +43,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from assets.automation import CHALLENGER_MODEL, PRODUCTION_MODEL, SHADOW_PREDICTIONS
+from assets.metadata import STORE_READ_FROM
 from assets.model import NO_CHALLENGER, challenger_model_observation, production_model_observation
 from assets.resources import DatabaseResource, ModelStoreResource, RecordSourceResource
 from inference.store import (
@@ -58,6 +61,7 @@ AssetJob = Any
 DAILY_JOB = "daily_scoring"
 RESCORE_JOB = "rescore_predictions"
 ONLINE_PREDICTIONS = AssetKey("online_predictions")
+PREDICTIONS = AssetKey("predictions")
 
 
 def ingest_job_name(records: AssetKey) -> str:
@@ -101,10 +105,13 @@ def _cursor(moment: datetime) -> str:
     return json.dumps({"watermark": moment.isoformat()})
 
 
-def _advance(cursor: str | None, changes: list[PartitionChange], held: list[PartitionChange]) -> str:
-    """The newest watermark seen, but not past a held change, so that the next ticks read it again
-    (they look back WATERMARK_OVERLAP from the cursor); never backwards."""
-    moments = [change.watermark for change in changes]
+def _advance(
+    cursor: str | None, changes: list[PartitionChange], held: list[PartitionChange], now: datetime | None = None
+) -> str:
+    """The newest watermark seen (or `now`, the tick's start, when later), but not past a held
+    change, so that the next ticks read it again (they look back WATERMARK_OVERLAP from the
+    cursor); never backwards."""
+    moments = [change.watermark for change in changes] + ([now] if now is not None else [])
     newest = min([max(moments), *(change.watermark for change in held)])
     if (previous := _watermark(cursor)) is not None:
         newest = max(newest, previous)
@@ -120,6 +127,7 @@ def _rerun(
     key_prefix: str,
     version: str,
     busy: AbstractSet[str] = frozenset(),
+    now: datetime | None = None,
 ) -> SensorResult:
     """One run per changed partition, keyed by partition, model version and change watermark.
 
@@ -147,7 +155,7 @@ def _rerun(
             for change in changes
             if change.partition_key not in unknown and change.partition_key not in busy
         ],
-        cursor=_advance(context.cursor, changes, held),
+        cursor=_advance(context.cursor, changes, held, now),
     )
 
 
@@ -166,16 +174,22 @@ def build_sensors(settings: SensorSettings, *, partitions: PartitionsDefinition)
         version = model_store.production_tag()
         if version is None:
             return SkipReason("no production model yet")
+        # Before the query: a row stamped earlier and committed after it is within the overlap.
+        now = utc_now()
         with database.engine.connect() as conn:
             # The production model's own K: the rescore runs with it, so its reach is what changed.
-            changes = stale_scored_partitions(
+            touched = stale_scored_partitions(
                 database.spec,
                 conn,
                 changed_after=_look_back_from(context.cursor),
                 history_length=model_store.history_length(version),
             )
+        changes = [c for c in touched if c.unanswered or _scored_before(context.instance, c)]
         if not changes:
-            return SkipReason("no changed records in scored partitions")
+            # The cursor moves on: changes already judged are not read again after the overlap.
+            return SensorResult(
+                skip_reason="no changed records in scored partitions", cursor=_advance(context.cursor, [], [], now)
+            )
         # A day's run in flight scores it next (a daily_scoring re-ingest, the rescore requested
         # here): another rescore would score it twice. Once it is over, what is still stale is.
         busy = partitions_in_flight(context.instance, partitions)
@@ -187,6 +201,7 @@ def build_sensors(settings: SensorSettings, *, partitions: PartitionsDefinition)
             key_prefix="late",
             version=version,
             busy=busy,
+            now=now,
         )
 
     # Not an AutomationCondition: a rejection marked fixed (`tandem rejects fixed`) is a row update
@@ -316,12 +331,26 @@ def _last_ingest(instance: DagsterInstance, records_asset: AssetKey, partition_k
     return read, f"{read}@{records[0].storage_id}"
 
 
+def _latest_scoring(instance: DagsterInstance, partition_key: str) -> EventLogRecord | None:
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=PREDICTIONS, asset_partitions=[partition_key]), limit=1
+    ).records
+    return records[0] if records else None
+
+
 def _is_scored(instance: DagsterInstance, partition_key: str) -> bool:
-    return bool(
-        instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=AssetKey("predictions"), asset_partitions=[partition_key]), limit=1
-        ).records
-    )
+    return _latest_scoring(instance, partition_key) is not None
+
+
+def _scored_before(instance: DagsterInstance, change: PartitionChange) -> bool:
+    """Whether the partition's last batch scoring began reading the store before `change` (or
+    does not say when: scored outside Dagster, or by an older Tandem): then it may lack the change."""
+    latest = _latest_scoring(instance, change.partition_key)
+    materialization = latest.asset_materialization if latest is not None else None
+    read_from = materialization.metadata.get(STORE_READ_FROM) if materialization is not None else None
+    if not isinstance(read_from, TimestampMetadataValue):
+        return True
+    return read_from.value < change.watermark.timestamp()
 
 
 def build_landing_sensor(

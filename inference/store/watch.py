@@ -30,20 +30,30 @@ from inference.store.schema import (
 class PartitionChange:
     partition_key: str
     watermark: datetime  # the newest change seen in this partition; part of the run key
+    # False: every change that touched it already has a batch answer (ingested and scored in one
+    # run): it is stale only if its own last batch scoring read the store before `watermark`.
+    unanswered: bool = True
 
 
 def stale_scored_partitions(
     ls: LoadedSpec, conn: Connection, *, changed_after: datetime | None, history_length: int
 ) -> list[PartitionChange]:
-    """Partitions already scored by the batch path whose scores a change made stale.
+    """Partitions already scored by the batch path that a change may have made stale.
 
-    A change is a record changed (late or corrected) after `changed_after` whose current contents
-    have no batch result yet: no batch prediction and no open rejection for its current input hash. Stale are
-    the change's own partition and the partitions of the entity's next `history_length` valid
-    records, whose features read (or, for a record now invalid, read) the changed one as history.
-    Every such partition, however many changed in the same interval, is returned, with the newest
-    change that touched it. Without an entity, or at K = 0, no record reads another: only the
-    change's own partition.
+    A change is a record changed (late or corrected) after `changed_after`. Stale are the change's
+    own partition and the partitions of the entity's next `history_length` valid records, whose
+    features read (or, for a record now invalid, read) the changed one as history. Every such
+    partition, however many changed in the same interval, is returned, with the newest change that
+    touched it. Without an entity, or at K = 0, no record reads another: only the change's own
+    partition.
+
+    A change whose current contents have no batch result yet (no batch prediction and no open
+    rejection for its input hash) marks its partitions `unanswered`: stale for certain. A change
+    that already has one was scored in the run that ingested it, which says nothing of the later
+    days that read it: its partitions are returned too, before a later batch-scored day only (the
+    newest day's own ingest-and-score run leaves nothing to judge), for the caller to compare with
+    when each was last scored. Those are judged only after a first tick (`changed_after` set): on
+    a first one they would be every stored record.
 
     A correction that moved the record (another entity, another event time) also makes stale the
     entity's next `history_length` valid records after its old position (`previous_{entity}`,
@@ -51,8 +61,8 @@ def stale_scored_partitions(
     record corrected twice between two ticks leaves the first old position's followers unscheduled.
     """
     rt = record_table(ls)
-    changed = _changed_without_batch_result(rt, changed_after)
-    parts: list[sa.Select[Any]] = [sa.select(changed.c.partition_date, changed.c.ingested_at)]
+    changed = _changes(rt, changed_after)
+    parts: list[sa.Select[Any]] = [sa.select(changed.c.partition_date, changed.c.ingested_at, changed.c.unanswered)]
     if ls.history_entity(history_length) is not None:
         timeline = _entities_timeline(rt, changed)
         parts += [
@@ -67,21 +77,24 @@ def stale_scored_partitions(
         .exists()
     )
     stmt = (
-        sa.select(touched.c.partition_date, sa.func.max(touched.c.ingested_at))
+        sa.select(touched.c.partition_date, sa.func.max(touched.c.ingested_at), sa.func.max(touched.c.unanswered))
         .where(batch_scored)
         .group_by(touched.c.partition_date)
         .order_by(touched.c.partition_date)
     )
-    return [PartitionChange(str(day), _aware(moment)) for day, moment in conn.execute(stmt)]
+    return [
+        PartitionChange(str(day), _aware(moment), unanswered=bool(unanswered))
+        for day, moment, unanswered in conn.execute(stmt)
+    ]
 
 
-def _changed_without_batch_result(rt: RecordTable, changed_after: datetime | None) -> sa.CTE:
-    """Records ingested after `changed_after` whose current input hash has no batch result yet,
-    with the role columns the followers' queries read under fixed names (`record_id`, `entity`,
-    `previous_entity`)."""
+def _changes(rt: RecordTable, changed_after: datetime | None) -> sa.CTE:
+    """Records ingested after `changed_after` that may have made a batch-scored partition stale,
+    `unanswered` (1) where their current input hash has no batch result yet, with the role columns
+    the followers' queries read under fixed names (`record_id`, `entity`, `previous_entity`)."""
     t, p, r = rt.c, predictions.c, rejected_records.c
     record_id = t[rt.id]
-    changed_filter = [
+    unanswered = sa.and_(
         # Only a batch answer counts: an online answer to the corrected body leaves the batch stale.
         ~sa.select(p.record_id)
         .where(p.record_id == record_id, p.input_hash == t.input_hash, p.path == ResultPath.BATCH.value)
@@ -89,17 +102,29 @@ def _changed_without_batch_result(rt: RecordTable, changed_after: datetime | Non
         ~sa.select(r.rejection_id)
         .where(r.record_id == record_id, r.input_hash == t.input_hash, r.resolved.is_(False))
         .exists(),
-    ]
+    )
+    where: list[sa.ColumnElement[bool]] = [unanswered]
     if changed_after is not None:
-        changed_filter.append(t.ingested_at > changed_after)
-    columns: list[sa.ColumnElement[Any]] = [record_id.label("record_id"), t.partition_date, t.ingested_at]
+        newest_scored_day = (
+            sa.select(sa.func.max(p.partition_key)).where(p.path == ResultPath.BATCH.value).scalar_subquery()
+        )
+        where = [
+            t.ingested_at > changed_after,
+            sa.or_(unanswered, sa.cast(t.partition_date, sa.String) < newest_scored_day),
+        ]
+    columns: list[sa.ColumnElement[Any]] = [
+        record_id.label("record_id"),
+        t.partition_date,
+        t.ingested_at,
+        sa.case((unanswered, 1), else_=0).label("unanswered"),
+    ]
     if rt.entity is not None and rt.previous_entity is not None:
         columns += [
             t[rt.entity].label("entity"),
             t[rt.previous_entity].label("previous_entity"),
             t.previous_event_ts,
         ]
-    return sa.select(*columns).where(*changed_filter).cte("changed")
+    return sa.select(*columns).where(*where).cte("changed")
 
 
 def _entities_timeline(rt: RecordTable, changed: sa.CTE) -> sa.CTE:
@@ -133,7 +158,7 @@ def _followers_of_new_place(changed: sa.CTE, timeline: sa.CTE, history_length: i
     """Partitions of the `history_length` records after each changed one, with the change's time."""
     at, later = timeline.alias("at_change"), timeline.alias("later")
     return (
-        sa.select(later.c.partition_date, changed.c.ingested_at)
+        sa.select(later.c.partition_date, changed.c.ingested_at, changed.c.unanswered)
         .select_from(changed)
         .join(at, at.c.record_id == changed.c.record_id)
         .join(
@@ -152,7 +177,9 @@ def _followers_of_old_place(changed: sa.CTE, timeline: sa.CTE, history_length: i
     (one more than K where it moved later within the entity, its new place among them)."""
     after = timeline.alias("after_old")
     old_place = (
-        sa.select(after.c.entity, changed.c.ingested_at, sa.func.min(after.c.position).label("first"))
+        sa.select(
+            after.c.entity, changed.c.ingested_at, changed.c.unanswered, sa.func.min(after.c.position).label("first")
+        )
         .select_from(changed)
         .join(
             after,
@@ -168,12 +195,12 @@ def _followers_of_old_place(changed: sa.CTE, timeline: sa.CTE, history_length: i
                 ),
             ),
         )
-        .group_by(changed.c.record_id, after.c.entity, changed.c.ingested_at)
+        .group_by(changed.c.record_id, after.c.entity, changed.c.ingested_at, changed.c.unanswered)
         .cte("old_place")
     )
     followers = timeline.alias("followers")
     return (
-        sa.select(followers.c.partition_date, old_place.c.ingested_at)
+        sa.select(followers.c.partition_date, old_place.c.ingested_at, old_place.c.unanswered)
         .select_from(old_place)
         .join(
             followers,

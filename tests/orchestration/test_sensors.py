@@ -174,7 +174,9 @@ def test_late_records_rerun_exactly_the_changed_partitions_once(
     scored: str, assets: list, instance: DagsterInstance
 ) -> None:
     sensor = _sensors()["late_records_sensor"]
-    assert isinstance(_tick(sensor, scored, instance=instance), SkipReason)
+    quiet = _tick(sensor, scored, instance=instance)
+    assert isinstance(quiet, SensorResult)
+    assert not quiet.run_requests
 
     for day in DAYS:  # several partitions changing within one interval are all seen
         _correct_records(scored, day, 3)
@@ -187,7 +189,7 @@ def test_late_records_rerun_exactly_the_changed_partitions_once(
     again = _tick(sensor, scored, first.cursor, instance=instance)
     assert isinstance(again, SensorResult)
     assert {r.run_key for r in again.run_requests} == {r.run_key for r in first.run_requests}
-    assert again.cursor == first.cursor
+    assert _watermark_of(again) >= _watermark_of(first)
 
     _run(scored, assets, instance, DAYS[:1], selection=["predictions"])
     after = _tick(sensor, scored, first.cursor, instance=instance)
@@ -419,6 +421,52 @@ def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
     assert after[next_record][1] != before[next_record][1]
     assert after[next_record][0] != before[next_record][0]
     engine.dispose()
+
+
+def _watermark_of(result: SensorResult) -> datetime:
+    return datetime.fromisoformat(json.loads(result.cursor or "{}")["watermark"])
+
+
+def test_a_correction_scored_in_the_run_that_ingested_it_reruns_the_later_days_it_is_history_of(
+    scored: str, assets: list, instance: DagsterInstance
+) -> None:
+    """A daily_scoring re-ingest (as fixed_rejects_sensor launches it) stores the corrected day-1
+    record and scores day 1 at once: its own contents have a batch answer, but day 2, scored
+    before, read the old one as history. Day 2 alone is rerun; once rerun, nothing is."""
+    sensor = _sensors()["late_records_sensor"]
+    quiet = _tick(sensor, scored, instance=instance)
+    assert isinstance(quiet, SensorResult)
+    assert not quiet.run_requests
+    first_day, second_day = (
+        generate_day(date.fromisoformat(day), DemoConfig(seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.02))
+        .filter(pl.col("poison_kind").is_null())
+        .sort("event_time")
+        for day in DAYS
+    )
+    returning = first_day.filter(pl.col("account_id").is_in(second_day["account_id"].implode()))
+    engine = make_engine(scored)
+    with engine.begin() as conn:
+        upsert_records(
+            REFERENCE,
+            conn,
+            validate(
+                REFERENCE, returning.group_by("account_id").last().head(1).with_columns(amount=pl.col("amount") * 3)
+            ),
+            date.fromisoformat(DAYS[0]),
+        )
+    engine.dispose()
+    _run(scored, assets, instance, DAYS[:1], selection=["predictions"])
+
+    after_ingest = _tick(sensor, scored, quiet.cursor, instance=instance)
+    assert isinstance(after_ingest, SensorResult)
+    assert [r.partition_key for r in after_ingest.run_requests] == [DAYS[1]]
+
+    _run(scored, assets, instance, DAYS[1:], selection=["predictions"])
+    rerun = _tick(sensor, scored, after_ingest.cursor, instance=instance)
+    assert isinstance(rerun, SensorResult)
+    assert not rerun.run_requests
+    # A tick that found nothing still moves on, so what it judged is not read again for ever.
+    assert _watermark_of(rerun) > _watermark_of(after_ingest)
 
 
 def test_the_observer_reports_the_challenger_slot_when_it_moves(tmp_path: Path) -> None:
