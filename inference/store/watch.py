@@ -129,62 +129,69 @@ def _changes(rt: RecordTable, changed_after: datetime | None) -> sa.CTE:
 
 def _entities_timeline(rt: RecordTable, changed: sa.CTE) -> sa.CTE:
     """The affected entities' records in history order: valid ones (what features read) and the
-    changed ones themselves, numbered per entity."""
+    changed ones themselves (to place them), each with `valid_upto`, the entity's valid records up
+    to and including it: the next K valid records after a place are those numbered past it."""
     assert rt.entity is not None
     t = rt.c
     entity, record_id = t[rt.entity], t[rt.id]
+    valid = t.reject_reason.is_(None)
     return (
         sa.select(
             record_id.label("record_id"),
             entity.label("entity"),
             t.partition_date,
             t.event_ts,
-            sa.func.row_number()
+            sa.case((valid, 1), else_=0).label("valid"),
+            sa.func.sum(sa.case((valid, 1), else_=0))
             .over(partition_by=entity, order_by=(t.event_ts, ByteOrder(record_id)))
-            .label("position"),
+            .label("valid_upto"),
         )
         .where(
             sa.or_(
                 entity.in_(sa.select(changed.c.entity)),
                 entity.in_(sa.select(changed.c.previous_entity).where(changed.c.previous_entity.is_not(None))),
             ),
-            sa.or_(t.reject_reason.is_(None), record_id.in_(sa.select(changed.c.record_id))),
+            sa.or_(valid, record_id.in_(sa.select(changed.c.record_id))),
         )
         .cte("timeline")
     )
 
 
 def _followers_of_new_place(changed: sa.CTE, timeline: sa.CTE, history_length: int) -> sa.Select[Any]:
-    """Partitions of the `history_length` records after each changed one, with the change's time."""
+    """Partitions of the `history_length` valid records after each changed record that is valid
+    (an invalid one is no history where it stands; where it stood is `_followers_of_old_place`'s),
+    with the change's time."""
     at, later = timeline.alias("at_change"), timeline.alias("later")
     return (
         sa.select(later.c.partition_date, changed.c.ingested_at, changed.c.unanswered)
         .select_from(changed)
-        .join(at, at.c.record_id == changed.c.record_id)
+        .join(at, sa.and_(at.c.record_id == changed.c.record_id, at.c.valid == 1))
         .join(
             later,
             sa.and_(
                 later.c.entity == at.c.entity,
-                later.c.position > at.c.position,
-                later.c.position <= at.c.position + history_length,
+                later.c.valid == 1,
+                later.c.valid_upto > at.c.valid_upto,
+                later.c.valid_upto <= at.c.valid_upto + history_length,
             ),
         )
     )
 
 
 def _followers_of_old_place(changed: sa.CTE, timeline: sa.CTE, history_length: int) -> sa.Select[Any]:
-    """Where a moved record stood: the first record after its old place, and the K from there on
-    (one more than K where it moved later within the entity, its new place among them)."""
+    """Where a moved record stood: the first valid record after its old place, and the K from
+    there on (one more than K where it moved later within the entity, its new place among them)."""
     after = timeline.alias("after_old")
     old_place = (
         sa.select(
-            after.c.entity, changed.c.ingested_at, changed.c.unanswered, sa.func.min(after.c.position).label("first")
+            after.c.entity, changed.c.ingested_at, changed.c.unanswered, sa.func.min(after.c.valid_upto).label("first")
         )
         .select_from(changed)
         .join(
             after,
             sa.and_(
                 after.c.entity == changed.c.previous_entity,
+                after.c.valid == 1,
                 after.c.record_id != changed.c.record_id,
                 sa.or_(
                     after.c.event_ts > changed.c.previous_event_ts,
@@ -206,8 +213,9 @@ def _followers_of_old_place(changed: sa.CTE, timeline: sa.CTE, history_length: i
             followers,
             sa.and_(
                 followers.c.entity == old_place.c.entity,
-                followers.c.position >= old_place.c.first,
-                followers.c.position <= old_place.c.first + history_length,
+                followers.c.valid == 1,
+                followers.c.valid_upto >= old_place.c.first,
+                followers.c.valid_upto <= old_place.c.first + history_length,
             ),
         )
     )

@@ -616,3 +616,25 @@ def test_a_correction_that_moves_a_record_reschedules_the_records_that_followed_
     with engine.connect() as conn:
         stale = stale_scored_partitions(REFERENCE, conn, changed_after=before, history_length=HISTORY)
     assert [change.partition_key for change in stale] == [DAY.isoformat(), later.isoformat()]
+
+
+def test_an_invalid_record_is_no_follower_of_a_change(engine: Engine) -> None:
+    """An invalid record is nobody's history and is quarantined whatever its history, so a change
+    before it in its account does not make its day stale. Placed among the followers (it was
+    ingested in the same interval), it made a late day's first ingest rescore a scored later day."""
+    later, last = DAY + timedelta(days=1), DAY + timedelta(days=2)
+    before = utc_now()
+    invalid = record(transaction_id="invalid", account_id="acct", amount=-1.0, event_time=f"{later}T10:00:00Z")
+    scored = record(transaction_id="scored", account_id="c", event_time=f"{later}T09:00:00Z")
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [invalid, scored]), later)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [record(transaction_id="other", account_id="b")]), last)
+    for day in (later, last):
+        score_day(engine, day, untrained_predictor(forward_batch_size=1), run_id=f"run-{day}")
+
+    late = record(transaction_id="late", account_id="acct", event_time=f"{DAY}T10:00:00Z")
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [late]), DAY)
+
+    with engine.connect() as conn:
+        stale = stale_scored_partitions(REFERENCE, conn, changed_after=before, history_length=HISTORY)
+    # `later` is still judged by when it was scored (it holds a change), never stale outright.
+    assert [change.partition_key for change in stale if change.unanswered] == []
