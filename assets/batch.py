@@ -195,6 +195,11 @@ def ingest_records(
         raise Failure(description=str(error), allow_retries=False) from error
     with retry_only_transient_errors():
         report = ingest_day(database.spec, database.engine, read.frame, day, run_id=context.run.run_id)
+    if report.rows_withdrawn:
+        context.log.warning(
+            f"{report.rows_withdrawn} stored records of {day} are not in this send, or were refused at ingest: "
+            "withdrawn, with their batch answers (docs/data.md, 'A re-sent day')"
+        )
     return MaterializeResult(
         data_version=content_version(database.spec, read.frame),
         metadata={
@@ -202,6 +207,8 @@ def ingest_records(
             "rows_received": report.rows_received,
             "rows_stored": report.rows_stored,
             "rows_new_or_changed": report.rows_changed,
+            # Stored from an earlier send of the day, no longer in this one: deleted (docs/data.md).
+            "rows_withdrawn": report.rows_withdrawn,
             "rejected_at_ingest": report.rejected_at_ingest,
             # Rows whose outcome is known (label 0 or 1): the examples training can learn from.
             **({"rows_labelled": report.rows_labelled} if report.rows_labelled is not None else {}),

@@ -47,6 +47,7 @@ from inference.store import (
     upsert_predictions,
     upsert_records,
     utc_now,
+    withdraw_unsent_records,
 )
 
 
@@ -71,6 +72,8 @@ class IngestReport:
     rejected_at_ingest: int
     # Stored rows whose outcome is known (0 or 1); None: the spec or the day has no label column.
     rows_labelled: int | None = None
+    # Records stored from an earlier send of the day that this one no longer holds.
+    rows_withdrawn: int = 0
 
 
 def ingest_day(
@@ -105,6 +108,17 @@ def ingest_day(
     storable, rejected = checked.drop(as_received).filter(~unstorable), checked.filter(unstorable)
     started = utc_now()
     with engine.begin() as conn:
+        # The day's source is what the day holds: a stored record it no longer sends, or sends as
+        # a row refused here, leaves the store (docs/data.md, "A re-sent day"). Asked before the
+        # upsert, a day's first ingest finds nothing stored and reads no ids back.
+        withdrawn = withdraw_unsent_records(
+            ls,
+            conn,
+            partition_date=day,
+            kept=storable[id_name],
+            refused=rejected[id_name].drop_nulls(),
+            run_id=run_id,
+        )
         changed = upsert_records(ls, conn, storable, day)
         # An id another day holds is not this day's record: stored, it vanished (the same content,
         # a no-op) or moved the record out of its day (other content), without a word. The upsert
@@ -135,7 +149,7 @@ def ingest_day(
         resolve_unsent_ingest_rejections(conn, partition_key=key, before=started)
     label = ls.label.name if ls.label is not None and ls.label.name in storable.columns else None
     labelled = None if label is None else storable.height - storable[label].null_count()
-    return IngestReport(frame.height, storable.height, changed, rejected.height, labelled)
+    return IngestReport(frame.height, storable.height, changed, rejected.height, labelled, withdrawn)
 
 
 @dataclass(frozen=True)

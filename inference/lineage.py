@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 
 from inference.agreement import cause_of
 from inference.spec import LoadedSpec
-from inference.store import ResultPath, challenger_lineage_rows, lineage_rows, rejection_rows
+from inference.store import ResultPath, challenger_lineage_rows, lineage_rows, rejection_rows, withdrawal_row
 
 # `tandem demo` scores a day outside Dagster: its run ids carry this prefix and have no page in its UI.
 CLI_RUN_PREFIX = "cli-"
@@ -66,6 +66,17 @@ class RejectionLineage:
 
 
 @dataclass(frozen=True)
+class WithdrawalLineage:
+    """A re-sent day no longer held the record: its stored contents and batch answers were deleted."""
+
+    partition_key: str
+    reason: str  # an inference.store.WithdrawalReason: not_resent | refused_at_ingest
+    withdrawn_at: str
+    run_id: str | None
+    dagster_run_url: str | None
+
+
+@dataclass(frozen=True)
 class RecordLineage:
     record_id: str
     source_found: bool
@@ -76,6 +87,7 @@ class RecordLineage:
     challenger_results: list[ResultLineage]
     # Every quarantine of this id, oldest first: a record refused before it was stored has only these.
     rejections: list[RejectionLineage] = field(default_factory=list)
+    withdrawn: WithdrawalLineage | None = None
 
     @property
     def current(self) -> ResultLineage | None:
@@ -83,8 +95,8 @@ class RecordLineage:
 
     @property
     def found(self) -> bool:
-        """Anything known of the id: a stored record, an answer, or a rejection."""
-        return self.source_found or bool(self.results) or bool(self.rejections)
+        """Anything known of the id: a stored record, an answer, a rejection or its withdrawal."""
+        return self.source_found or bool(self.results) or bool(self.rejections) or self.withdrawn is not None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +126,7 @@ def explain(
         source, rows = lineage_rows(ls, conn, record_id)
         challenger_rows = challenger_lineage_rows(conn, record_id)
         rejected = rejection_rows(conn, record_id)
+        withdrawal = withdrawal_row(conn, record_id)
     current_hash = source["input_hash"] if source else None
     current = _current_index(rows, current_hash, production_version)
     batch_rows = [row for row in rows if row["path"] == ResultPath.BATCH.value]
@@ -138,6 +151,7 @@ def explain(
             _result(row, current_hash, dagster_ui_url, current=False, paired=None) for row in challenger_rows
         ],
         rejections=[_rejection(row, dagster_ui_url) for row in rejected],
+        withdrawn=_withdrawal(withdrawal, dagster_ui_url) if withdrawal else None,
     )
 
 
@@ -155,6 +169,16 @@ def _run_url(dagster_ui_url: str, run_id: str | None) -> str | None:
     if not run_id or run_id.startswith(CLI_RUN_PREFIX):
         return None
     return f"{dagster_ui_url.rstrip('/')}/runs/{run_id}"
+
+
+def _withdrawal(row: dict[str, Any], dagster_ui_url: str) -> WithdrawalLineage:
+    return WithdrawalLineage(
+        partition_key=str(row["partition_date"]),
+        reason=row["reason"],
+        withdrawn_at=str(row["withdrawn_at"]),
+        run_id=row["run_id"],
+        dagster_run_url=_run_url(dagster_ui_url, row["run_id"]),
+    )
 
 
 def _rejection(row: dict[str, Any], dagster_ui_url: str) -> RejectionLineage:

@@ -152,7 +152,8 @@ def _lineage_path(spec: LoadedSpec, components: _Components, guarded: dict[str, 
         "get": {
             "summary": f"Why does this {record} have this score",
             "description": f"Every stored answer of one {record} (path, producer, model and code version, input "
-            "and history hashes, which is current) and every time it was rejected, where and why.",
+            "and history hashes, which is current), every time it was rejected, where and why, and the re-sent "
+            "day that withdrew it, if one did.",
             "parameters": [
                 {
                     "name": spec.id.name,
@@ -165,7 +166,7 @@ def _lineage_path(spec: LoadedSpec, components: _Components, guarded: dict[str, 
             "responses": {
                 "200": error(RecordLineage, "The source record's state, every answer and every rejection."),
                 "401": error(ErrorBody, "A token is configured and the request lacks it.", UNAUTHORIZED),
-                "404": error(ErrorBody, "No record, answer or rejection for this id."),
+                "404": error(ErrorBody, "No record, answer, rejection or withdrawal for this id."),
                 "422": error(ErrorBody, f"Not a possible {record} id."),
                 "503": error(ErrorBody, "The result store is unreachable.", RETRY_AFTER),
             },

@@ -31,6 +31,7 @@ from inference.spec import (
     role_of,
 )
 from inference.store import (
+    WithdrawalReason,
     latest_challenger_report,
     make_engine,
     mark_rejections_fixed,
@@ -159,6 +160,12 @@ def _engine(url: str) -> Engine:
     return engine
 
 
+_WITHDRAWN_BECAUSE = {
+    WithdrawalReason.NOT_RESENT.value: "the re-sent day no longer holds it (its batch answers went with it)",
+    WithdrawalReason.REFUSED_AT_INGEST.value: "the re-sent day sent it as a row refused at ingest (below)",
+}
+
+
 def _print_lineage(settings: TandemSettings, record_id: str, *, as_json: bool) -> int:
     ls = configured_spec()
     engine = _existing_store(settings, ls)
@@ -177,6 +184,14 @@ def _print_lineage(settings: TandemSettings, record_id: str, *, as_json: bool) -
         return 1
     if report.source_found:
         _say(f"{record_id}: partition {report.partition_date}, current input hash {report.current_input_hash}")
+    elif report.withdrawn is not None:
+        withdrawn = report.withdrawn
+        _say(
+            f"{record_id}: withdrawn from partition {withdrawn.partition_key} at {withdrawn.withdrawn_at}: "
+            f"{_WITHDRAWN_BECAUSE.get(withdrawn.reason, withdrawn.reason)}"
+        )
+        if withdrawn.dagster_run_url:
+            _say(f"  run: {withdrawn.dagster_run_url}")
     else:
         _say(f"{record_id}: no stored record")
     for rejection in report.rejections:

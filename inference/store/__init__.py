@@ -2,20 +2,21 @@
 
 This package is the only place that speaks SQL on Tandem's tables (the spec's record table,
 `predictions`, `rejected_records`, `idempotency_keys`, `challenger_predictions`,
-`challenger_reports`, `tandem_spec`); the service's local outbox file (serving/outbox.py) is the
-one exception, and it is not one of these tables. All statements are built with SQLAlchemy
-(parameterised). Writes are idempotent upserts keyed by the data contract's keys, never blind
-appends, so a retried or replayed write changes nothing.
+`challenger_reports`, `tandem_spec`, `withdrawn_records`); the service's local outbox file
+(serving/outbox.py) is the one exception, and it is not one of these tables. All statements are
+built with SQLAlchemy (parameterised). Writes are idempotent upserts keyed by the data contract's
+keys, never blind appends, so a retried or replayed write changes nothing.
 
 Modules, by concern: `schema` (core tables, enums, row schemas), `record_table` (the spec's record
 table, generated), `engine` (engines, the clock, which errors are transient), `merge` (the upsert
 machinery), `source_rows` (the record table: source rows and history), `answers` (`predictions`:
-the row builder, upserts, reads of answers), `rejections` (quarantine and its resolution),
-`checks` (what the batch asset checks read back), `watch` (what the sensors watch),
-`idempotency` (idempotency keys), `challenger` (a challenger's answers and the reports that gate
-its promotion). Every function that reads or writes the record table takes the spec first. Import
-from the package: `from inference.store import X`. No module is named after a table, so
-`inference.store.predictions` stays the table even after a submodule import.
+the row builder, upserts, reads of answers), `rejections` (quarantine and its resolution), `checks`
+(what the batch asset checks read back), `watch` (what the sensors watch), `withdrawals` (records a
+re-sent day no longer holds), `idempotency` (idempotency keys), `challenger` (a challenger's
+answers and the reports that gate its promotion). Every function that reads or writes the record
+table takes the spec first. Import from the package: `from inference.store import X`. No module is
+named after a table, so `inference.store.predictions` stays the table even after a submodule
+import.
 """
 
 from inference.store.answers import (
@@ -83,6 +84,7 @@ from inference.store.schema import (
     predictions,
     rejected_records,
     tandem_spec,
+    withdrawn_records,
 )
 from inference.store.source_rows import (
     StoreHistory,
@@ -102,6 +104,12 @@ from inference.store.watch import (
     fixed_rejection_partitions,
     online_activity,
     stale_scored_partitions,
+)
+from inference.store.withdrawals import (
+    WithdrawalReason,
+    WithdrawalRefused,
+    withdraw_unsent_records,
+    withdrawal_row,
 )
 
 __all__ = [
@@ -127,6 +135,8 @@ __all__ = [
     "ResultPath",
     "StoreHistory",
     "StoredReport",
+    "WithdrawalReason",
+    "WithdrawalRefused",
     "answer_key_expr",
     "answer_pairs",
     "batch_scores",
@@ -185,4 +195,7 @@ __all__ = [
     "utc_now",
     "valid_rows_between",
     "warm_history_statements",
+    "withdraw_unsent_records",
+    "withdrawal_row",
+    "withdrawn_records",
 ]

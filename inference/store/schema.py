@@ -169,6 +169,22 @@ rejected_records = sa.Table(
     sa.Index("ix_rejected_records_partition", "partition_key", "stage"),
 )
 
+# Records a re-sent day no longer holds: deleted from the record table (no longer history, no
+# longer scored), kept here so that the records that read them as history are rescored too.
+withdrawn_records = sa.Table(
+    "withdrawn_records",
+    metadata,
+    sa.Column("record_id", sa.Text, primary_key=True),
+    sa.Column("partition_date", sa.Date, nullable=False, comment="the day that held it"),
+    sa.Column("entity", sa.Text, nullable=True, comment="its entity, where it stood in history; null without one"),
+    sa.Column("event_ts", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("reason", sa.Text, nullable=False, comment="not_resent | refused_at_ingest"),
+    sa.Column("run_id", sa.Text, nullable=True, comment="the ingest that withdrew it"),
+    sa.Column("withdrawn_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("ix_withdrawn_records_withdrawn_at", "withdrawn_at"),
+    sa.Index("ix_withdrawn_records_partition_date", "partition_date"),
+)
+
 # The spec a database belongs to: one row, written when its record table is created, so a process
 # configured with another spec is refused instead of writing its records beside this one's.
 tandem_spec = sa.Table(

@@ -22,6 +22,7 @@ from inference.store.schema import (
     challenger_predictions,
     predictions,
     rejected_records,
+    withdrawn_records,
 )
 
 
@@ -54,6 +55,9 @@ def stale_scored_partitions(
     newest day's own ingest-and-score run leaves nothing to judge), for the caller to compare with
     when each was last scored. Those are judged only after a first tick (`changed_after` set): on
     a first one they would be every stored record.
+
+    A record a re-sent day withdrew (`withdrawn_records`) is an unanswered change placed nowhere:
+    its own partition, and the entity's records after where it stood, as below.
 
     A correction that moved the record (another entity, another event time) also makes stale the
     entity's next `history_length` valid records after its old position (`previous_{entity}`,
@@ -124,7 +128,23 @@ def _changes(rt: RecordTable, changed_after: datetime | None) -> sa.CTE:
             t[rt.previous_entity].label("previous_entity"),
             t.previous_event_ts,
         ]
-    return sa.select(*columns).where(*where).cte("changed")
+    return sa.union_all(sa.select(*columns).where(*where), _withdrawals(rt, changed_after)).cte("changed")
+
+
+def _withdrawals(rt: RecordTable, withdrawn_after: datetime | None) -> sa.Select[Any]:
+    """Records a re-sent day withdrew, as changes: stale for certain (their batch answers went with
+    them), placed nowhere now, their old place where they stood (`watch` reads it as a move's)."""
+    w = withdrawn_records.c
+    columns: list[sa.ColumnElement[Any]] = [
+        w.record_id,
+        w.partition_date,
+        w.withdrawn_at,
+        sa.literal(1),
+    ]
+    if rt.entity is not None and rt.previous_entity is not None:
+        columns += [sa.cast(sa.null(), sa.Text), w.entity, w.event_ts]
+    where = [w.withdrawn_at > withdrawn_after] if withdrawn_after is not None else []
+    return sa.select(*columns).where(*where)
 
 
 def _entities_timeline(rt: RecordTable, changed: sa.CTE) -> sa.CTE:

@@ -438,10 +438,10 @@ def test_a_record_refused_again_is_open_again(engine: Engine) -> None:
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)
 
-    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [good]), DAY)
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [record(), good]), DAY)
     score_day(engine, DAY, run_id="corrected")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", True, "superseded")]
-    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [bad]), DAY)  # the old version re-sent
+    ingest_day(REFERENCE, engine, raw_frame(REFERENCE, [record(), bad]), DAY)  # the old version re-sent
     score_day(engine, DAY, run_id="bad-again")
     assert open_rejections(engine, DAY) == [("tx-2", "bad_currency", False, None)]
     assert accounted_for(engine, DAY, "risk:untrained") == (2, 1, 1)

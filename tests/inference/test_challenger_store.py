@@ -77,7 +77,7 @@ def ingest_two_days(engine: Engine) -> dict[date, pl.DataFrame]:
 
 def test_the_migrated_schema_has_the_challenger_tables_at_head(engine: Engine) -> None:
     assert schema_diffs(engine) == []
-    assert current_revision(engine) == ScriptDirectory.from_config(alembic_config()).get_current_head() == "0008"
+    assert current_revision(engine) == ScriptDirectory.from_config(alembic_config()).get_current_head() == "0009"
     assert {"challenger_predictions", "challenger_reports"} <= set(sa.inspect(engine).get_table_names())
     assert [c.name for c in challenger_predictions.columns] == [c.name for c in predictions.columns]
     assert "challenger_reports" in metadata.tables
@@ -94,7 +94,7 @@ def test_upgrade_from_0005_adds_the_challenger_tables_and_keeps_the_answers(data
         with migrated.begin() as conn:
             conn.execute(old.insert().values(answer_key="", transaction_id=row.pop("record_id"), **row))
         upgrade(migrated, REFERENCE)
-        assert current_revision(migrated) == "0008"  # 0006, 0007, then record_id
+        assert current_revision(migrated) == "0009"  # 0006, 0007, record_id, then withdrawn_records
         assert schema_diffs(migrated) == []
         assert count(migrated, predictions) == 1
         assert count(migrated, challenger_predictions) == 0

@@ -317,3 +317,27 @@ def test_the_cli_names_a_rejections_reason_once(
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "REJECTED" in line]
     assert line.endswith(": amount_not_finite: amount=inf"), line
     assert line.count("amount_not_finite") == 1, line
+
+
+def test_the_cli_says_a_withdrawn_record_left_its_day_and_why(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A record the re-sent day no longer holds has no stored record: the CLI says where it went."""
+    ingest_day(REFERENCE, engine, frame_of(record(transaction_id=TX), record(transaction_id="tx-other")), DAY)
+    ingest_day(REFERENCE, engine, frame_of(record(transaction_id="tx-other")), DAY, run_id="run-resent")
+    monkeypatch.setenv("DATABASE_URL", engine.url.render_as_string(hide_password=False))
+    monkeypatch.setenv("TANDEM_DAGSTER_UI_URL", "http://ui")
+
+    assert cli.main(["lineage", TX]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{TX}: withdrawn from partition {DAY.isoformat()} at ")
+    assert lines[0].endswith("the re-sent day no longer holds it (its batch answers went with it)")
+    assert lines[1] == "  run: http://ui/runs/run-resent"
+
+    assert cli.main(["lineage", TX, "--json"]) == 0
+    withdrawn = json.loads(capsys.readouterr().out)["withdrawn"]
+    assert (withdrawn["partition_key"], withdrawn["reason"], withdrawn["run_id"]) == (
+        DAY.isoformat(),
+        "not_resent",
+        "run-resent",
+    )

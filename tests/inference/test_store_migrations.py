@@ -227,6 +227,9 @@ def test_migration_0008_renames_the_ids_keeps_the_rows_and_drops_an_empty_record
         names = set(sa.inspect(engine).get_table_names())
         assert "transactions" not in names, "a fresh database gets its record table from its spec"
         assert "tandem_spec" in names
+        upgrade_core(engine, "0009")  # withdrawn_records: a new table, the rows untouched
+        assert "withdrawn_records" in set(sa.inspect(engine).get_table_names())
+        assert _keyed_ids(engine, "record_id")["predictions"] == ["tx-kept"]
         assert schema_diffs(engine) == []
 
         _downgrade(engine, "0007")
@@ -234,6 +237,7 @@ def test_migration_0008_renames_the_ids_keeps_the_rows_and_drops_an_empty_record
         assert _keyed_ids(engine, "transaction_id")["rejected_records"] == ["tx-refused"]
         names = set(sa.inspect(engine).get_table_names())
         assert "tandem_spec" not in names and "transactions" in names
+        assert "withdrawn_records" not in names
         indexes = {index["name"] for index in sa.inspect(engine).get_indexes("transactions")}
         assert "ix_transactions_account_event" in indexes, "transactions as 0007 left it"
     finally:

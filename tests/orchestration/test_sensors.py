@@ -28,6 +28,7 @@ from dagster import (
 
 from assets.model import NO_CHALLENGER
 from assets.resources import DatabaseResource, ModelStoreResource
+from inference.batch import ingest_day
 from inference.migrate import upgrade
 from inference.records import EVENT_TS_DTYPE, validate
 from inference.store import (
@@ -467,6 +468,31 @@ def test_a_correction_scored_in_the_run_that_ingested_it_reruns_the_later_days_i
     assert not rerun.run_requests
     # A tick that found nothing still moves on, so what it judged is not read again for ever.
     assert _watermark_of(rerun) > _watermark_of(after_ingest)
+
+
+def test_a_record_a_re_sent_day_no_longer_holds_reruns_its_day_and_the_days_it_is_history_of(
+    scored: str, instance: DagsterInstance
+) -> None:
+    """The corrected file of day 1 lacks a record an account's day-2 records read as history: it
+    leaves the store, and both days are rerun (day 2's features no longer read it)."""
+    sensor = _sensors()["late_records_sensor"]
+    quiet = _tick(sensor, scored, instance=instance)
+    assert isinstance(quiet, SensorResult)
+    config = DemoConfig(seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.02)
+    first_day, second_day = (generate_day(date.fromisoformat(day), config) for day in DAYS)
+    clean = first_day.filter(pl.col("poison_kind").is_null()).sort("event_time")
+    returning = clean.filter(pl.col("account_id").is_in(second_day["account_id"].implode()))
+    dropped = returning.group_by("account_id").last().head(1)["transaction_id"][0]
+    engine = make_engine(scored)
+    report = ingest_day(
+        REFERENCE, engine, first_day.filter(pl.col("transaction_id") != dropped), date.fromisoformat(DAYS[0])
+    )
+    engine.dispose()
+    assert report.rows_withdrawn == 1
+
+    result = _tick(sensor, scored, quiet.cursor, instance=instance)
+    assert isinstance(result, SensorResult)
+    assert sorted(r.partition_key for r in result.run_requests) == list(DAYS)
 
 
 def test_the_observer_reports_the_challenger_slot_when_it_moves(tmp_path: Path) -> None:
