@@ -128,7 +128,9 @@ def explain(
         rejected = rejection_rows(conn, record_id)
         withdrawal = withdrawal_row(conn, record_id)
     current_hash = source["input_hash"] if source else None
-    current = _current_index(rows, current_hash, production_version)
+    # A withdrawn record's answers stay as what was said; none stands for a record no day holds.
+    withdrawn = source is None and withdrawal is not None
+    current = None if withdrawn else _current_index(rows, current_hash, production_version)
     batch_rows = [row for row in rows if row["path"] == ResultPath.BATCH.value]
     batch_by_version = {row["model_version"]: row for row in batch_rows}
     results = []

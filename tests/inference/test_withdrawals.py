@@ -110,6 +110,7 @@ def test_a_record_missing_from_the_re_sent_day_leaves_the_store_and_its_follower
     assert (lineage.withdrawn.partition_key, lineage.withdrawn.reason) == (DAY.isoformat(), "not_resent")
     assert lineage.withdrawn.dagster_run_url == "http://dagster/runs/run-ingest"
     assert [result.path for result in lineage.results] == ["online"]
+    assert lineage.current is None  # what the caller was told, standing for nothing now
     with engine.connect() as conn:
         stale = stale_scored_partitions(REFERENCE, conn, changed_after=before, history_length=HISTORY)
     assert [change.partition_key for change in stale] == [DAY.isoformat(), LATER.isoformat()]
