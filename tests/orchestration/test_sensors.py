@@ -373,21 +373,26 @@ def test_an_online_result_committed_after_a_later_one_is_observed_once(tmp_path:
     engine.dispose()
 
 
-def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
-    scored: str, assets: list, instance: DagsterInstance
-) -> None:
-    """A corrected record on day 1 is history for its account's next records on day 2: those
-    scores are stale too, so both partitions are rerun, and day 2's rows are rewritten."""
-    engine = make_engine(scored)
+def _history_of_day_two() -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The last clean day-1 record of an account that comes back on day 2 (so day 2 reads it as
+    history), and day 2's clean records."""
     first_day, second_day = (
         generate_day(date.fromisoformat(day), DemoConfig(seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.02))
         .filter(pl.col("poison_kind").is_null())
         .sort("event_time")
         for day in DAYS
     )
-    # The last day-1 record of an account that comes back on day 2, so day 2 reads it as history.
     returning = first_day.filter(pl.col("account_id").is_in(second_day["account_id"].implode()))
-    corrected = returning.group_by("account_id").last().head(1)
+    return returning.group_by("account_id").last().head(1), second_day
+
+
+def test_a_correction_also_reruns_the_partitions_whose_history_it_is(
+    scored: str, assets: list, instance: DagsterInstance
+) -> None:
+    """A corrected record on day 1 is history for its account's next records on day 2: those
+    scores are stale too, so both partitions are rerun, and day 2's rows are rewritten."""
+    engine = make_engine(scored)
+    corrected, second_day = _history_of_day_two()
     account = corrected["account_id"][0]
     with engine.begin() as conn:
         upsert_records(
@@ -438,21 +443,13 @@ def test_a_correction_scored_in_the_run_that_ingested_it_reruns_the_later_days_i
     quiet = _tick(sensor, scored, instance=instance)
     assert isinstance(quiet, SensorResult)
     assert not quiet.run_requests
-    first_day, second_day = (
-        generate_day(date.fromisoformat(day), DemoConfig(seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.02))
-        .filter(pl.col("poison_kind").is_null())
-        .sort("event_time")
-        for day in DAYS
-    )
-    returning = first_day.filter(pl.col("account_id").is_in(second_day["account_id"].implode()))
+    history, _ = _history_of_day_two()
     engine = make_engine(scored)
     with engine.begin() as conn:
         upsert_records(
             REFERENCE,
             conn,
-            validate(
-                REFERENCE, returning.group_by("account_id").last().head(1).with_columns(amount=pl.col("amount") * 3)
-            ),
+            validate(REFERENCE, history.with_columns(amount=pl.col("amount") * 3)),
             date.fromisoformat(DAYS[0]),
         )
     engine.dispose()
@@ -478,11 +475,11 @@ def test_a_record_a_re_sent_day_no_longer_holds_reruns_its_day_and_the_days_it_i
     sensor = _sensors()["late_records_sensor"]
     quiet = _tick(sensor, scored, instance=instance)
     assert isinstance(quiet, SensorResult)
-    config = DemoConfig(seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.02)
-    first_day, second_day = (generate_day(date.fromisoformat(day), config) for day in DAYS)
-    clean = first_day.filter(pl.col("poison_kind").is_null()).sort("event_time")
-    returning = clean.filter(pl.col("account_id").is_in(second_day["account_id"].implode()))
-    dropped = returning.group_by("account_id").last().head(1)["transaction_id"][0]
+    history, _ = _history_of_day_two()
+    first_day = generate_day(
+        date.fromisoformat(DAYS[0]), DemoConfig(seed=DEMO_SEED, rows_per_day=ROWS, poison_rate=0.02)
+    )
+    dropped = history["transaction_id"][0]
     engine = make_engine(scored)
     report = ingest_day(
         REFERENCE, engine, first_day.filter(pl.col("transaction_id") != dropped), date.fromisoformat(DAYS[0])
