@@ -225,7 +225,8 @@ def resolve_rescored_rejections(conn: Connection, *, partition_key: str, record_
     """Mark a partition's open scoring rejections resolved for records a production run has just
     scored: a model that refused a record (a non-finite score) is replaced by one that scores it,
     or a correction is scored, and the record's answer is now its score. Left open, the record
-    counted as scored AND rejected (scored + rejected > input) and kept the reject rate up."""
+    counted as scored AND rejected (scored + rejected > input) and kept the reject rate up. A
+    record a re-sent day withdrew (`withdrawals`) has its rejections ended the same way."""
     r = rejected_records.c
     resolved = 0
     for chunk in _chunks(record_ids, 1000):

@@ -19,13 +19,11 @@ from inference.spec import LoadedSpec
 from inference.store.engine import utc_now
 from inference.store.merge import _merge
 from inference.store.record_table import record_table
-from inference.store.rejections import _superseded
+from inference.store.rejections import resolve_rescored_rejections
 from inference.store.schema import (
-    RejectStage,
     ResultPath,
     challenger_predictions,
     predictions,
-    rejected_records,
     withdrawn_records,
 )
 from inference.store.source_rows import _one_of
@@ -117,21 +115,10 @@ def _overwrite(excluded: Any) -> tuple[dict[str, Any], Any]:
 def _drop_answers_and_rejections(conn: Connection, record_ids: Sequence[str], *, partition_key: str) -> None:
     """Their batch answers (every model version, champion and challenger) go with them; their open
     scoring rejections are over (the quarantined input is no longer the day's)."""
-    r = rejected_records.c
     for table in (predictions, challenger_predictions):
         for wanted in _one_of(conn, table.c.record_id, record_ids):
             conn.execute(sa.delete(table).where(wanted, table.c.path == ResultPath.BATCH.value))
-    for wanted in _one_of(conn, r.record_id, record_ids):
-        conn.execute(
-            sa.update(rejected_records)
-            .where(
-                wanted,
-                r.partition_key == partition_key,
-                r.stage.in_([RejectStage.SCORE.value, RejectStage.WRITE.value]),
-                r.resolved.is_(False),
-            )
-            .values(**_superseded())
-        )
+    resolve_rescored_rejections(conn, partition_key=partition_key, record_ids=record_ids)
 
 
 def withdrawal_row(conn: Connection, record_id: str) -> dict[str, Any] | None:

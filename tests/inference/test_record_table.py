@@ -201,6 +201,24 @@ def test_a_spec_without_an_entity_runs_the_batch_path(database_url: str) -> None
         assert check_parity(DIABETES, engine, predictor, partition_key=DAY.isoformat(), sample_size=8).mismatched == []
         lineage = explain(DIABETES, engine, "p-3", dagster_ui_url="http://ui")
         assert lineage.current is not None and lineage.current.history_hash == "0" * 16
+
+        # The day re-sent without p-3 and the quarantined p-bad: both leave the store, p-bad's
+        # rejection is over, and the day (alone: no entity) is stale.
+        before = utc_now()
+        resent = frame.filter(~pl.col("patient_id").is_in(["p-3", "p-bad"]))
+        assert ingest_day(DIABETES, engine, resent, DAY).rows_withdrawn == 2
+        with engine.connect() as conn:
+            counts = partition_counts(
+                DIABETES, conn, partition_date=DAY, partition_key=DAY.isoformat(), model_version="diabetes:1"
+            )
+            stale = stale_scored_partitions(DIABETES, conn, changed_after=before, history_length=0)
+        assert (counts.input_rows, counts.scored, counts.rejected, counts.stale_answers) == (29, 29, 0, 0)
+        assert [(change.partition_key, change.unanswered) for change in stale] == [(DAY.isoformat(), True)]
+        withdrawn = explain(DIABETES, engine, "p-bad", dagster_ui_url="http://ui")
+        assert withdrawn.withdrawn is not None and withdrawn.withdrawn.reason == "not_resent"
+        assert [(r.reason, r.resolved, r.resolution) for r in withdrawn.rejections] == [
+            ("malformed_sex", True, "superseded")
+        ]
     finally:
         engine.dispose()
 
