@@ -1,7 +1,8 @@
 """The gate in front of `POST /score`, an ASGI middleware: it refuses what it can before BentoML
-sees the request, cheapest first (token, headers, admission before the body is read, body size and
-time, schema with the invalid items quarantined, item count, a dead scoring process). The admitted
-call rides in the ASGI scope's `state` (`call_in`); every refusal is a `Refused`.
+sees the request, cheapest first (token, headers and media type, admission before the body is
+read, body size and time, schema with the invalid items quarantined, item count, a dead scoring
+process). The admitted call rides in the ASGI scope's `state` (`call_in`); every refusal is a
+`Refused`.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class ScoreGate:
 
         state = scope.setdefault("state", {})
         state[CALL_STATE] = call
-        # BentoML picks its parser by Content-Type: a form type would send valid JSON to its multipart parser.
+        # BentoML picks its parser by Content-Type: the JSON the gate validated reaches it declared as such.
         scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"] + [
             (b"content-type", b"application/json")
         ]
@@ -186,6 +187,7 @@ class ScoreGate:
         refusal = self.edge.auth.check(request.headers.get("authorization"))
         if refusal is not None:
             raise refusal
+        _check_json_body(request.headers)
         settings = scorer.settings
         call = ScoreCall(
             request_id=request_id,
@@ -260,6 +262,27 @@ def _deadline_header(headers: Headers) -> float | None:
     if not math.isfinite(deadline_ms) or deadline_ms <= 0:
         raise Refused(400, "bad_header", f"{DEADLINE_HEADER} must be a positive number of ms")
     return deadline_ms
+
+
+def _check_json_body(headers: Headers) -> None:
+    """415 unless the body is declared JSON (or not declared) and uncompressed: a form or text type
+    is what a browser may send cross-site unasked, and a compressed body would read as bad JSON."""
+    media_type = (_one_header(headers, "content-type") or "").partition(";")[0].strip().lower()
+    if media_type and media_type != "application/json" and not _is_json_suffix(media_type):
+        raise Refused(415, "unsupported_media_type", f"the body must be JSON (application/json), not {media_type}")
+    coding = (_one_header(headers, "content-encoding") or "").strip().lower()
+    if coding not in ("", "identity"):
+        raise Refused(
+            415,
+            "unsupported_content_encoding",
+            f"the body must be sent uncompressed, not as {coding}",
+            headers={"Accept-Encoding": "identity"},
+        )
+
+
+def _is_json_suffix(media_type: str) -> bool:
+    """A structured syntax suffix (RFC 6839), e.g. application/vnd.acme+json."""
+    return media_type.startswith("application/") and media_type.endswith("+json")
 
 
 def _key_header(headers: Headers) -> str | None:

@@ -107,6 +107,11 @@ def _score_refusals(components: _Components, limits: Limits) -> dict[str, Any]:
             f"payload_too_large (a body over {limits.max_body_bytes:,} bytes) or too_many_{limits.plural} "
             f"(over {limits.max_records}).",
         ),
+        "415": error(
+            ErrorBody,
+            "unsupported_media_type: a body declared other than application/json (or a +json type); "
+            "unsupported_content_encoding: a compressed body (send it uncompressed).",
+        ),
         "422": error(
             ErrorBody,
             "invalid_request: schema-invalid input or malformed JSON, naming each field and reason (the invalid "

@@ -20,7 +20,7 @@ from serving.security import SecuritySettings
 from serving.settings import ServingSettings
 from tests.reference import REFERENCE
 
-EVERY_SCORE_ANSWER = {"200", "400", "401", "408", "409", "413", "422", "503", "504"}
+EVERY_SCORE_ANSWER = {"200", "400", "401", "408", "409", "413", "415", "422", "503", "504"}
 LIMITS = limits_of(REFERENCE, ServingSettings.model_construct(), SecuritySettings.model_construct())
 
 
