@@ -31,9 +31,14 @@ from bench.online import online_environment, sweep
 from bench.run import prepare_environment
 
 
-def _profile(service: RunningService, seconds: float, out: Path) -> list[subprocess.Popen[bytes]]:
+def _py_spy() -> str | None:
+    """py-spy beside this interpreter (the bench extra installs it) or on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def _profile(service: RunningService, seconds: float, out: Path, pyspy: str) -> list[subprocess.Popen[bytes]]:
     """py-spy records of the server and each child (the scoring process) while the load runs."""
-    pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     out.mkdir(parents=True, exist_ok=True)
     parent = psutil.Process(service.process.pid)
     return [
@@ -58,6 +63,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
+    pyspy = _py_spy()
+    if args.profile_rate and pyspy is None:
+        parser.error("--profile-rate needs py-spy: pip install -e '.[bench]'")
     stores = set(args.stores.split(","))
     bench = prepare_environment(rows_per_day=2000, days=3)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -83,8 +91,8 @@ def main() -> int:
             try:
                 body = fresh_bodies(bench.model_spec, good, spec.name)
                 results[spec.name] = sweep(service, rates, args.seconds, body)
-                if args.profile_rate and spec.name != do_nothing.name:
-                    recorders = _profile(service, args.seconds, args.out / spec.name)
+                if pyspy is not None and args.profile_rate and spec.name != do_nothing.name:
+                    recorders = _profile(service, args.seconds, args.out / spec.name, pyspy)
                     sweep(service, [args.profile_rate], args.seconds, body)
                     for recorder in recorders:
                         recorder.wait(timeout=60)
