@@ -269,13 +269,14 @@ def _check_json_body(headers: Headers) -> None:
     is what a browser may send cross-site unasked, and a compressed body would read as bad JSON."""
     media_type = (_one_header(headers, "content-type") or "").partition(";")[0].strip().lower()
     if media_type and media_type != "application/json" and not _is_json_suffix(media_type):
-        raise Refused(415, "unsupported_media_type", f"the body must be JSON (application/json), not {media_type}")
+        shown = media_type[:100]  # the client's own header, echoed only so far
+        raise Refused(415, "unsupported_media_type", f"the body must be JSON (application/json), not {shown}")
     coding = (_one_header(headers, "content-encoding") or "").strip().lower()
     if coding not in ("", "identity"):
         raise Refused(
             415,
             "unsupported_content_encoding",
-            f"the body must be sent uncompressed, not as {coding}",
+            f"the body must be sent uncompressed, not as {coding[:100]}",
             headers={"Accept-Encoding": "identity"},
         )
 
