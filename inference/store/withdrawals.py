@@ -122,7 +122,8 @@ def _drop_answers_and_rejections(conn: Connection, record_ids: Sequence[str], *,
 
 
 def withdrawal_row(conn: Connection, record_id: str) -> dict[str, Any] | None:
-    """The record's withdrawal, if a re-sent day withdrew it (and it was not stored again since)."""
+    """The record's latest withdrawal, if a re-sent day withdrew it and that day has not stored it
+    again since (a record another day stores later keeps it: lineage shows both)."""
     statement = sa.select(withdrawn_records).where(withdrawn_records.c.record_id == record_id)
     found = conn.execute(statement).mappings().first()
     return dict(found) if found else None
